@@ -1,0 +1,129 @@
+"""The partition commit protocol: objects first, `_manifest.json` last.
+
+A partition whose prefix has no manifest is not done, whatever objects it holds. The manifest is
+only written after one listing proves every object it names is in the store at its recorded size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from dflash_assets.core.store import ObjectInfo, ObjectStore
+
+MANIFEST_NAME = "_manifest.json"
+MANIFEST_FORMAT = "dflash-assets.manifest/1"
+
+# Asset name -> top-level prefix in the store (the layout in the README).
+ASSET_PREFIXES = {
+    "tokenized_completions": "tokenized-completions",
+    "hidden_state_partitions": "hidden-states",
+    "drafter_checkpoints": "checkpoints",
+}
+
+
+class ManifestError(RuntimeError):
+    """A partition's objects and its manifest disagree."""
+
+
+def partition_prefix(asset_name: str, partition_key: str) -> str:
+    try:
+        top = ASSET_PREFIXES[asset_name]
+    except KeyError:
+        raise ValueError(f"no store prefix is defined for asset {asset_name!r}") from None
+    return f"{top}/{partition_key}"
+
+
+def manifest_key(prefix: str) -> str:
+    return f"{prefix.rstrip('/')}/{MANIFEST_NAME}"
+
+
+def new_manifest(asset: str, partition: str, objects: dict[str, int], **fields: Any) -> dict[str, Any]:
+    return {
+        "format": MANIFEST_FORMAT,
+        "asset": asset,
+        "partition": partition,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "objects": dict(sorted(objects.items())),
+        **fields,
+    }
+
+
+def list_partition_objects(store: ObjectStore, prefix: str) -> dict[str, int]:
+    """Names (relative to the prefix) and sizes of everything under it except the manifest."""
+    base = prefix.rstrip("/") + "/"
+    found: dict[str, int] = {}
+    for info in store.list(base):
+        name = info.key[len(base) :]
+        if name and name != MANIFEST_NAME:
+            found[name] = info.size
+    return found
+
+
+def write_manifest(store: ObjectStore, prefix: str, manifest: dict[str, Any]) -> ObjectInfo:
+    """Commit a partition: verify its objects with one listing, then write the manifest last."""
+    expected: dict[str, int] = manifest.get("objects", {})
+    present = list_partition_objects(store, prefix) if expected else {}
+    missing = sorted(name for name in expected if name not in present)
+    wrong_size = sorted(name for name, size in expected.items() if name in present and present[name] != size)
+    if missing or wrong_size:
+        detail = []
+        if missing:
+            detail.append(f"{len(missing)} missing (first: {missing[0]})")
+        if wrong_size:
+            name = wrong_size[0]
+            detail.append(
+                f"{len(wrong_size)} with the wrong size (first: {name}, "
+                f"store has {present[name]} bytes, expected {expected[name]})"
+            )
+        raise ManifestError(
+            f"refusing to commit {store.uri(prefix)}: {', '.join(detail)}. "
+            "Rerun the partition; finished samples are kept and only the gaps are redone."
+        )
+    body = json.dumps(manifest, indent=1, sort_keys=False).encode()
+    return store.put_bytes(manifest_key(prefix), body)
+
+
+def read_manifest(store: ObjectStore, prefix: str) -> dict[str, Any] | None:
+    key = manifest_key(prefix)
+    if store.head(key) is None:
+        return None
+    manifest = json.loads(store.get_bytes(key))
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(
+            f"{store.uri(key)} has format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}"
+        )
+    return manifest
+
+
+def delete_partition(store: ObjectStore, prefix: str) -> int:
+    """Un-commit first (manifest), then remove the objects, so a crash in between never leaves a
+    manifest pointing at missing objects."""
+    key = manifest_key(prefix)
+    deleted = 0
+    if store.head(key) is not None:
+        store.delete(key)
+        deleted += 1
+    return deleted + store.delete_prefix(prefix.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class StoredPartition:
+    """A committed partition as downstream assets receive it: where it lives and what it holds."""
+
+    store: ObjectStore
+    prefix: str
+    manifest: dict[str, Any] = field(repr=False)
+
+    @property
+    def partition(self) -> str:
+        return self.manifest["partition"]
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri(self.prefix)
+
+    def object_keys(self) -> list[tuple[str, int]]:
+        return [(f"{self.prefix}/{name}", size) for name, size in sorted(self.manifest["objects"].items())]

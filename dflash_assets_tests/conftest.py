@@ -1,0 +1,133 @@
+"""Shared fixtures: a real moto S3 server over HTTP, per-test buckets, a fault-injecting proxy.
+
+Tests never reach real AWS: credentials, profiles and endpoints from the outer environment are
+removed before any test runs, and the instance-metadata lookup is disabled.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dflash_assets_tests.s3_server import FaultyProxy, MotoServer, start_moto_server
+
+# Dummy credentials moto accepts; tests assert this secret never shows up in messages.
+TEST_ACCESS_KEY_ID = "testing"
+TEST_SECRET_ACCESS_KEY = "testing-secret-do-not-print"
+TEST_REGION = "us-east-1"
+
+_REAL_AWS_VARIABLES = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_REQUEST_CHECKSUM_CALCULATION",
+    "AWS_RESPONSE_CHECKSUM_VALIDATION",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Process-wide, before any fixture: session-scoped fixtures create clients too.
+    for name in _REAL_AWS_VARIABLES:
+        os.environ.pop(name, None)
+    missing = str(Path(config.rootpath) / ".no-aws-config-in-tests")
+    os.environ["AWS_CONFIG_FILE"] = missing
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = missing
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    # Loopback traffic must not go through an outer HTTP proxy.
+    no_proxy = os.environ.get("NO_PROXY", "")
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(
+        filter(None, [no_proxy, "127.0.0.1", "localhost"])
+    )
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    """One moto_server subprocess for the whole session (buckets keep tests apart)."""
+    server = start_moto_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(moto_server: MotoServer) -> str:
+    """The moto server's endpoint URL, e.g. "http://127.0.0.1:53123"."""
+    return moto_server.endpoint_url
+
+
+@pytest.fixture
+def aws_test_env(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Dummy credentials, region and AWS_ENDPOINT_URL_S3 -> moto, set the way a user would set them.
+
+    Returns the endpoint URL."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", TEST_ACCESS_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET_ACCESS_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", TEST_REGION)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_endpoint)
+    return moto_endpoint
+
+
+def create_bucket(endpoint_url: str, bucket: str) -> None:
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=TEST_REGION,
+        aws_access_key_id=TEST_ACCESS_KEY_ID,
+        aws_secret_access_key=TEST_SECRET_ACCESS_KEY,
+    )
+    client.create_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def s3_store_url(aws_test_env: str) -> str:
+    """A fresh bucket on the moto server; returns "s3://<bucket>/<prefix>" with the AWS env vars set."""
+    bucket = f"test-{uuid.uuid4().hex[:16]}"
+    create_bucket(aws_test_env, bucket)
+    return f"s3://{bucket}/dflash"
+
+
+@pytest.fixture
+def local_store_url(tmp_path: Path) -> str:
+    return str(tmp_path / "store")
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """Both backends: a test using it runs once against a local directory and once against moto."""
+    return request.getfixturevalue(f"{request.param}_store_url")
+
+
+@pytest.fixture
+def faulty_proxy(request: pytest.FixtureRequest) -> Iterator[Callable[..., FaultyProxy]]:
+    """Factory: `faulty_proxy(upstream_url=None, seed=0)` -> a started FaultyProxy (default upstream:
+    the moto server), stopped after the test. Point clients at `proxy.endpoint_url`."""
+    proxies: list[FaultyProxy] = []
+
+    def make(upstream_url: str | None = None, *, seed: int = 0) -> FaultyProxy:
+        upstream = upstream_url or request.getfixturevalue("moto_endpoint")
+        proxy = FaultyProxy(upstream, seed=seed).start()
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.stop()
