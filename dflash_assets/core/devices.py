@@ -1,0 +1,155 @@
+"""One device per run: an exclusive lease held as an `flock` on one lock file per device.
+
+The kernel drops an flock when its holder dies (even by SIGKILL), and the lock works between any
+processes on the host, including runs launched from separate shells outside Dagster's run queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICES_ENV = "DFLASH_DEVICES"
+_DEVICE_NAME = re.compile(r"^[a-z]+(:\d+)?$")
+
+
+class DeviceLeaseTimeout(TimeoutError):
+    """No device became free within the timeout."""
+
+
+def available_devices() -> list[str]:
+    """Devices this host offers: every visible CUDA device, else `$DFLASH_DEVICES`, else `["cpu"]`.
+
+    `DFLASH_DEVICES=cpu:0,cpu:1` simulates several devices on a CPU-only machine.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    configured = [d.strip() for d in os.environ.get(DEVICES_ENV, "").split(",") if d.strip()]
+    for device in configured:
+        torch_device(device)  # fail fast on a typo in the setting
+    return configured or ["cpu"]
+
+
+def check_device_name(device: str) -> str:
+    if not _DEVICE_NAME.match(device.strip()):
+        raise ValueError(
+            f"device {device!r} is not a device name (expected e.g. 'cuda:0', 'cpu' or 'cpu:1'); "
+            f"check {DEVICES_ENV}"
+        )
+    return device.strip()
+
+
+def torch_device(device: str | torch.device) -> torch.device:
+    """The torch device for a lease name; `cpu:N` names distinct leases but all map to the CPU."""
+    import torch
+
+    if isinstance(device, torch.device):
+        return device
+    name = check_device_name(device)
+    if name == "cpu" or name.startswith("cpu:"):
+        return torch.device("cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(
+            f"device {device!r} is not a torch device name (expected e.g. 'cuda:0', 'cpu' or 'cpu:1'); "
+            f"check {DEVICES_ENV}"
+        ) from error
+
+
+def default_lock_dir() -> Path:
+    # Mirrors dflash_assets.settings.cache_dir() so leases taken by the Dagster resource and by
+    # plain scripts meet in the same directory.
+    cache = os.environ.get("DFLASH_CACHE_DIR", "").strip()
+    if cache:
+        return Path(cache).expanduser() / "device-leases"
+    home = os.environ.get("DFLASH_HOME", "").strip() or str(Path.home() / ".dflash")
+    return Path(home).expanduser() / "cache" / "device-leases"
+
+
+def _lock_path(lock_dir: Path, device: str) -> Path:
+    # The host name keeps leases apart when the lock directory sits on a shared home directory.
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)
+    return lock_dir / f"{socket.gethostname()}-{safe}.lock"
+
+
+def _try_lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "unknown holder"
+    except OSError:
+        return "unknown holder"
+
+
+@contextlib.contextmanager
+def lease_device(
+    devices: Sequence[str] | None = None,
+    lock_dir: str | Path | None = None,
+    timeout_s: float | None = None,
+    poll_s: float = 0.5,
+    log: Callable[[str], None] | None = None,
+) -> Iterator[str]:
+    """Hold one free device from `devices` (default `available_devices()`) for the `with` block.
+
+    Tries every device without blocking, then polls until one frees up; `timeout_s=None` waits forever.
+    """
+    # torch is imported only to detect devices, so a lease costs little when they are given.
+    candidates = [check_device_name(d) for d in devices] if devices else available_devices()
+    directory = Path(lock_dir).expanduser() if lock_dir is not None else default_lock_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    waiting_logged = False
+    while True:
+        for device in candidates:
+            path = _lock_path(directory, device)
+            fd = _try_lock(path)
+            if fd is None:
+                continue
+            try:
+                # Diagnostics only: who holds it. The lock itself is the flock, not this text.
+                os.ftruncate(fd, 0)
+                os.pwrite(
+                    fd, f"pid={os.getpid()} host={socket.gethostname()} since={time.time():.0f}\n".encode(), 0
+                )
+                yield device
+            finally:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            holders = "; ".join(f"{d}: {_holder(_lock_path(directory, d))}" for d in candidates)
+            raise DeviceLeaseTimeout(
+                f"no free device after {timeout_s:.0f} s among {candidates} (locks in {directory}; "
+                f"{holders}). Wait for a run to finish, or add devices via {DEVICES_ENV}."
+            )
+        if log is not None and not waiting_logged:
+            holders = "; ".join(f"{d}: {_holder(_lock_path(directory, d))}" for d in candidates)
+            log(f"all devices busy ({holders}); waiting for one to free up")
+            waiting_logged = True
+        time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))

@@ -1,0 +1,281 @@
+"""Capturing target hidden states: the layer convention, early stopping, batch invariance, config checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_assets.core.batching import pad_batch
+from dflash_assets.core.capture import (
+    HiddenStateCapture,
+    TargetModelError,
+    dflash_target_layer_ids,
+    load_target_model,
+    parse_layer_ids,
+    resolve_target_layer_ids,
+)
+
+TINY_LAYERS = 10
+TINY_VOCAB = 500
+# Batched vs alone, after the bf16 cast. fp32 forwards of different batch shapes differ by ~1e-8, so a
+# value can land on the other side of a bf16 rounding boundary: at most one bf16 step (2^-8 relative).
+BF16_ATOL = 1e-3
+BF16_RTOL = 2**-7
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Tiny matmuls on a shared machine run several times faster on one thread than contending for more.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_text_config_kwargs(num_layers: int = TINY_LAYERS) -> dict:
+    """A qwen3_5_text config of the real family, small enough for a CPU forward in milliseconds."""
+    pattern = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    return dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=1024,
+        layer_types=[pattern[i % 4] for i in range(num_layers)],
+        pad_token_id=0,
+    )
+
+
+def save_tiny_target(path: Path, num_layers: int = TINY_LAYERS, seed: int = 0) -> Path:
+    """Save a random tiny Qwen3.5 text model as a normal Hugging Face model directory."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(**tiny_text_config_kwargs(num_layers))
+    model = Qwen3_5ForCausalLM(config)
+    # The default init (std 0.02) keeps activations tiny; larger weights make layers distinguishable.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 2 and "embed" in name:
+                parameter.normal_(0, 1.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_dir: Path) -> torch.nn.Module:
+    return load_target_model(tiny_target_dir, "cpu")
+
+
+def reference_hidden_states(model: torch.nn.Module, input_ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """HF's own `output_hidden_states` for one unpadded sample, with the last entry left raw.
+
+    By default the last entry is overwritten with the post-final-norm state; turning
+    `tie_last_hidden_states` off keeps entry N as decoder layer N-1's raw output.
+    """
+    model.config.tie_last_hidden_states = False
+    try:
+        with torch.inference_mode():
+            out = model(torch.tensor([input_ids]), output_hidden_states=True)
+    finally:
+        del model.config.tie_last_hidden_states
+    return tuple(h[0] for h in out.hidden_states)
+
+
+def random_token_lists(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, TINY_VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+# -- the layer rule and its settings
+
+
+def test_dflash_rule_gives_the_seed_layers_for_a_64_layer_target():
+    assert dflash_target_layer_ids(64) == [1, 16, 31, 46, 61]
+    assert dflash_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+
+
+def test_dflash_rule_rounds_halves_up_not_to_even():
+    # 1 + i*6/4 = 1, 2.5, 4, 5.5, 7; banker's rounding would give [1, 2, 4, 6, 7].
+    assert dflash_target_layer_ids(10, 5) == [1, 3, 4, 6, 7]
+    assert dflash_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert dflash_target_layer_ids(64, 1) == [1]
+
+
+def test_dflash_rule_refuses_a_model_too_shallow_for_distinct_layers():
+    with pytest.raises(ValueError, match="DFLASH_TARGET_LAYER_IDS"):
+        dflash_target_layer_ids(6, 5)
+
+
+@pytest.mark.parametrize("text", ["1,16,31", "[1, 16, 31]", " 1 16 31 ", "1, 16,31,"])
+def test_layer_ids_parse_from_comma_lists_and_json_lists(text):
+    assert parse_layer_ids(text) == [1, 16, 31]
+
+
+@pytest.mark.parametrize("text", ["", "[]", "1,x,3", "1.5"])
+def test_unparsable_layer_ids_name_the_setting(text):
+    with pytest.raises(ValueError, match="DFLASH_TARGET_LAYER_IDS"):
+        parse_layer_ids(text)
+
+
+def test_explicit_layer_ids_beyond_the_model_name_the_layer_the_depth_and_the_setting():
+    with pytest.raises(ValueError) as error:
+        resolve_target_layer_ids({"num_hidden_layers": 10}, [1, 5, 10])
+    message = str(error.value)
+    assert "layer 10" in message and "10 decoder layers" in message and "DFLASH_TARGET_LAYER_IDS" in message
+    with pytest.raises(ValueError, match="layer -1"):
+        resolve_target_layer_ids({"num_hidden_layers": 10}, [-1, 3])
+
+
+@pytest.mark.parametrize("layer_ids", [[3, 3, 5], [5, 3]])
+def test_explicit_layer_ids_must_be_strictly_increasing(layer_ids):
+    with pytest.raises(ValueError, match="strictly increasing"):
+        resolve_target_layer_ids({"num_hidden_layers": 10}, layer_ids)
+
+
+def test_layer_count_is_read_from_a_nested_text_config_and_missing_counts_fail_clearly(tiny_target_dir):
+    from transformers import AutoConfig
+
+    nested = {"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 64}}
+    assert resolve_target_layer_ids(nested, None) == [1, 16, 31, 46, 61]
+    assert resolve_target_layer_ids(AutoConfig.from_pretrained(tiny_target_dir), None) == [1, 3, 4, 6, 7]
+    assert resolve_target_layer_ids(json.loads((tiny_target_dir / "config.json").read_text()), [0, 9]) == [
+        0,
+        9,
+    ]
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        resolve_target_layer_ids({"model_type": "bert"}, None)
+
+
+# -- loading
+
+
+def test_loading_a_missing_model_directory_names_the_path_and_the_setting(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(TargetModelError) as error:
+        load_target_model(missing, "cpu")
+    assert str(missing) in str(error.value) and "DFLASH_TARGET_MODEL" in str(error.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TargetModelError, match="no config.json"):
+        load_target_model(tmp_path / "empty", "cpu")
+
+
+def test_loading_a_directory_without_weights_fails_with_the_setting(tmp_path, tiny_target_dir):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_target_dir / "config.json").read_text())
+    with pytest.raises(TargetModelError, match="DFLASH_TARGET_MODEL"):
+        load_target_model(broken, "cpu:1")
+
+
+def test_the_target_loads_in_eval_mode_as_float32_on_cpu(tiny_target):
+    assert not tiny_target.training
+    assert next(tiny_target.parameters()).dtype == torch.float32
+
+
+# -- capture
+
+
+@pytest.mark.parametrize(
+    "layer_ids",
+    [dflash_target_layer_ids(TINY_LAYERS), [0, 4, TINY_LAYERS - 1]],
+    ids=["dflash-default", "first-middle-last"],
+)
+def test_captured_layer_i_is_hf_hidden_states_i_plus_1(tiny_target, layer_ids):
+    samples = random_token_lists([23, 40, 7])
+    input_ids, attention_mask = pad_batch(samples, pad_id=0)
+    captured = HiddenStateCapture(tiny_target, layer_ids)(input_ids, attention_mask)
+    assert captured.shape == (3, 40, len(layer_ids), 64)
+    for row, tokens in enumerate(samples):
+        reference = reference_hidden_states(tiny_target, tokens)
+        for slot, layer_id in enumerate(layer_ids):
+            got = captured[row, : len(tokens), slot]
+            torch.testing.assert_close(
+                got.bfloat16(), reference[layer_id + 1].bfloat16(), atol=BF16_ATOL, rtol=BF16_RTOL
+            )
+            # Neighbouring layers differ, so an off-by-one would not pass unnoticed.
+            assert not torch.allclose(got, reference[layer_id], atol=1e-3)
+
+
+def test_the_last_layer_is_raw_not_the_post_norm_state_hf_returns_last(tiny_target):
+    tokens = random_token_lists([30])[0]
+    captured = HiddenStateCapture(tiny_target, [TINY_LAYERS - 1])(torch.tensor([tokens]), torch.ones(1, 30))
+    with torch.inference_mode():
+        default = tiny_target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    post_norm = default[-1][0]
+    assert not torch.allclose(captured[0, :, 0], post_norm, atol=1e-2)
+    with torch.inference_mode():
+        torch.testing.assert_close(tiny_target.model.norm(captured[0, :, 0]), post_norm)
+
+
+def test_the_forward_stops_after_the_last_needed_layer(tiny_target):
+    calls: dict[str, int] = {}
+
+    def counter(name):
+        def hook(module, args):
+            calls[name] = calls.get(name, 0) + 1
+
+        return hook
+
+    watched = {f"layer{i}": layer for i, layer in enumerate(tiny_target.model.layers)}
+    watched |= {"norm": tiny_target.model.norm, "lm_head": tiny_target.lm_head}
+    handles = [module.register_forward_pre_hook(counter(name)) for name, module in watched.items()]
+    try:
+        HiddenStateCapture(tiny_target, [1, 4])(*pad_batch(random_token_lists([12, 9]), 0))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == {f"layer{i}": 1 for i in range(5)}  # layers 5.., the final norm and lm_head never ran
+
+
+def test_capture_leaves_no_hooks_and_returns_an_ordinary_tensor(tiny_target):
+    # (transformers installs its own output-capturing hooks once output_hidden_states was used)
+    before = [len(layer._forward_hooks) for layer in tiny_target.model.layers]
+    captured = HiddenStateCapture(tiny_target, [2])(torch.tensor([[5, 6, 7]]), torch.ones(1, 3))
+    assert [len(layer._forward_hooks) for layer in tiny_target.model.layers] == before
+    # Online training feeds this to modules that save inputs for backward; inference tensors cannot be.
+    assert not captured.is_inference()
+    with torch.inference_mode():
+        assert tiny_target(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, TINY_VOCAB)
+
+
+def test_a_sample_captured_alone_equals_it_inside_a_padded_batch(tiny_target):
+    layer_ids = dflash_target_layer_ids(TINY_LAYERS)
+    capture = HiddenStateCapture(tiny_target, layer_ids)
+    shorter, sample, longer = random_token_lists([9, 50, 130], seed=7)
+    alone = capture(torch.tensor([sample]), torch.ones(1, len(sample)))[0]
+    batched = capture(*pad_batch([longer, sample, shorter], pad_id=0))[1, : len(sample)]
+    torch.testing.assert_close(batched.bfloat16(), alone.bfloat16(), atol=BF16_ATOL, rtol=BF16_RTOL)
+    # Far tighter in fp32: only summation order differs between the two forwards.
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_capture_finds_the_layers_of_a_multimodal_qwen3_5_checkpoint():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = Qwen3_5Config(text_config=tiny_text_config_kwargs(6), vision_config=vision)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    assert resolve_target_layer_ids(model.config, [0, 5]) == [0, 5]
+    tokens = random_token_lists([16])[0]
+    captured = HiddenStateCapture(model, [0, 2])(torch.tensor([tokens]), torch.ones(1, 16))
+    with torch.inference_mode():
+        reference = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(captured[0, :, 0], reference[1][0])
+    torch.testing.assert_close(captured[0, :, 1], reference[3][0])
