@@ -1,0 +1,262 @@
+"""Tokenizing conversations: the assistant loss mask under real chat templates, drops, and the shard file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_assets.core.datasets import Dropped
+from dflash_assets.core.sample_range import SampleRange
+from dflash_assets.core.samples import TokenizedSample
+from dflash_assets.core.tokenize import (
+    SHARD_FORMAT,
+    TooManyBadRows,
+    read_shard,
+    tokenize_conversation,
+    tokenize_range,
+    write_shard,
+)
+
+# A Qwen3-style template written for these tests: system first, reasoning stripped from assistant
+# turns before the last user message, and a (possibly empty) <think> block on the turns after it.
+QWEN3_STYLE_TEMPLATE = """
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content %}
+        {%- set reasoning = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n')
+                                       .split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_user %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'
+                + content }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+# Rewrites assistant text (newlines -> spaces), so contents are not found verbatim: the prefix-diff
+# fallback has to find the turns. No newline between turns, so the next header follows <|im_end|>.
+REWRITING_TEMPLATE = """
+{%- for message in messages %}
+    {%- set content = message.content | replace('\\n', ' ')
+                      if message.role == 'assistant' else message.content %}
+    {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+# Rewrites assistant text AND renders differently depending on the whole conversation: nothing can
+# locate the assistant turns reliably.
+UNLOCATABLE_TEMPLATE = """
+{{- messages | length }} messages
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' + (message.content | upper) + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+END = "<|im_end|>"
+
+MULTI_TURN = [
+    {"role": "system", "content": "You are a careful math tutor."},
+    {"role": "user", "content": "What is 12 × 3?"},
+    {"role": "assistant", "content": "<think>\nTen threes are 30, two more are 6.\n</think>\n\n12 × 3 = 36."},
+    {"role": "user", "content": "Repeat after me: 36 is even."},
+    {"role": "assistant", "content": "36 is even."},
+    {"role": "user", "content": "And 36 ÷ 4?"},
+    {"role": "assistant", "content": "<think>\nQuarter of 36.\n</think>\n\n36 ÷ 4 = 9."},
+]
+
+
+@pytest.fixture
+def tokenizer(demo_model_dir: Path):
+    return AutoTokenizer.from_pretrained(demo_model_dir)
+
+
+def with_template(demo_model_dir: Path, template: str):
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def masked_text(tokenizer, sample: TokenizedSample) -> str:
+    return tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m])
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def test_loss_mask_covers_exactly_each_assistant_reply_and_its_end_token(tokenizer) -> None:
+    sample = tokenize_conversation(tokenizer, MULTI_TURN, sample_index=7)
+    assert isinstance(sample, TokenizedSample) and sample.sample_index == 7
+    replies = [m["content"] for m in MULTI_TURN if m["role"] == "assistant"]
+    assert masked_text(tokenizer, sample) == "".join(reply + END for reply in replies)
+    # The ids are exactly what the chat template produces; the mask adds nothing to the text.
+    assert sample.input_ids == tokenizer.apply_chat_template(MULTI_TURN, return_dict=False)
+    assert set(sample.loss_mask) == {0, 1}
+
+
+def test_loss_mask_follows_a_qwen3_template_that_strips_earlier_reasoning(demo_model_dir: Path) -> None:
+    tokenizer = with_template(demo_model_dir, QWEN3_STYLE_TEMPLATE)
+    sample = tokenize_conversation(tokenizer, MULTI_TURN)
+    assert isinstance(sample, TokenizedSample), sample
+    rendered = tokenizer.decode(sample.input_ids)
+    assert "Ten threes" not in rendered  # the template dropped the first turn's reasoning
+    assert masked_text(tokenizer, sample) == (
+        "12 × 3 = 36." + END + "36 is even." + END + "<think>\nQuarter of 36.\n</think>\n\n36 ÷ 4 = 9." + END
+    )
+
+
+def test_an_empty_think_block_the_template_inserts_is_not_trained_on(demo_model_dir: Path) -> None:
+    tokenizer = with_template(demo_model_dir, QWEN3_STYLE_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    sample = tokenize_conversation(tokenizer, messages)
+    assert "<think>\n\n</think>\n\nHello there." in tokenizer.decode(sample.input_ids)
+    assert masked_text(tokenizer, sample) == "Hello there." + END
+
+
+def test_templates_that_rewrite_assistant_text_fall_back_to_prefix_rendering(demo_model_dir: Path) -> None:
+    tokenizer = with_template(demo_model_dir, REWRITING_TEMPLATE)
+    messages = [
+        {"role": "user", "content": "Two lines please."},
+        {"role": "assistant", "content": "Line one.\nLine two."},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "A\nB"},
+    ]
+    sample = tokenize_conversation(tokenizer, messages)
+    assert isinstance(sample, TokenizedSample), sample
+    assert masked_text(tokenizer, sample) == "Line one. Line two." + END + "A B" + END
+
+
+def test_a_conversation_whose_replies_cannot_be_located_is_dropped(demo_model_dir: Path) -> None:
+    tokenizer = with_template(demo_model_dir, UNLOCATABLE_TEMPLATE)
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi there"}]
+    outcome = tokenize_conversation(tokenizer, messages)
+    assert isinstance(outcome, Dropped) and outcome.reason == "assistant_not_located"
+
+
+def test_a_failing_chat_template_drops_the_row_with_its_message(demo_model_dir: Path) -> None:
+    tokenizer = with_template(
+        demo_model_dir,
+        "{%- if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}"
+        "{%- endif %}" + REWRITING_TEMPLATE,
+    )
+    outcome = tokenize_conversation(tokenizer, MULTI_TURN)
+    assert isinstance(outcome, Dropped) and outcome.reason == "template_error"
+    assert "first message must be from the user" in outcome.detail
+
+
+def test_overlong_conversations_are_truncated_or_dropped_as_configured(tokenizer) -> None:
+    long_reply = " ".join(f"step {i} done." for i in range(60))
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": long_reply}]
+    full = tokenize_conversation(tokenizer, messages)
+    assert full.num_tokens > 40
+
+    cut = tokenize_conversation(tokenizer, messages, max_length=40)
+    assert cut.input_ids == full.input_ids[:40] and cut.loss_mask == full.loss_mask[:40]
+
+    dropped = tokenize_conversation(tokenizer, messages, max_length=40, overlong="drop")
+    assert isinstance(dropped, Dropped) and dropped.reason == "overlong"
+
+    late_answer = [{"role": "user", "content": long_reply}, {"role": "assistant", "content": "Done."}]
+    nothing_left = tokenize_conversation(tokenizer, late_answer, max_length=40)
+    assert isinstance(nothing_left, Dropped) and nothing_left.reason == "overlong_no_assistant"
+
+    with pytest.raises(ValueError, match="overlong"):
+        tokenize_conversation(tokenizer, messages, overlong="keep")
+
+
+def test_a_range_reports_kept_samples_drops_by_reason_and_the_first_bad_line(
+    tokenizer, tmp_path: Path
+) -> None:
+    good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]}
+    path = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            good,
+            good,
+            "{not json",
+            good,
+            {"messages": [{"role": "user", "content": "no answer"}]},
+            {"messages": [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "late"}]},
+            good,
+        ],
+    )
+    progress: list[tuple[int, int]] = []
+    result = tokenize_range(
+        tokenizer, path, SampleRange(1, 99), max_length=64, on_progress=lambda *p: progress.append(p)
+    )
+    assert [s.sample_index for s in result.samples] == [1, 3, 6]
+    assert result.dropped == {2: "malformed_json", 4: "no_assistant", 5: "overlong_no_assistant"}
+    assert result.dropped_by_reason == {"malformed_json": 1, "no_assistant": 1, "overlong_no_assistant": 1}
+    assert result.rows == 6 and result.truncated == 0
+    assert result.tokens == sum(s.num_tokens for s in result.samples)
+    assert result.loss_tokens == sum(sum(s.loss_mask) for s in result.samples)
+    assert result.max_length == result.samples[0].num_tokens and result.mean_length == result.max_length
+    assert result.first_bad.location == "line 3" and result.first_bad.reason == "malformed_json"
+    assert progress[-1] == (6, 3)
+
+
+def test_a_range_with_too_many_bad_rows_fails_naming_the_file_and_first_bad_line(
+    tokenizer, tmp_path: Path
+) -> None:
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = write_jsonl(tmp_path / "broken.jsonl", [good, "{oops", {"messages": []}, "[1]"])
+    with pytest.raises(TooManyBadRows, match=r"3 of 4 rows.*broken\.jsonl line 2: malformed_json"):
+        tokenize_range(tokenizer, path, SampleRange(0, 9))
+    assert len(tokenize_range(tokenizer, path, SampleRange(0, 9), max_bad_fraction=0.8).samples) == 1
+
+
+def test_the_bundled_sample_tokenizes_without_drops(tokenizer) -> None:
+    result = tokenize_range(tokenizer, None, SampleRange(0, 9999))
+    assert result.rows >= 300 and not result.dropped
+    assert all(s.loss_mask[-2:] == [1, 0] for s in result.samples)  # ... <|im_end|> "\n"
+
+
+def test_shards_round_trip_with_the_documented_columns_and_types(tmp_path: Path) -> None:
+    samples = [TokenizedSample(12, [5, 6, 7], [0, 1, 1]), TokenizedSample(3, [1, 2**20], [1, 0])]
+    path = tmp_path / "partition" / "shard.parquet"
+    size = write_shard(samples, path)
+
+    assert size == path.stat().st_size and [p.name for p in path.parent.iterdir()] == ["shard.parquet"]
+    schema = pq.read_schema(path)
+    assert [(f.name, str(f.type)) for f in schema] == [
+        ("sample_index", "int64"),
+        ("input_ids", "list<element: int32>"),
+        ("loss_mask", "list<element: uint8>"),
+        ("num_tokens", "int32"),
+    ]
+    assert schema.metadata[b"dflash_format"] == SHARD_FORMAT.encode()
+    assert pq.read_table(path).column("num_tokens").to_pylist() == [2, 3]
+    expected = sorted(samples, key=lambda s: s.sample_index)
+    assert read_shard(path) == expected
+    assert read_shard(path.read_bytes()) == expected
+
+
+def test_a_shard_refuses_duplicate_sample_indices(tmp_path: Path) -> None:
+    samples = [TokenizedSample(1, [1], [1]), TokenizedSample(1, [2], [1])]
+    with pytest.raises(ValueError, match="duplicate sample_index"):
+        write_shard(samples, tmp_path / "shard.parquet")
+    assert list(tmp_path.iterdir()) == []
