@@ -1,0 +1,97 @@
+"""Drafter quality on held-out batches: weighted loss, accuracy per drafted position, acceptance length.
+
+Acceptance length tau = 1 + E[sum_p prod_{q<=p} correct_q]: the expected number of drafted tokens a
+greedy target accepts per block (the leading run of correct argmax predictions) plus the bonus token
+the target always contributes. Positions past the sequence or the assistant span end the run, so a
+block cut short by the end of a turn counts only what it could draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from dflash_assets.core.drafter import (
+    BlockLossOutput,
+    DFlashDrafter,
+    DrafterBatch,
+    anchor_generator,
+    dflash_loss,
+    sample_anchors,
+)
+
+
+class BlockMetrics:
+    """Sums `BlockLossOutput`s over batches; the averages are exact, not means of batch means."""
+
+    def __init__(self, block_size: int) -> None:
+        self.weighted_ce_sum = 0.0
+        self.weight_sum = 0.0
+        self.correct = torch.zeros(block_size - 1, dtype=torch.long)
+        self.counted = torch.zeros(block_size - 1, dtype=torch.long)
+        self.accepted_sum = 0.0
+        self.num_blocks = 0
+        self.num_samples = 0
+        self.num_tokens = 0
+
+    def add(self, output: BlockLossOutput, batch: DrafterBatch) -> None:
+        self.weighted_ce_sum += output.weighted_ce_sum
+        self.weight_sum += output.weight_sum
+        self.correct += output.correct
+        self.counted += output.counted
+        self.accepted_sum += output.accepted_sum
+        self.num_blocks += output.num_blocks
+        self.num_samples += len(batch.sample_indices)
+        self.num_tokens += batch.num_tokens
+
+    @property
+    def loss(self) -> float | None:
+        return self.weighted_ce_sum / self.weight_sum if self.weight_sum else None
+
+    @property
+    def per_position_accuracy(self) -> list[float | None]:
+        return [int(c) / int(n) if int(n) else None for c, n in zip(self.correct, self.counted, strict=True)]
+
+    @property
+    def acceptance_length_tau(self) -> float | None:
+        return 1.0 + self.accepted_sum / self.num_blocks if self.num_blocks else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "loss": self.loss,
+            "per_position_accuracy": self.per_position_accuracy,
+            "acceptance_length_tau": self.acceptance_length_tau,
+            "num_blocks": self.num_blocks,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+        }
+
+
+def evaluate_drafter(
+    model: DFlashDrafter,
+    batches: Iterable[DrafterBatch],
+    *,
+    gamma: float = 7.0,
+    num_anchors: int = 512,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """`{loss, per_position_accuracy, acceptance_length_tau, num_blocks, num_samples, num_tokens}`.
+
+    Anchors come from a generator fixed by `seed` and the batch's position, so successive evaluations
+    of one run score the same blocks and are comparable.
+    """
+    metrics = BlockMetrics(model.config.block_size)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch_index, batch in enumerate(batches):
+                anchors = sample_anchors(
+                    batch.loss_mask, num_anchors, anchor_generator(seed, "eval", batch_index)
+                )
+                metrics.add(dflash_loss(model, batch, anchors, gamma), batch)
+    finally:
+        model.train(was_training)
+    return metrics.as_dict()

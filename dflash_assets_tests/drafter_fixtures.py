@@ -1,0 +1,111 @@
+"""Builders shared by the drafter tests: a tiny real target model directory and learnable samples."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from dflash_assets.core.capture import HiddenStateCapture
+from dflash_assets.core.drafter import DrafterConfig
+from dflash_assets.core.sample_format import sample_object_name, write_sample
+from dflash_assets.core.samples import TokenizedSample
+from dflash_assets.core.store import ObjectStore
+
+VOCAB_SIZE = 300
+MASK_TOKEN_ID = 299
+TARGET_LAYER_IDS = [1, 2, 3, 4, 5]  # DFlash's rule for 8 decoder layers and 5 draft layers
+CYCLE_START = 260  # assistant turns count through tokens 260..267
+
+
+def build_tiny_target(directory: Path) -> Path:
+    """A Qwen3.5-family (gated-delta-net + full attention) causal LM, saved with `save_pretrained`."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=1024,
+        # Wider than the default 0.02 so the frozen LM head can express confident predictions: a trained
+        # target has that range, a freshly initialised one would cap what a few drafter steps can reach.
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def tiny_drafter_config(target_dir: Path, *, num_layers: int = 2) -> DrafterConfig:
+    """Fewer drafter layers than target layers keeps the tests fast; the context still has all five."""
+    return DrafterConfig.from_target(
+        target_dir, num_layers=num_layers, target_layer_ids=TARGET_LAYER_IDS, mask_token_id=MASK_TOKEN_ID
+    )
+
+
+def counting_samples(count: int, *, seed: int = 0, start_index: int = 0) -> list[TokenizedSample]:
+    """Conversations whose assistant turn counts around a cycle of 8 tokens (t, t+1, ... mod 8): easy to
+    learn, so a few steps show a drafter learning. A prompt of random tokens precedes it (loss mask 0)."""
+    rng = random.Random(seed)
+    samples = []
+    for offset in range(count):
+        prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(6, 12))]
+        first = rng.randrange(8)
+        answer = [CYCLE_START + (first + i) % 8 for i in range(rng.randrange(24, 40))]
+        samples.append(
+            TokenizedSample(
+                sample_index=start_index + offset,
+                input_ids=prompt + answer,
+                loss_mask=[0] * len(prompt) + [1] * len(answer),
+            )
+        )
+    return samples
+
+
+def load_capture(target_dir: Path) -> HiddenStateCapture:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return HiddenStateCapture(model, TARGET_LAYER_IDS)
+
+
+def write_hidden_state_partition(
+    store: ObjectStore,
+    partition: str,
+    samples: list[TokenizedSample],
+    capture: HiddenStateCapture,
+    target_model: str,
+    scratch: Path,
+    *,
+    target_layer_ids: list[int] | None = None,
+) -> list[tuple[str, int]]:
+    """Capture each sample alone (as extraction does) and put it in the store; returns (key, size)."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    objects = []
+    for sample in samples:
+        ids = torch.tensor([sample.input_ids])
+        hidden = capture(ids, torch.ones_like(ids))[0]
+        path = scratch / sample_object_name(sample.sample_index)
+        write_sample(
+            path,
+            sample_index=sample.sample_index,
+            input_ids=sample.input_ids,
+            loss_mask=sample.loss_mask,
+            hidden_states=hidden,
+            target_layer_ids=target_layer_ids or TARGET_LAYER_IDS,
+            target_model=target_model,
+        )
+        key = f"hidden-states/{partition}/{path.name}"
+        info = store.put_file(key, path)
+        objects.append((key, info.size))
+        path.unlink()
+    return objects

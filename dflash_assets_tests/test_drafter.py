@@ -1,0 +1,246 @@
+"""The DFlash drafter: what a block may attend to, what it is scored on, and that exports load back."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_assets.core.drafter import (
+    BlockAnchors,
+    DFlashDrafter,
+    DrafterBatch,
+    DrafterConfig,
+    anchor_generator,
+    block_attention_mask,
+    dflash_loss,
+    export_drafter,
+    load_drafter,
+    load_target_embeddings,
+    position_weights,
+    sample_anchors,
+)
+from dflash_assets.core.evaluate import evaluate_drafter
+from dflash_assets_tests.drafter_fixtures import (
+    MASK_TOKEN_ID,
+    TARGET_LAYER_IDS,
+    build_tiny_target,
+    tiny_drafter_config,
+)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="module")
+def config(target_dir: Path) -> DrafterConfig:
+    return tiny_drafter_config(target_dir)
+
+
+@pytest.fixture
+def drafter(config: DrafterConfig) -> DFlashDrafter:
+    torch.manual_seed(0)
+    return DFlashDrafter.from_target(config).eval()
+
+
+def random_batch(
+    config: DrafterConfig, lengths: list[int], *, prompt: int = 4, seed: int = 0
+) -> DrafterBatch:
+    generator = torch.Generator().manual_seed(seed)
+    longest = max(lengths)
+    input_ids = torch.randint(0, MASK_TOKEN_ID, (len(lengths), longest), generator=generator)
+    loss_mask = torch.zeros(len(lengths), longest, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        loss_mask[row, prompt:length] = True
+    shape = (len(lengths), longest, len(config.target_layer_ids), config.target_hidden_size)
+    hidden_states = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    return DrafterBatch(input_ids, loss_mask, hidden_states, torch.tensor(lengths), list(range(len(lengths))))
+
+
+def block_hidden(drafter: DFlashDrafter, batch: DrafterBatch, anchors: BlockAnchors) -> torch.Tensor:
+    """The drafter's output for every slot of every block, [B, N, S, D]."""
+    block_size = drafter.config.block_size
+    positions = anchors.positions[:, :, None] + torch.arange(block_size)
+    ids = torch.full_like(positions, drafter.config.mask_token_id)
+    ids[:, :, 0] = batch.input_ids.gather(1, anchors.positions)
+    length = batch.input_ids.shape[1]
+    with torch.no_grad():
+        hidden = drafter(
+            ids.flatten(1),
+            positions.flatten(1),
+            batch.hidden_states,
+            torch.arange(length).expand(len(batch.sample_indices), -1),
+            block_attention_mask(anchors, length, block_size),
+        )
+    return hidden.view(*positions.shape, -1)
+
+
+def test_config_follows_the_target_and_round_trips_through_json(target_dir: Path, tmp_path: Path) -> None:
+    config = DrafterConfig.from_target(target_dir, mask_token_id=MASK_TOKEN_ID)
+    assert config.target_layer_ids == TARGET_LAYER_IDS  # DFlash's rule for 8 decoder layers, k = 5
+    assert (config.hidden_size, config.vocab_size, config.num_layers) == (64, 300, 5)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
+    config.save(tmp_path)
+    assert DrafterConfig.load(tmp_path) == config
+
+
+def test_a_block_sees_the_context_strictly_before_its_anchor(
+    drafter: DFlashDrafter, config: DrafterConfig
+) -> None:
+    batch = random_batch(config, [40])
+    anchor = 20
+    anchors = BlockAnchors(positions=torch.tensor([[anchor]]), keep=torch.tensor([[True]]))
+    before = block_hidden(drafter, batch, anchors)
+
+    # The target has not run on the anchor at inference time: its hidden state (and later ones) must
+    # not influence the block.
+    batch.hidden_states[:, anchor:] = torch.randn_like(batch.hidden_states[:, anchor:].float()).bfloat16()
+    torch.testing.assert_close(block_hidden(drafter, batch, anchors), before, rtol=0, atol=0)
+
+    batch.hidden_states[:, anchor - 1] = torch.randn_like(
+        batch.hidden_states[:, anchor - 1].float()
+    ).bfloat16()
+    assert not torch.allclose(block_hidden(drafter, batch, anchors), before)
+
+
+def test_blocks_attend_within_themselves_but_never_to_each_other(
+    drafter: DFlashDrafter, config: DrafterConfig
+) -> None:
+    batch = random_batch(config, [60])
+    anchors = BlockAnchors(positions=torch.tensor([[10, 30]]), keep=torch.tensor([[True, True]]))
+    before = block_hidden(drafter, batch, anchors)
+
+    batch.input_ids[0, 30] = (batch.input_ids[0, 30] + 1) % MASK_TOKEN_ID  # the second block's anchor
+    after = block_hidden(drafter, batch, anchors)
+    torch.testing.assert_close(after[:, 0], before[:, 0], rtol=0, atol=0)  # first block: untouched
+    # Non-causal inside a block: every slot of the second block, the last included, sees its anchor.
+    assert not torch.allclose(after[0, 1, -1], before[0, 1, -1])
+
+
+def test_anchors_are_distinct_assistant_tokens_followed_by_an_assistant_token() -> None:
+    loss_mask = torch.zeros(3, 30, dtype=torch.bool)
+    loss_mask[0, 5:30] = True  # 24 candidates (the last token has no label after it)
+    loss_mask[1, 10:14] = True  # 3 candidates: fewer than asked for
+    loss_mask[1, 20] = True  # a lone assistant token: no label follows, never an anchor
+    anchors = sample_anchors(loss_mask, num_anchors=8, generator=anchor_generator(0, 0, 0))
+
+    assert anchors.positions.shape == (3, 8)
+    assert anchors.keep.sum(dim=1).tolist() == [8, 3, 0]
+    kept = anchors.positions[0][anchors.keep[0]].tolist()
+    assert kept == sorted(set(kept)) and all(5 <= p <= 28 for p in kept)
+    assert anchors.positions[1][anchors.keep[1]].tolist() == [10, 11, 12]
+    # Same generator seed, same anchors: resumed and uninterrupted runs draw identically.
+    again = sample_anchors(loss_mask, num_anchors=8, generator=anchor_generator(0, 0, 0))
+    assert torch.equal(again.positions, anchors.positions)
+
+
+def test_position_weights_decay_as_exp_minus_p_minus_1_over_gamma() -> None:
+    weights = position_weights(16, 7.0)
+    assert weights.shape == (15,)
+    assert weights[0] == 1.0
+    assert math.isclose(float(weights[7]), math.exp(-1.0), rel_tol=1e-6)
+
+
+def test_labels_stop_at_the_end_of_the_assistant_span_and_of_the_sequence(
+    drafter: DFlashDrafter, config: DrafterConfig
+) -> None:
+    batch = random_batch(config, [40, 26])
+    batch.loss_mask[0, 30:] = False  # the assistant turn of sample 0 ends at position 29
+    anchors = BlockAnchors(positions=torch.tensor([[25], [20]]), keep=torch.tensor([[True], [True]]))
+    with torch.no_grad():
+        output = dflash_loss(drafter, batch, anchors, gamma=7.0)
+    # Sample 0: positions 26..29 (p = 1..4); sample 1: positions 21..25 before its end (p = 1..5).
+    assert output.counted.tolist() == [2, 2, 2, 2, 1] + [0] * 10
+    expected_weight = 2 * sum(math.exp(-p / 7) for p in range(4)) + math.exp(-4 / 7)
+    assert math.isclose(output.weight_sum, expected_weight, rel_tol=1e-5)
+
+
+def test_acceptance_length_counts_the_leading_run_of_correct_drafts_plus_one(config: DrafterConfig) -> None:
+    # A zero LM head makes every logit equal, so argmax always drafts token 0.
+    vocab = torch.zeros(config.vocab_size, config.hidden_size)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, torch.randn_like(vocab), vocab)
+    batch = random_batch(config, [40])
+    batch.input_ids[0] = 0
+    batch.input_ids[0, [14, 30]] = 5  # the only tokens the drafter gets wrong
+    batch.loss_mask[0, 2:] = True
+
+    anchors = BlockAnchors(positions=torch.tensor([[10]]), keep=torch.tensor([[True]]))
+    with torch.no_grad():
+        output = dflash_loss(drafter, batch, anchors, gamma=7.0)
+    # Drafts for positions 11.. are right, 14 is wrong, 15.. right again but never reached.
+    assert output.accepted_sum == 3.0 and output.num_blocks == 1
+    assert output.correct[:5].tolist() == [1, 1, 1, 0, 1]
+
+    # Every candidate anchor (2..38) at once: tau = 1 + mean leading run, each run ending at a miss
+    # (position 14 or 30), at the block's end or at the end of the sequence.
+    metrics = evaluate_drafter(drafter, [batch], num_anchors=100)
+    runs = []
+    for anchor in range(2, 39):
+        run = 0
+        for position in range(anchor + 1, min(anchor + 16, 40)):
+            if position in (14, 30):
+                break
+            run += 1
+        runs.append(run)
+    assert metrics["num_blocks"] == len(runs)
+    assert math.isclose(metrics["acceptance_length_tau"], 1 + sum(runs) / len(runs))
+
+
+def test_only_the_drafter_weights_train_the_target_embedding_and_head_stay_frozen(
+    drafter: DFlashDrafter, target_dir: Path
+) -> None:
+    embedding, lm_head = load_target_embeddings(target_dir)
+    trainable = dict(drafter.named_parameters())
+    assert not any("embed" in name or "lm_head" in name for name in trainable)
+    assert not any("embed" in name or "lm_head" in name for name in drafter.state_dict())
+    assert torch.equal(drafter.embed_weight, embedding) and torch.equal(drafter.lm_head_weight, lm_head)
+    assert trainable["context_proj.weight"].shape == (64, 5 * 64)  # Linear(K*H -> H)
+
+
+def test_target_embeddings_load_from_sharded_multimodal_and_tied_checkpoints(tmp_path: Path) -> None:
+    embedding = torch.randn(300, 64)
+    save_file({"model.language_model.embed_tokens.weight": embedding}, str(tmp_path / "shard-1.safetensors"))
+    save_file(
+        {"model.language_model.layers.0.mlp.weight": torch.ones(2)}, str(tmp_path / "shard-2.safetensors")
+    )
+    weight_map = {
+        "model.language_model.embed_tokens.weight": "shard-1.safetensors",
+        "model.language_model.layers.0.mlp.weight": "shard-2.safetensors",
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"tie_word_embeddings": True}}))
+    loaded_embedding, loaded_head = load_target_embeddings(tmp_path)
+    assert torch.equal(loaded_embedding, embedding) and torch.equal(loaded_head, embedding)
+
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    with pytest.raises(KeyError, match="no LM head"):
+        load_target_embeddings(tmp_path)
+
+
+@pytest.mark.parametrize("include_target_embeddings", [False, True])
+def test_an_exported_drafter_loads_back_in_one_call_with_identical_logits(
+    drafter: DFlashDrafter, config: DrafterConfig, tmp_path: Path, include_target_embeddings: bool
+) -> None:
+    batch = random_batch(config, [48, 33])
+    anchors = sample_anchors(batch.loss_mask, 4, anchor_generator(1, 0, 0))
+    export_drafter(drafter, tmp_path / "export", include_target_embeddings=include_target_embeddings)
+
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["block_size"] == 16
+    assert exported["target_layer_ids"] == TARGET_LAYER_IDS
+    assert exported["mask_token_id"] == MASK_TOKEN_ID
+    if include_target_embeddings:
+        # Runs without the target checkpoint: point the config somewhere that does not exist.
+        exported["target_model"] = str(tmp_path / "moved-away")
+        (tmp_path / "export" / "config.json").write_text(json.dumps(exported))
+
+    loaded = load_drafter(tmp_path / "export").eval()
+    expected = drafter.logits(block_hidden(drafter, batch, anchors))
+    torch.testing.assert_close(loaded.logits(block_hidden(loaded, batch, anchors)), expected, rtol=0, atol=0)
