@@ -1,0 +1,197 @@
+"""`drafter_checkpoints`: train the DFlash drafter from the store (offline) or beside the target (online)."""
+
+import math
+from pathlib import Path
+
+from dagster import AssetExecutionContext, AssetIn, AssetObservation, Config, MetadataValue, asset
+from pydantic import Field
+
+from dflash_assets import settings
+from dflash_assets.assets.hidden_states import load_tokenized
+from dflash_assets.core.manifest import StoredPartition
+from dflash_assets.core.sample_format import parse_sample_object_name
+from dflash_assets.io_manager import PartitionOutput
+from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+
+
+class TrainConfig(Config):
+    mode: str = Field(default=settings.TRAIN_MODE.get(), description="`offline` or `online`.")
+    run_name: str = Field(default=settings.RUN_NAME.get(), description="checkpoints/<run>/, drafter/<run>/.")
+    max_steps: int = Field(
+        default=settings.TRAIN_MAX_STEPS.get_int(), description="Optimiser steps (0: epochs)."
+    )
+    epochs: int = Field(default=6, description="Passes over the data (the DFlash recipe: 6).")
+    lr: float = Field(default=6e-4, description="AdamW peak learning rate.")
+    max_length: int = Field(
+        default=settings.MAX_LENGTH.get_int(), description="Tokens per sample trained on."
+    )
+    num_anchors: int = Field(default=512, description="Random anchor positions per sequence.")
+    gamma: float = Field(default=7.0, description="Loss weight exp(-(p-1)/gamma) at block position p.")
+    max_tokens_per_batch: int = Field(default=16384, description="Batch size x longest sample.")
+    seed: int = Field(default=0, description="Data order, anchors and initial weights.")
+    checkpoint_every_steps: int = Field(default=settings.CHECKPOINT_EVERY_STEPS.get_int())
+    checkpoint_every_minutes: float = Field(default=settings.CHECKPOINT_EVERY_MINUTES.get_float())
+    log_every_steps: int = Field(default=10, description="Steps between progress log lines.")
+    eval_samples: int = Field(default=16, description="Held-out samples evaluated at every checkpoint.")
+    cache_budget_bytes: int = Field(
+        default=16 * 2**30, description="Offline: bound on the local cache of streamed hidden states."
+    )
+
+
+def _block_metadata(prefix: str, metrics: dict) -> dict:
+    """Numbers only, so the UI plots them across checkpoints and runs."""
+    out = {}
+    for name in ("loss", "acceptance_length_tau"):
+        value = metrics.get(name)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[f"{prefix}{name}"] = MetadataValue.float(float(value))
+    for position, accuracy in enumerate(metrics.get("per_position_accuracy") or [], start=1):
+        if accuracy is not None:
+            out[f"{prefix}accuracy_pos_{position:02d}"] = MetadataValue.float(float(accuracy))
+    return out
+
+
+def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, budget: int):
+    from dflash_assets.core.train import OfflineData
+
+    if not hidden_states:
+        raise ValueError(
+            "No hidden-state ranges are materialised, so offline training has nothing to read: "
+            "materialise hidden_state_partitions for some ranges first, or set DFLASH_TRAIN_MODE=online "
+            "(run config `mode: online`) to run the target beside the trainer."
+        )
+    objects = [
+        (key, size)
+        for partition in hidden_states
+        for key, size in partition.object_keys()
+        if parse_sample_object_name(key.rsplit("/", 1)[-1]) is not None
+    ]
+    return OfflineData(store=store, objects=objects, cache_dir=cache_dir, cache_budget_bytes=budget)
+
+
+@asset(
+    ins={
+        "hidden_states": AssetIn("hidden_state_partitions"),
+        "tokenized": AssetIn("tokenized_completions"),
+    },
+    io_manager_key="store_io_manager",
+    group_name="dflash",
+    pool="gpu",
+    kinds={"pytorch", "s3"},
+    description="DFlash drafter trained on the materialised ranges; resumable checkpoints; exported model.",
+)
+def drafter_checkpoints(
+    context: AssetExecutionContext,
+    config: TrainConfig,
+    hidden_states: list[StoredPartition],
+    tokenized: list[StoredPartition],
+    store: StoreResource,
+    target_model: TargetModelResource,
+    devices: DeviceLeaseResource,
+) -> PartitionOutput:
+    from dflash_assets.core.capture import HiddenStateCapture, load_target_model
+    from dflash_assets.core.drafter import DrafterConfig, export_drafter
+    from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
+
+    object_store = store.check()
+    model_dir = target_model.model_dir()
+    layer_ids = target_model.layer_ids()
+    drafter_config = DrafterConfig.from_target(
+        model_dir, num_layers=target_model.num_draft_layers, target_layer_ids=layer_ids
+    )
+    drafter_config.extra["target_model_name"] = target_model.name  # what hidden-state objects record
+    work_dir = Path(store.staging_dir).expanduser() / "training" / config.run_name
+    cache_dir = Path(target_model.cache_dir).expanduser()
+
+    with devices.lease() as device:
+        context.log.info(f"training run {config.run_name!r} in {config.mode} mode on {device}")
+        train_settings = TrainSettings(
+            mode=config.mode,
+            max_steps=config.max_steps or None,
+            epochs=config.epochs,
+            lr=config.lr,
+            max_length=config.max_length,
+            num_anchors=config.num_anchors,
+            gamma=config.gamma,
+            max_tokens_per_batch=config.max_tokens_per_batch,
+            seed=config.seed,
+            checkpoint_every_steps=config.checkpoint_every_steps or None,
+            checkpoint_every_minutes=config.checkpoint_every_minutes or None,
+            log_every_steps=config.log_every_steps,
+            eval_samples=config.eval_samples,
+            device="cpu" if device.startswith("cpu") else device,
+        )
+        if config.mode == "offline":
+            data = _offline_data(
+                hidden_states, object_store, cache_dir / "train-cache", config.cache_budget_bytes
+            )
+        else:
+            if not tokenized:
+                raise ValueError("No tokenized_completions ranges are materialised: materialise some first.")
+            samples = [
+                s for partition in tokenized for s in load_tokenized(partition, cache_dir / "read-cache")
+            ]
+            target = load_target_model(model_dir, train_settings.device)
+            data = OnlineData(
+                samples=samples,
+                target_hidden_states=HiddenStateCapture(target, layer_ids),
+                partitions=[p.partition for p in tokenized],
+            )
+
+        def on_checkpoint(report: dict) -> None:
+            metadata = {"step": int(report.get("step", 0)), "checkpoint": str(report.get("checkpoint", ""))}
+            metadata.update(_block_metadata("train_", report.get("train") or {}))
+            metadata.update(_block_metadata("eval_", report.get("eval") or {}))
+            context.log_event(AssetObservation(asset_key=context.asset_key, metadata=metadata))
+
+        with store.uploader() as uploader:
+            result = train_drafter(
+                drafter_config,
+                train_settings,
+                data,
+                store=object_store,
+                run=config.run_name,
+                work_dir=work_dir,
+                log=context.log.info,
+                on_checkpoint=on_checkpoint,
+                uploader=uploader,
+            )
+            export_dir = export_drafter(result.model, work_dir / "export")
+            export_prefix = f"drafter/{config.run_name}"
+            for path in sorted(export_dir.iterdir()):
+                uploader.submit(path, f"{export_prefix}/{path.name}")
+            uploader.flush()
+
+    final = {
+        "loss": result.final_loss,
+        "acceptance_length_tau": result.acceptance_length_tau,
+        "per_position_accuracy": result.per_position_accuracy,
+    }
+    context.add_output_metadata(
+        {
+            "steps": result.steps,
+            "resumed_from_step": result.resumed_from_step if result.resumed_from_step is not None else -1,
+            "tokens_per_s": MetadataValue.float(float(result.tokens_per_second)),
+            "mode": config.mode,
+            "device": device,
+            "drafter_uri": object_store.uri(export_prefix),
+            "trained_partitions": MetadataValue.json(result.partitions),
+            "checkpoints_written": len(result.checkpoints),
+            **_block_metadata("", final),
+        }
+    )
+    return PartitionOutput(
+        prefix=f"checkpoints/{config.run_name}",
+        manifest_fields={
+            "run": config.run_name,
+            "mode": config.mode,
+            "steps": result.steps,
+            "trained_partitions": result.partitions,
+            "trained_sample_ranges": result.trained_sample_ranges,
+            "eval_sample_indices": result.eval_sample_indices,
+            "checkpoints": result.checkpoints,
+            "drafter": object_store.uri(export_prefix),
+            "target_model": drafter_config.target_model,
+            "target_layer_ids": layer_ids,
+        },
+    )

@@ -1,0 +1,79 @@
+"""`tokenized_completions`: chat conversations -> chat template -> token ids + assistant loss mask."""
+
+from dagster import AssetExecutionContext, Config, MetadataValue, asset
+from pydantic import Field
+
+from dflash_assets import settings
+from dflash_assets.core.manifest import partition_prefix
+from dflash_assets.core.sample_range import SampleRange
+from dflash_assets.core.tokenize import tokenize_range, write_shard
+from dflash_assets.io_manager import PartitionOutput
+from dflash_assets.partitions import sample_range_partitions
+from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
+
+SHARD_NAME = "shard.parquet"
+SAMPLE_RANGES = sample_range_partitions()
+
+
+class TokenizeConfig(Config):
+    max_length: int = Field(default=settings.MAX_LENGTH.get_int(), description="Token limit per sample.")
+    overlong: str = Field(default="truncate", description="`truncate` or `drop` samples over max_length.")
+    max_bad_fraction: float = Field(
+        default=0.5, description="Fail the range when more than this share of its rows is unusable."
+    )
+
+
+@asset(
+    partitions_def=SAMPLE_RANGES,
+    io_manager_key="store_io_manager",
+    group_name="dflash",
+    kinds={"parquet", "s3"},
+    description="Chat conversations tokenized with the target's chat template; loss mask = assistant tokens.",
+)
+def tokenized_completions(
+    context: AssetExecutionContext,
+    config: TokenizeConfig,
+    store: StoreResource,
+    dataset: DatasetResource,
+    target_model: TargetModelResource,
+) -> PartitionOutput:
+    sample_range = SampleRange.parse(context.partition_key)
+    store.check()
+    tokenizer = target_model.load_tokenizer()
+
+    result = tokenize_range(
+        tokenizer,
+        dataset.uri(),
+        sample_range,
+        max_length=config.max_length,
+        overlong=config.overlong,
+        max_bad_fraction=config.max_bad_fraction,
+    )
+    shard_path = store.staging_path(partition_prefix("tokenized_completions", sample_range.key)) / SHARD_NAME
+    write_shard(result.samples, shard_path)
+
+    context.log.info(
+        f"{sample_range.key}: {len(result.samples)} samples, {result.tokens} tokens, "
+        f"{len(result.dropped)} rows dropped {dict(result.dropped_by_reason)}"
+    )
+    context.add_output_metadata(
+        {
+            "samples": len(result.samples),
+            "tokens": result.tokens,
+            "mean_length": MetadataValue.float(result.mean_length),
+            "max_length": result.max_length,
+            "truncated": result.truncated,
+            "dropped": len(result.dropped),
+            **{f"dropped_{reason}": count for reason, count in sorted(result.dropped_by_reason.items())},
+        }
+    )
+    return PartitionOutput(
+        staged_files={SHARD_NAME: shard_path},
+        manifest_fields={
+            "sample_indices": [s.sample_index for s in result.samples],
+            "dropped": {str(index): reason for index, reason in sorted(result.dropped.items())},
+            "tokens": result.tokens,
+            "tokenizer": target_model.name,
+            "max_length": config.max_length,
+        },
+    )

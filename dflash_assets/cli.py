@@ -1,0 +1,124 @@
+"""`dflash-assets`: the headless demo, the demo-model builder and the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _instance():
+    from dagster import DagsterInstance
+
+    if os.environ.get("DAGSTER_HOME"):
+        home = Path(os.environ["DAGSTER_HOME"])
+        home.mkdir(parents=True, exist_ok=True)
+        config = home / "dagster.yaml"
+        if not config.exists():
+            packaged = Path(__file__).resolve().parent.parent / "dagster.yaml"
+            if packaged.exists():
+                config.write_text(packaged.read_text())
+        return DagsterInstance.get()
+    print("DAGSTER_HOME is not set: runs go to a temporary instance the UI will not show", file=sys.stderr)
+    return DagsterInstance.ephemeral()
+
+
+def run_demo(steps: int | None = None) -> int:
+    """Materialise every asset end to end on the current settings and print where results are."""
+    from dagster import materialize
+
+    from dflash_assets.definitions import defs
+
+    if steps is not None:
+        os.environ["DFLASH_TRAIN_MAX_STEPS"] = str(steps)
+    instance = _instance()
+    assets = list(defs.assets or [])
+    resources = dict(defs.resources or {})
+    by_name = {a.key.to_user_string(): a for a in assets}
+    partitioned = [name for name in ("tokenized_completions", "hidden_state_partitions") if name in by_name]
+    partition_keys = by_name["tokenized_completions"].partitions_def.get_partition_keys()
+
+    store = resources["store"]
+    print(f"store: {store.url}")
+    started = time.monotonic()
+    for key in partition_keys:
+        for name in partitioned:
+            t0 = time.monotonic()
+            result = materialize(
+                assets,
+                selection=[name],
+                partition_key=key,
+                resources=resources,
+                instance=instance,
+                raise_on_error=False,
+            )
+            status = "ok" if result.success else "FAILED"
+            print(f"  {name:26s} {key}  {status}  {time.monotonic() - t0:6.1f}s  run {result.run_id}")
+            if not result.success:
+                return 1
+    if "drafter_checkpoints" in by_name:
+        t0 = time.monotonic()
+        result = materialize(
+            assets,
+            selection=["drafter_checkpoints"],
+            resources=resources,
+            instance=instance,
+            raise_on_error=False,
+        )
+        status = "ok" if result.success else "FAILED"
+        print(
+            f"  {'drafter_checkpoints':26s} {'(all ranges)':17s} {status}  {time.monotonic() - t0:6.1f}s  "
+            f"run {result.run_id}"
+        )
+        if not result.success:
+            return 1
+    print(f"done in {time.monotonic() - started:.0f}s. Results under {store.url}:")
+    from dflash_assets.core.store import open_store
+
+    listing: dict[str, int] = {}
+    for info in open_store(store.url).list(""):
+        top = "/".join(info.key.split("/")[:2])
+        listing[top] = listing.get(top, 0) + 1
+    for top, count in sorted(listing.items()):
+        print(f"  {store.url.rstrip('/')}/{top}/  ({count} objects)")
+    if os.environ.get("DAGSTER_HOME"):
+        print(
+            f"runs are in the Dagster instance at {os.environ['DAGSTER_HOME']} (see them with scripts/ui.sh)"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-assets", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="materialise every asset on the current settings (embedded defaults)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (DFLASH_TRAIN_MAX_STEPS)")
+    build = sub.add_parser("build-demo-model", help="build the built-in demo target model into a directory")
+    build.add_argument("directory", nargs="?", default=None)
+    bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
+    bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        return run_demo(args.steps)
+    if args.command == "build-demo-model":
+        from dflash_assets import settings
+        from dflash_assets.core.demo_model import build_demo_model, ensure_demo_model
+
+        if args.directory:
+            path = build_demo_model(Path(args.directory))
+        else:
+            path = ensure_demo_model(settings.cache_dir())
+        print(path)
+        return 0
+    if args.command == "bench":
+        from dflash_assets.bench import run_bench
+
+        return run_bench(quick=args.quick)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Verification of a committed hidden-state partition: complete, present, decodable, finite."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dflash_assets.core.manifest import list_partition_objects, read_manifest
+from dflash_assets.core.sample_format import parse_sample_object_name, read_sample
+from dflash_assets.core.store import ObjectStore
+
+
+@dataclass
+class PartitionReport:
+    prefix: str
+    problems: list[str] = field(default_factory=list)
+    samples_expected: int = 0
+    samples_listed: int = 0
+    objects_present: int = 0
+    objects_decoded: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    @property
+    def summary(self) -> str:
+        if self.passed:
+            return (
+                f"{self.samples_listed} samples listed, all present with recorded sizes; "
+                f"{self.objects_decoded} decoded with the right shapes and finite values"
+            )
+        return f"{len(self.problems)} problem(s); first: {self.problems[0]}"
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "samples_expected": self.samples_expected,
+            "samples_listed": self.samples_listed,
+            "objects_present": self.objects_present,
+            "objects_decoded": self.objects_decoded,
+            "problems": "\n".join(self.problems[:20]) or "none",
+        }
+
+
+def verify_hidden_state_partition(
+    store: ObjectStore,
+    prefix: str,
+    *,
+    expected_indices: list[int],
+    target_layer_ids: list[int],
+    decode_samples: int = 8,
+    seed: int = 0,
+) -> PartitionReport:
+    report = PartitionReport(prefix=prefix, samples_expected=len(expected_indices))
+    manifest = read_manifest(store, prefix)
+    if manifest is None:
+        report.problems.append(f"{store.uri(prefix)} has no manifest")
+        return report
+
+    listed = {
+        index: name
+        for name in manifest.get("objects", {})
+        if (index := parse_sample_object_name(name)) is not None
+    }
+    report.samples_listed = len(listed)
+    missing_from_manifest = sorted(set(expected_indices) - set(listed))
+    if missing_from_manifest:
+        report.problems.append(
+            f"manifest omits {len(missing_from_manifest)} sample(s), first index {missing_from_manifest[0]}"
+        )
+    unexpected = sorted(set(listed) - set(expected_indices))
+    if unexpected:
+        report.problems.append(
+            f"manifest lists {len(unexpected)} unexpected sample(s), first {unexpected[0]}"
+        )
+
+    present = list_partition_objects(store, prefix)
+    for name, size in manifest.get("objects", {}).items():
+        if name not in present:
+            report.problems.append(f"{name} is in the manifest but not in the store")
+        elif present[name] != size:
+            report.problems.append(f"{name} is {present[name]} bytes in the store, manifest says {size}")
+        else:
+            report.objects_present += 1
+
+    rng = random.Random(seed)
+    names = sorted(n for n in listed.values() if n in present)
+    for name in rng.sample(names, min(decode_samples, len(names))):
+        problem = _decode_problem(
+            store,
+            f"{prefix}/{name}",
+            listed_index=parse_sample_object_name(name),
+            target_layer_ids=target_layer_ids,
+        )
+        if problem:
+            report.problems.append(f"{name}: {problem}")
+        else:
+            report.objects_decoded += 1
+    return report
+
+
+def _decode_problem(
+    store: ObjectStore, key: str, *, listed_index: int | None, target_layer_ids: list[int]
+) -> str | None:
+    try:
+        sample = read_sample(store.get_bytes(key))
+    except Exception as error:  # any decode failure is a finding, not a crash of the check
+        return f"does not decode: {error}"
+    hidden = sample.hidden_states
+    tokens = sample.input_ids.shape[0]
+    if hidden.dim() != 3 or hidden.shape[0] != tokens or hidden.shape[1] != len(target_layer_ids):
+        return f"hidden_states shape {tuple(hidden.shape)}, expected [{tokens}, {len(target_layer_ids)}, H]"
+    if sample.loss_mask.shape[0] != tokens:
+        return f"loss_mask has {sample.loss_mask.shape[0]} entries for {tokens} tokens"
+    if not bool(torch.isfinite(hidden.float()).all()):
+        return "hidden_states contain non-finite values"
+    if sample.sample_index != listed_index:
+        return f"metadata sample_index {sample.sample_index} != name index {listed_index}"
+    if list(sample.target_layer_ids) != list(target_layer_ids):
+        return f"target_layer_ids {sample.target_layer_ids} != {target_layer_ids}"
+    return None

@@ -1,0 +1,24 @@
+"""The one Definitions object of the dflash-assets code location."""
+
+from dagster import Definitions
+
+from dflash_assets.assets.drafter_checkpoints import drafter_checkpoints
+from dflash_assets.assets.hidden_states import hidden_state_partitions
+from dflash_assets.assets.tokenized_completions import tokenized_completions
+from dflash_assets.io_manager import StoreIOManager
+from dflash_assets.resources import DatasetResource, DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.sensors import failed_range_sensor
+
+store = StoreResource()
+
+defs = Definitions(
+    assets=[tokenized_completions, hidden_state_partitions, drafter_checkpoints],
+    sensors=[failed_range_sensor],
+    resources={
+        "store": store,
+        "store_io_manager": StoreIOManager(store=store),
+        "dataset": DatasetResource(),
+        "target_model": TargetModelResource(),
+        "devices": DeviceLeaseResource(),
+    },
+)

@@ -1,0 +1,107 @@
+"""The object-store IO manager: upload-then-delete, manifest last, committed partitions in.
+
+Assets hand it a `PartitionOutput`: files still in local staging (uploaded here, deleted once the
+store confirms them) and objects a run already streamed to the store. It commits the partition by
+writing `_manifest.json` last. Downstream assets receive `StoredPartition` handles, never bytes:
+readers stream or cache what they need with idempotent downloads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dagster import ConfigurableIOManager, InputContext, OutputContext
+
+from dflash_assets.core.faults import fault_point
+from dflash_assets.core.manifest import (
+    ASSET_PREFIXES,
+    StoredPartition,
+    new_manifest,
+    read_manifest,
+    write_manifest,
+)
+from dflash_assets.resources import StoreResource
+
+
+@dataclass
+class PartitionOutput:
+    """What an asset returns: the partition's objects and what its manifest should record."""
+
+    staged_files: dict[str, Path] = field(default_factory=dict)  # name -> local file to upload
+    stored_objects: dict[str, int] = field(default_factory=dict)  # name -> size, already in the store
+    manifest_fields: dict[str, Any] = field(default_factory=dict)
+    prefix: str | None = None  # defaults to <asset prefix>/<partition key>
+
+
+def _asset_name(context: InputContext | OutputContext) -> str:
+    return context.asset_key.path[-1]
+
+
+def _prefix(asset_name: str, partition_key: str | None) -> str:
+    top = ASSET_PREFIXES.get(asset_name, asset_name.replace("_", "-"))
+    return f"{top}/{partition_key}" if partition_key else top
+
+
+class StoreIOManager(ConfigurableIOManager):
+    """Keys outputs by asset and partition under the store layout in the README."""
+
+    store: StoreResource
+
+    def handle_output(self, context: OutputContext, obj: PartitionOutput) -> None:
+        if not isinstance(obj, PartitionOutput):
+            raise TypeError(
+                f"asset {_asset_name(context)} returned {type(obj).__name__}; the store IO manager "
+                "expects a PartitionOutput"
+            )
+        store = self.store.open()
+        partition_key = context.partition_key if context.has_partition_key else None
+        prefix = obj.prefix or _prefix(_asset_name(context), partition_key)
+        objects = dict(obj.stored_objects)
+        if obj.staged_files:
+            with self.store.uploader() as uploader:
+                for name, path in obj.staged_files.items():
+                    objects[name] = path.stat().st_size
+                    uploader.submit(path, f"{prefix}/{name}")
+                uploader.flush()
+        manifest = new_manifest(
+            _asset_name(context), partition_key or "", objects, run_id=context.run_id, **obj.manifest_fields
+        )
+        fault_point("before_manifest")
+        write_manifest(store, prefix, manifest)
+        context.add_output_metadata(
+            {"uri": store.uri(prefix), "objects": len(objects), "stored_bytes": sum(objects.values())}
+        )
+
+    def load_input(self, context: InputContext) -> StoredPartition | list[StoredPartition]:
+        store = self.store.open()
+        asset_name = _asset_name(context)
+        if not context.has_asset_partitions:
+            return self._load_one(store, asset_name, None)
+        keys = sorted(context.asset_partition_keys)
+        if len(keys) == 1 and context.has_partition_key:
+            return self._load_one(store, asset_name, keys[0])
+        # A whole-asset read (e.g. training over every range): committed partitions only; the
+        # consumer decides whether an empty list is an error for what it does.
+        committed = []
+        for key in keys:
+            prefix = _prefix(asset_name, key)
+            manifest = read_manifest(store, prefix)
+            if manifest is not None:
+                committed.append(StoredPartition(store, prefix, manifest))
+        context.log.info(f"{asset_name}: {len(committed)} of {len(keys)} ranges are committed in {store.url}")
+        return committed
+
+    def _load_one(self, store, asset_name: str, partition_key: str | None) -> StoredPartition:
+        prefix = _prefix(asset_name, partition_key)
+        manifest = read_manifest(store, prefix)
+        if manifest is None:
+            where = f"partition {partition_key}" if partition_key else "it"
+            raise FileNotFoundError(
+                f"{asset_name} {where} is not materialised: {store.uri(prefix)} has no _manifest.json. "
+                f"Materialise {asset_name}"
+                + (f" --partition {partition_key}" if partition_key else "")
+                + " first."
+            )
+        return StoredPartition(store, prefix, manifest)

@@ -1,0 +1,156 @@
+"""Dagster resources: the store, the target model, the dataset and the device lease.
+
+Each is a thin `ConfigurableResource` over a core object. Defaults come from `settings.py` (the
+`DFLASH_*` variables); run config in the launchpad overrides them. No field holds a secret: boto3
+reads the standard AWS variables itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from dagster import ConfigurableResource
+from pydantic import PrivateAttr
+
+from dflash_assets import settings
+from dflash_assets.core.store import ObjectStore, S3Settings, open_store
+from dflash_assets.core.uploader import Uploader
+
+
+class StoreResource(ConfigurableResource):
+    """The object store every asset reads and writes, plus local staging for uploads."""
+
+    url: str = settings.store_url()
+    s3_checksum: str = settings.S3_CHECKSUM.get()
+    upload_max_in_flight: int = settings.UPLOAD_MAX_IN_FLIGHT.get_int()
+    staging_dir: str = str(settings.staging_dir())
+    staging_max_bytes: int = settings.STAGING_MAX_BYTES.get_int()
+    s3_max_attempts: int = 8  # per request, inside boto3 (adaptive retry mode)
+    upload_max_attempts: int = 6  # per object, around boto3's retries, with exponential backoff
+    upload_backoff_s: float = 0.5
+
+    _store: ObjectStore | None = PrivateAttr(default=None)
+
+    def open(self) -> ObjectStore:
+        if self._store is None:
+            s3 = S3Settings(
+                checksum=self.s3_checksum or None,
+                # Large objects go multipart with several connections each.
+                max_pool_connections=4 * max(10, self.upload_max_in_flight),
+                max_attempts=self.s3_max_attempts,
+            )
+            self._store = open_store(self.url, s3)
+        return self._store
+
+    def check(self) -> ObjectStore:
+        """Fail before any work when the store is unreachable, missing or refuses our credentials."""
+        store = self.open()
+        store.check()
+        return store
+
+    def uploader(self) -> Uploader:
+        return Uploader(
+            self.open(),
+            max_in_flight=self.upload_max_in_flight,
+            staging_budget_bytes=self.staging_max_bytes,
+            max_attempts=self.upload_max_attempts,
+            backoff_s=self.upload_backoff_s,
+        )
+
+    def staging_path(self, prefix: str) -> Path:
+        path = Path(self.staging_dir).expanduser() / prefix
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+class TargetModelResource(ConfigurableResource):
+    """The target LLM: a Hugging Face model directory, or `demo` for the built-in tiny model."""
+
+    model: str = settings.TARGET_MODEL.get()
+    target_layer_ids: str = settings.TARGET_LAYER_IDS.get()
+    num_draft_layers: int = settings.NUM_DRAFT_LAYERS.get_int()
+    cache_dir: str = str(settings.cache_dir())
+
+    def model_dir(self) -> Path:
+        if self.model == "demo":
+            from dflash_assets.core.demo_model import ensure_demo_model
+
+            return ensure_demo_model(Path(self.cache_dir).expanduser())
+        path = Path(self.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"target model directory {str(path)!r} has no config.json: set DFLASH_TARGET_MODEL "
+                "(or the target_model resource's `model`) to a Hugging Face model directory, or to "
+                "`demo` for the built-in model"
+            )
+        return path
+
+    @property
+    def name(self) -> str:
+        """The target's identity in object metadata and fingerprints: directory name plus a digest of its
+        config.json, so the same model found at another path (e.g. copied to /dev/shm) still matches
+        and a different model under the same name does not."""
+        model_dir = self.model_dir()
+        digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:12]
+        return f"{model_dir.name}@{digest}"
+
+    def load_config(self) -> dict:
+        path = self.model_dir() / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(
+                f"cannot read target model config {path}: {error} (DFLASH_TARGET_MODEL)"
+            ) from error
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        model_dir = self.model_dir()
+        try:
+            return AutoTokenizer.from_pretrained(model_dir)
+        except Exception as error:  # transformers raises many types here
+            raise ValueError(
+                f"cannot load the tokenizer from {model_dir}: {error} (check DFLASH_TARGET_MODEL)"
+            ) from error
+
+    def layer_ids(self) -> list[int]:
+        """Validated against the model's layer count before anything touches a device."""
+        from transformers import AutoConfig
+
+        from dflash_assets.core.capture import parse_layer_ids, resolve_target_layer_ids
+
+        config = AutoConfig.from_pretrained(self.model_dir())
+        explicit = parse_layer_ids(self.target_layer_ids) if self.target_layer_ids.strip() else None
+        return resolve_target_layer_ids(config, explicit, num_draft_layers=self.num_draft_layers)
+
+
+class DatasetResource(ConfigurableResource):
+    """The source conversations; `bundled` is the sample data shipped in the package."""
+
+    dataset: str = settings.DATASET.get()
+    cache_dir: str = str(settings.cache_dir())
+
+    def uri(self) -> str:
+        from dflash_assets.core.datasets import bundled_dataset_path
+
+        return str(bundled_dataset_path()) if self.dataset == "bundled" else self.dataset
+
+
+class DeviceLeaseResource(ConfigurableResource):
+    """One device per run, leased with a lock that also holds across separate shells."""
+
+    devices: str = settings.DEVICES.get()
+    lock_dir: str = str(settings.cache_dir() / "device-leases")
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[str]:
+        from dflash_assets.core.devices import available_devices, lease_device
+
+        candidates = [d.strip() for d in self.devices.split(",") if d.strip()] or available_devices()
+        with lease_device(candidates, lock_dir=Path(self.lock_dir).expanduser()) as device:
+            yield device

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create .venv, install dflash-assets with its test extra, and prepare a local Dagster instance.
+# Idempotent: a second run only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch is a loose requirement of the package; install a known-good release first so pip does not pick
+# an arbitrary build. DFLASH_TORCH_SPEC chooses another (e.g. a CUDA build from your own index).
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q "${DFLASH_TORCH_SPEC:-torch==2.13.0}"
+fi
+stamp=".venv/.dflash-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
+
+export DAGSTER_HOME="${DAGSTER_HOME:-$PWD/.dagster_home}"
+mkdir -p "$DAGSTER_HOME"
+cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
+
+# One run per GPU in the gpu pool; a CPU-only machine gets one.
+gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
+dagster instance concurrency set gpu "$(( gpus > 0 ? gpus : 1 ))" >/dev/null
