@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("directory", nargs="?", default=None)
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
+    sub.add_parser(
+        "reap", help="mark runs whose worker on this host died as failed and free their pool slots"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -112,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = ensure_demo_model(settings.cache_dir())
         print(path)
+        return 0
+    if args.command == "reap":
+        from dflash_assets.recovery import reap_dead_runs
+
+        reaped = reap_dead_runs(_instance())
+        print(f"{len(reaped)} dead run(s) marked failed")
         return 0
     if args.command == "bench":
         from dflash_assets.bench import run_bench

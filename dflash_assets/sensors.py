@@ -25,6 +25,7 @@ from dagster import (
 from dflash_assets import settings
 from dflash_assets.assets.hidden_states import hidden_state_partitions
 from dflash_assets.assets.tokenized_completions import tokenized_completions
+from dflash_assets.recovery import reap_dead_runs
 
 ATTEMPT_TAG = "dflash/attempt"
 RETRIGGER_OF_TAG = "dflash/retrigger_of"
@@ -99,6 +100,7 @@ def _retrigger_requests(
     description="Re-launches sample ranges whose latest run failed, up to DFLASH_RETRIGGER_MAX_ATTEMPTS.",
 )
 def failed_range_sensor(context: SensorEvaluationContext):
+    reap_dead_runs(context.instance, context.log.warning)  # so killed runs count as failed ranges
     requests, newest = _retrigger_requests(context, settings.RETRIGGER_MAX_ATTEMPTS.get_int())
     context.update_cursor(json.dumps({"updated_after": newest}))
     if not requests:

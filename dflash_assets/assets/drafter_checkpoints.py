@@ -11,6 +11,7 @@ from dflash_assets.assets.hidden_states import load_tokenized
 from dflash_assets.core.manifest import StoredPartition
 from dflash_assets.core.sample_format import parse_sample_object_name
 from dflash_assets.io_manager import PartitionOutput
+from dflash_assets.recovery import record_worker
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 
 
@@ -93,6 +94,7 @@ def drafter_checkpoints(
     from dflash_assets.core.drafter import DrafterConfig, export_drafter
     from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
 
+    record_worker(context)
     object_store = store.check()
     model_dir = target_model.model_dir()
     layer_ids = target_model.layer_ids()

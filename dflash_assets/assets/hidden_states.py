@@ -22,6 +22,7 @@ from dflash_assets.core.sample_range import SampleRange
 from dflash_assets.core.tokenize import read_shard
 from dflash_assets.core.verify import verify_hidden_state_partition
 from dflash_assets.io_manager import PartitionOutput
+from dflash_assets.recovery import record_worker
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 
 
@@ -63,6 +64,7 @@ def hidden_state_partitions(
     from dflash_assets.core.capture import load_target_model
     from dflash_assets.core.extract import extract_range
 
+    record_worker(context)
     sample_range = SampleRange.parse(context.partition_key)
     object_store = store.check()
     layer_ids = target_model.layer_ids()  # validated before anything touches a device

@@ -9,6 +9,7 @@ from dflash_assets.core.sample_range import SampleRange
 from dflash_assets.core.tokenize import tokenize_range, write_shard
 from dflash_assets.io_manager import PartitionOutput
 from dflash_assets.partitions import sample_range_partitions
+from dflash_assets.recovery import record_worker
 from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
 
 SHARD_NAME = "shard.parquet"
@@ -37,6 +38,7 @@ def tokenized_completions(
     dataset: DatasetResource,
     target_model: TargetModelResource,
 ) -> PartitionOutput:
+    record_worker(context)
     sample_range = SampleRange.parse(context.partition_key)
     store.check()
     tokenizer = target_model.load_tokenizer()

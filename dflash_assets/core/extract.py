@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
 from dflash_assets.core.capture import HiddenStateCapture
+from dflash_assets.core.faults import fault_point
 from dflash_assets.core.manifest import delete_partition
 from dflash_assets.core.sample_format import (
     SAMPLE_FORMAT,
@@ -478,6 +479,7 @@ class _Run:
     ) -> Iterator[tuple[TokenizedSample, torch.Tensor | None]]:
         """(sample, bf16 CPU hidden states [T, K, H]) per sample; halves the batch on out-of-memory."""
         input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id)
+        fault_point("extract_forward")  # crash tests: die here, mid-range, with earlier batches staged
         try:
             captured = self.capture(input_ids, attention_mask)
         except torch.cuda.OutOfMemoryError:

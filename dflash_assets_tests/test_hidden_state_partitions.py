@@ -1,0 +1,375 @@
+"""`hidden_state_partitions` end to end on a real Dagster instance, the demo model and a real S3 server:
+exactly-once under SIGKILL, fault injection, backpressure and one device per run."""
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dagster import AssetKey, DagsterInstance
+
+from dflash_assets.core.manifest import read_manifest
+from dflash_assets.core.sample_format import read_sample
+from dflash_assets.core.store import open_store
+from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY, create_bucket
+
+KEY = "00000000-00000023"  # 24 samples per range keeps each run to seconds
+HS_PREFIX = f"hidden-states/{KEY}"
+TOK_PREFIX = f"tokenized-completions/{KEY}"
+
+
+def _dagster(args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
+    dagster = Path(sys.executable).with_name("dagster")
+    return subprocess.Popen(
+        [str(dagster), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **popen,
+    )
+
+
+def _materialize_args(asset: str, partition: str = KEY, config: dict | None = None) -> list[str]:
+    args = [
+        "asset",
+        "materialize",
+        "-m",
+        "dflash_assets.definitions",
+        "--select",
+        asset,
+        "--partition",
+        partition,
+    ]
+    if config:
+        args += ["--config-json", json.dumps({"ops": {asset: {"config": config}}})]
+    return args
+
+
+def _run_cli(args: list[str], env: dict[str, str]) -> tuple[int, str]:
+    process = _dagster(args, env)
+    output, _ = process.communicate(timeout=300)
+    return process.returncode, output
+
+
+def _object_digests(store_url: str) -> dict[str, str]:
+    store = open_store(store_url)
+    return {
+        info.key.rsplit("/", 1)[-1]: hashlib.sha256(store.get_bytes(info.key)).hexdigest()
+        for info in store.list(HS_PREFIX + "/")
+        if not info.key.rsplit("/", 1)[-1].startswith("_")
+    }
+
+
+def _copy_tokenized(source_url: str, target_url: str) -> None:
+    source, target = open_store(source_url), open_store(target_url)
+    for info in source.list(TOK_PREFIX + "/"):
+        target.put_bytes(info.key, source.get_bytes(info.key))
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, moto_endpoint):
+    """One tokenized range and an uninterrupted extraction of it: the reference every test compares to."""
+    from dflash_assets.core.demo_model import ensure_demo_model
+
+    root = tmp_path_factory.mktemp("pipeline")
+    cache = root / "cache"
+    model_dir = ensure_demo_model(cache)
+    bucket = "hs-pipeline"
+    create_bucket(moto_endpoint, bucket)
+    dagster_home = root / "dagster-home"
+    dagster_home.mkdir()
+    (dagster_home / "dagster.yaml").write_text((Path(__file__).parent.parent / "dagster.yaml").read_text())
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": TEST_SECRET_ACCESS_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": moto_endpoint,
+        "DFLASH_HOME": str(root / "home"),
+        "DFLASH_CACHE_DIR": str(cache),
+        "DFLASH_SAMPLES_PER_PARTITION": "24",
+        "DFLASH_MAX_TOKENS_PER_BATCH": "1024",
+        "DAGSTER_HOME": str(dagster_home),
+        "OMP_NUM_THREADS": "1",
+    }
+    # The test process itself reads the store too: the same variables a user would set.
+    patch = pytest.MonkeyPatch()
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3"):
+        patch.setenv(name, env[name])
+    base = f"s3://{bucket}/reference"
+    env["DFLASH_STORE_URL"] = base
+    code, output = _run_cli(_materialize_args("tokenized_completions"), env)
+    assert code == 0, output[-4000:]
+    code, output = _run_cli(
+        _materialize_args("hidden_state_partitions", config={"progress_every_s": 0.2}), env
+    )
+    assert code == 0, output[-4000:]
+    return {
+        "env": env,
+        "bucket": bucket,
+        "base": base,
+        "reference": _object_digests(base),
+        "root": root,
+        "cache": cache,
+        "model_dir": model_dir,
+    }
+
+
+def _fresh_store(pipeline, name: str) -> str:
+    url = f"s3://{pipeline['bucket']}/{name}"
+    _copy_tokenized(pipeline["base"], url)
+    return url
+
+
+def test_a_range_stores_one_object_per_sample_equal_to_the_target_and_passes_its_check(pipeline):
+    store = open_store(pipeline["base"])
+    manifest = read_manifest(store, HS_PREFIX)
+    tokenized = read_manifest(store, TOK_PREFIX)
+    assert len(pipeline["reference"]) == len(tokenized["sample_indices"]) == len(manifest["sample_indices"])
+    assert sorted(pipeline["reference"]) == sorted(manifest["objects"])
+
+    # an independent reference: Hugging Face's own output_hidden_states[i + 1]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(pipeline["model_dir"]).eval()
+    name = sorted(manifest["objects"])[3]
+    sample = read_sample(store.get_bytes(f"{HS_PREFIX}/{name}"))
+    with torch.inference_mode():
+        out = model(sample.input_ids.long()[None], output_hidden_states=True)
+    for j, layer in enumerate(sample.target_layer_ids):
+        expected = out.hidden_states[layer + 1][0].to(torch.bfloat16)
+        torch.testing.assert_close(sample.hidden_states[:, j], expected, atol=1e-3, rtol=2**-7)
+    assert sample.target_layer_ids == [1, 3, 6, 8, 9] or len(sample.target_layer_ids) == 5
+
+    os.environ["DAGSTER_HOME"] = pipeline["env"]["DAGSTER_HOME"]
+    with DagsterInstance.get() as instance:
+        event = instance.get_latest_materialization_event(AssetKey("hidden_state_partitions"))
+        metadata = event.asset_materialization.metadata
+        check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+            [__import__("dagster").AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")]
+        )
+        logs = "\n".join(str(e.user_message) for e in instance.all_logs(event.run_id))
+    assert metadata["samples"].value == len(pipeline["reference"])
+    assert metadata["device"].value == "cpu"
+    assert 0 <= metadata["padding_fraction"].value < 0.5
+    assert metadata["tokens_per_s"].value > 0
+    assert list(check.values())[0].status.value == "SUCCEEDED"
+    assert "samples/s" in logs and "ETA" in logs.upper()
+    assert TEST_SECRET_ACCESS_KEY not in logs
+
+
+def _kill_when(process: subprocess.Popen, condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError("the run finished before the kill point:\n" + process.stdout.read()[-3000:])
+        if condition():
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    raise AssertionError("kill point never reached")
+
+
+@pytest.mark.parametrize("crash", ["mid-forward", "mid-upload", "before-manifest"])
+def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline, faulty_proxy, crash):
+    url = _fresh_store(pipeline, f"crash-{crash}")
+    env = {**pipeline["env"], "DFLASH_STORE_URL": url}
+    store = open_store(url)
+    if crash == "mid-forward":
+        code, output = _run_cli(
+            _materialize_args("hidden_state_partitions"), {**env, "DFLASH_FAULT_POINTS": "extract_forward@4"}
+        )
+        assert code != 0, output[-3000:]
+        staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
+        finished = {i.key.rsplit("/", 1)[-1] for i in store.list(HS_PREFIX + "/hs_")}
+        finished |= {p.name for p in staging.glob("hs_*.safetensors")}
+        assert 0 < len(finished) < len(pipeline["reference"])  # died part-way, with work to keep
+    elif crash == "before-manifest":
+        code, output = _run_cli(
+            _materialize_args("hidden_state_partitions"), {**env, "DFLASH_FAULT_POINTS": "before_manifest"}
+        )
+        assert code != 0, output[-3000:]
+        assert len(list(store.list(HS_PREFIX + "/hs_"))) == len(pipeline["reference"])
+    else:  # killed from outside while uploads crawl through a slow store
+        proxy = faulty_proxy()
+        proxy.throttle(latency_s=0.15)
+        process = _dagster(
+            _materialize_args("hidden_state_partitions"),
+            {**env, "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "DFLASH_UPLOAD_MAX_IN_FLIGHT": "2"},
+        )
+        _kill_when(process, lambda: len(list(store.list(HS_PREFIX + "/hs_"))) >= 3)
+    assert read_manifest(store, HS_PREFIX) is None  # never committed by the killed run
+
+    # A killed worker leaves its run STARTED, holding its gpu pool slot; the reaper (also run by the
+    # failed-range sensor) marks it failed so the range can run again.
+    reap = subprocess.run(
+        [str(Path(sys.executable).with_name("dflash-assets")), "reap"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reap.returncode == 0, reap.stderr[-2000:]
+    assert reap.stdout.strip().endswith("dead run(s) marked failed")
+    if crash == "mid-upload":
+        assert "1 dead run(s) marked failed" in reap.stdout, reap.stdout
+
+    code, output = _run_cli(_materialize_args("hidden_state_partitions"), env)
+    assert code == 0, output[-4000:]
+    assert _object_digests(url) == pipeline["reference"]  # same names, same bytes, nothing extra
+    manifest = read_manifest(store, HS_PREFIX)
+    assert sorted(manifest["objects"]) == sorted(pipeline["reference"])
+    staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
+    assert not list(staging.glob("hs_*")) if staging.exists() else True
+
+
+def _extract(pipeline, url: str, endpoint: str, **store_config) -> tuple[int, str, dict]:
+    """Run the range through the CLI against `endpoint`; returns exit code, output and the run's metadata."""
+    env = {**pipeline["env"], "DFLASH_STORE_URL": url, "AWS_ENDPOINT_URL_S3": endpoint}
+    args = _materialize_args("hidden_state_partitions")
+    args += ["--config-json", json.dumps({"resources": {"store": {"config": store_config}}})]
+    code, output = _run_cli(args, env)
+    metadata = {}
+    if code == 0:
+        with DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+            event = instance.get_latest_materialization_event(AssetKey("hidden_state_partitions"))
+            metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+    return code, output, metadata
+
+
+FAST_RETRIES = {"upload_backoff_s": 0.01}
+
+
+def test_a_store_failing_a_share_of_requests_still_yields_identical_results(pipeline, faulty_proxy):
+    url = _fresh_store(pipeline, "flaky")
+    proxy = faulty_proxy(seed=7)
+    proxy.fail_share(0.2, "500", methods=["PUT"])
+    code, output, _ = _extract(pipeline, url, proxy.endpoint_url, **FAST_RETRIES)
+    assert code == 0, output[-4000:]
+    assert proxy.counters.faults > 0
+    assert _object_digests(url) == pipeline["reference"]
+
+
+def test_dropped_connections_after_the_store_received_the_object_are_retried_to_the_same_result(
+    pipeline, faulty_proxy
+):
+    url = _fresh_store(pipeline, "drops")
+    proxy = faulty_proxy(seed=3)
+    proxy.fail_share(0.15, "drop", methods=["PUT"], after_forward=True)
+    code, output, _ = _extract(pipeline, url, proxy.endpoint_url, **FAST_RETRIES)
+    assert code == 0, output[-4000:]
+    assert proxy.counters.dropped > 0
+    assert _object_digests(url) == pipeline["reference"]
+
+
+def test_when_the_store_goes_down_the_run_fails_naming_the_endpoint_and_loses_no_finished_sample(
+    pipeline, faulty_proxy
+):
+    url = _fresh_store(pipeline, "outage")
+    proxy = faulty_proxy()
+    proxy.throttle(latency_s=0.05)
+    store = open_store(url)
+
+    def outage_after_a_few_uploads():
+        deadline = time.monotonic() + 120
+        while len(list(store.list(HS_PREFIX + "/hs_"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proxy.go_down()
+
+    watcher = threading.Thread(target=outage_after_a_few_uploads, daemon=True)
+    watcher.start()
+    code, output, _ = _extract(
+        pipeline,
+        url,
+        proxy.endpoint_url,
+        s3_max_attempts=1,
+        upload_max_attempts=2,
+        upload_max_in_flight=2,
+        **FAST_RETRIES,
+    )
+    watcher.join(timeout=60)
+    assert code != 0
+    assert proxy.endpoint_url in output
+    assert TEST_SECRET_ACCESS_KEY not in output
+    proxy.go_up()
+
+    uploaded = {i.key.rsplit("/", 1)[-1] for i in store.list(HS_PREFIX + "/hs_")}
+    staging = Path(pipeline["env"]["DFLASH_HOME"]) / "staging" / HS_PREFIX
+    staged = {p.name for p in staging.glob("hs_*.safetensors")}
+    assert read_manifest(store, HS_PREFIX) is None
+    assert staged, "finished samples that could not be uploaded stay in local staging"
+
+    code, output, metadata = _extract(pipeline, url, proxy.endpoint_url, **FAST_RETRIES)
+    assert code == 0, output[-4000:]
+    assert metadata["reused_from_staging"] == len(staged - uploaded)
+    assert metadata["reused_from_store"] == len(uploaded)
+    assert _object_digests(url) == pipeline["reference"]
+
+
+def test_a_slow_store_pauses_extraction_instead_of_letting_staging_outgrow_its_budget(pipeline, faulty_proxy):
+    url = _fresh_store(pipeline, "slow")
+    proxy = faulty_proxy()
+    proxy.throttle(latency_s=0.05, bytes_per_s=2_000_000)
+    budget = 300_000  # a handful of demo samples
+    staging = Path(pipeline["env"]["DFLASH_HOME"]) / "staging" / HS_PREFIX
+    observed = [0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            # a file can be uploaded and deleted between the listing and its stat
+            with contextlib.suppress(FileNotFoundError):
+                observed.append(sum(p.stat().st_size for p in staging.glob("*hs_*")))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    code, output, metadata = _extract(
+        pipeline, url, proxy.endpoint_url, staging_max_bytes=budget, upload_max_in_flight=2
+    )
+    done.set()
+    watcher.join()
+    assert code == 0, output[-4000:]
+    assert max(observed) <= budget, max(observed)
+    assert metadata["peak_staging_bytes"] <= budget
+    assert metadata["peak_staging_bytes"] > budget // 2  # the budget was actually what held it back
+    assert max(observed) > 0
+    assert _object_digests(url) == pipeline["reference"]
+
+
+def test_two_ranges_started_at_once_from_two_shells_get_different_devices(pipeline, faulty_proxy, tmp_path):
+    env = {
+        **pipeline["env"],
+        "DFLASH_STORE_URL": f"s3://{pipeline['bucket']}/two-devices",
+        "DFLASH_DEVICES": "cpu:0,cpu:1",
+        "DFLASH_CACHE_DIR": pipeline["env"]["DFLASH_CACHE_DIR"],
+    }
+    proxy = faulty_proxy()
+    proxy.throttle(latency_s=0.1)
+    second = "00000024-00000047"
+    for key in (KEY, second):
+        code, output = _run_cli(_materialize_args("tokenized_completions", key), env)
+        assert code == 0, output[-3000:]
+    code, output = _run_cli(["instance", "concurrency", "set", "gpu", "2"], env)
+    assert code == 0, output
+    slow = {**env, "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "DFLASH_UPLOAD_MAX_IN_FLIGHT": "2"}
+    runs = [_dagster(_materialize_args("hidden_state_partitions", key), slow) for key in (KEY, second)]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    devices = []
+    for output in outputs:
+        line = next(line for line in output.splitlines() if "leased device" in line)
+        devices.append(line.split("leased device ")[1].split(";")[0])
+    assert sorted(devices) == ["cpu:0", "cpu:1"]
