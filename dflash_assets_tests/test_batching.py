@@ -97,3 +97,14 @@ def test_training_batches_shuffle_their_order_and_mix_membership_yet_stay_bucket
     assert padded != sorted(padded, reverse=True), "batch order is shuffled"
     assert {frozenset(b) for b in shuffled} != {frozenset(b) for b in planned}, "membership varies"
     assert padding_fraction(shuffled, lengths) < 0.1
+
+
+def test_planned_batches_keep_padding_under_the_bound_even_for_widely_spread_lengths():
+    rng = random.Random(1)
+    lengths = [rng.randint(5, 3000) for _ in range(500)]
+    batches = plan_batches(lengths, 16384)
+    assert sorted(i for batch in batches for i in batch) == list(range(500))
+    for batch in batches:
+        assert padding_fraction([batch], lengths) <= 0.05 or len(batch) == 1
+    unbounded = plan_batches(lengths, 16384, max_padding_fraction=None)
+    assert padding_fraction(batches, lengths) < padding_fraction(unbounded, lengths)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dflash_assets.core.drafter import (
@@ -16,12 +17,13 @@ from dflash_assets.core.drafter import (
     DrafterBatch,
     DrafterConfig,
     anchor_generator,
-    block_attention_mask,
+    block_context_mask,
     dflash_loss,
     export_drafter,
     load_drafter,
     load_target_embeddings,
     position_weights,
+    rotary_cos_sin,
     sample_anchors,
 )
 from dflash_assets.core.evaluate import evaluate_drafter
@@ -63,22 +65,79 @@ def random_batch(
     return DrafterBatch(input_ids, loss_mask, hidden_states, torch.tensor(lengths), list(range(len(lengths))))
 
 
-def block_hidden(drafter: DFlashDrafter, batch: DrafterBatch, anchors: BlockAnchors) -> torch.Tensor:
-    """The drafter's output for every slot of every block, [B, N, S, D]."""
-    block_size = drafter.config.block_size
-    positions = anchors.positions[:, :, None] + torch.arange(block_size)
+def block_inputs(
+    drafter: DFlashDrafter, batch: DrafterBatch, anchors: BlockAnchors
+) -> tuple[torch.Tensor, ...]:
+    """What `dflash_loss` feeds the drafter: block ids and positions [B, N, S], the context and its
+    positions, and which context positions each block sees [B, N, C]."""
+    positions = anchors.positions[:, :, None] + torch.arange(drafter.config.block_size)
     ids = torch.full_like(positions, drafter.config.mask_token_id)
     ids[:, :, 0] = batch.input_ids.gather(1, anchors.positions)
     length = batch.input_ids.shape[1]
+    context_positions = torch.arange(length).expand(len(batch.sample_indices), -1)
+    return ids, positions, batch.hidden_states, context_positions, block_context_mask(anchors, length)
+
+
+def block_hidden(drafter: DFlashDrafter, batch: DrafterBatch, anchors: BlockAnchors) -> torch.Tensor:
+    """The drafter's output for every slot of every block, [B, N, S, D]."""
     with torch.no_grad():
-        hidden = drafter(
-            ids.flatten(1),
-            positions.flatten(1),
-            batch.hidden_states,
-            torch.arange(length).expand(len(batch.sample_indices), -1),
-            block_attention_mask(anchors, length, block_size),
-        )
-    return hidden.view(*positions.shape, -1)
+        return drafter(*block_inputs(drafter, batch, anchors))
+
+
+def masked_sdpa_reference(
+    drafter: DFlashDrafter,
+    block_ids: torch.Tensor,  # [B, N, S]
+    block_positions: torch.Tensor,  # [B, N, S]
+    context_hidden_states: torch.Tensor,  # [B, C, K, H]
+    context_positions: torch.Tensor,  # [B, C]
+    context_visible: torch.Tensor,  # [B, N, C]
+) -> torch.Tensor:
+    """The drafter's forward as first written, with the same weights: all N*S slots of a row form one
+    query sequence over keys [context ; every block] under a boolean mask (cost quadratic in N)."""
+    config = drafter.config
+    batch, num_blocks, block_size = block_ids.shape
+    context_length, num_queries = context_hidden_states.shape[1], num_blocks * block_size
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    sees_context = context_visible.repeat_interleave(block_size, dim=1)  # [B, Q, C]
+    block_of = torch.arange(num_queries) // block_size
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)  # [B, Q, Q]
+    mask = torch.cat([sees_context, sees_block], dim=2)[:, None]  # [B, 1, Q, C+Q]
+
+    dtype = drafter.context_proj.weight.dtype
+    x = F.embedding(block_ids.flatten(1), drafter.embed_weight).to(dtype)  # [B, Q, D]
+    flat = context_hidden_states.reshape(batch, context_length, -1).to(dtype)
+    context = drafter.context_norm(drafter.context_proj(flat))  # [B, C, D]
+    positions = torch.cat([context_positions, block_positions.flatten(1)], dim=1)
+    cos, sin = rotary_cos_sin(positions, head_dim, config.rope_theta)  # [B, C+Q, hd]
+
+    def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [B, h, L, hd]
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos[:, None].to(t.dtype) + torch.cat([-t2, t1], dim=-1) * sin[:, None].to(t.dtype)
+
+    for layer in drafter.layers:
+        attention, h = layer.attention, layer.input_norm(x)
+        keys_in = torch.cat([context, h], dim=1)  # [B, C+Q, D]
+        q = attention.q_norm(attention.q_proj(h).view(batch, num_queries, heads, head_dim)).transpose(1, 2)
+        k = attention.k_norm(attention.k_proj(keys_in).view(batch, -1, kv_heads, head_dim)).transpose(1, 2)
+        v = attention.v_proj(keys_in).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        q = rotate(q, cos[:, context_length:], sin[:, context_length:])
+        k = rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        x = x + attention.o_proj(out.transpose(1, 2).reshape(batch, num_queries, -1))
+        x = x + layer.mlp(layer.post_attention_norm(x))
+    return drafter.norm(x).view(batch, num_blocks, block_size, -1)
+
+
+def randomised(drafter: DFlashDrafter, seed: int = 0) -> DFlashDrafter:
+    """Wide random weights (and norm gains), so attention, not the residual stream, shapes the output.
+
+    In float64: two formulations of the same math then agree far inside the tolerance, whatever the seed.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3 + (parameter.ndim == 1))
+    return drafter.double()
 
 
 def test_config_follows_the_target_and_round_trips_through_json(target_dir: Path, tmp_path: Path) -> None:
@@ -121,6 +180,62 @@ def test_blocks_attend_within_themselves_but_never_to_each_other(
     torch.testing.assert_close(after[:, 0], before[:, 0], rtol=0, atol=0)  # first block: untouched
     # Non-causal inside a block: every slot of the second block, the last included, sees its anchor.
     assert not torch.allclose(after[0, 1, -1], before[0, 1, -1])
+
+
+def test_block_attention_equals_the_masked_attention_over_all_blocks_with_padding_and_dropped_blocks(
+    drafter: DFlashDrafter, config: DrafterConfig
+) -> None:
+    drafter = randomised(drafter)
+    batch = random_batch(config, [48, 30, 21], seed=3)
+    batch.loss_mask[2] = False
+    batch.loss_mask[2, 10:13] = True  # two candidate anchors: the row's other blocks are dropped
+    anchors = sample_anchors(batch.loss_mask, 9, anchor_generator(0, 0, 0))
+    anchors.positions[0, 0], anchors.keep[0, 0] = 0, True  # a kept anchor at 0 sees no context either
+    assert anchors.keep.sum(dim=1).tolist() == [9, 9, 2]
+    inputs = block_inputs(drafter, batch, anchors)
+    direction = torch.randn(*anchors.positions.shape, config.block_size, config.hidden_size).double()
+
+    hidden = drafter(*inputs)
+    (hidden * direction).sum().backward()
+    gradients = {name: p.grad.clone() for name, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    expected = masked_sdpa_reference(drafter, *inputs)
+    (expected * direction).sum().backward()
+
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+    for name, parameter in drafter.named_parameters():
+        # RMSNorm computes in float32 even here: gradients agree to float32 precision of their scale.
+        scale = float(parameter.grad.abs().max())
+        torch.testing.assert_close(gradients[name], parameter.grad, rtol=1e-5, atol=1e-6 * scale, msg=name)
+
+
+def test_each_training_block_equals_an_inference_call_on_the_prefix_before_its_anchor(
+    drafter: DFlashDrafter, config: DrafterConfig
+) -> None:
+    drafter = randomised(drafter, seed=1)
+    batch = random_batch(config, [50, 37], seed=4)
+    keep = torch.tensor([[True, True, True], [True, True, False]])
+    anchors = BlockAnchors(positions=torch.tensor([[7, 20, 33], [5, 30, 0]]), keep=keep)
+    training = block_hidden(drafter, batch, anchors)
+
+    for row, block in keep.nonzero().tolist():
+        anchor = int(anchors.positions[row, block])
+        positions = torch.arange(anchor, anchor + config.block_size)[None, None]  # [1, 1, S]
+        ids = torch.full_like(positions, config.mask_token_id)
+        ids[0, 0, 0] = batch.input_ids[row, anchor]
+        # At inference the target has run on the tokens before the anchor: that prefix is the context.
+        inference = (
+            ids,
+            positions,
+            batch.hidden_states[row : row + 1, :anchor],
+            torch.arange(anchor)[None],
+            torch.ones(1, 1, anchor, dtype=torch.bool),
+        )
+        with torch.no_grad():
+            alone = drafter(*inference)
+            reference = masked_sdpa_reference(drafter, *inference)
+        torch.testing.assert_close(alone, reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(alone[0, 0], training[row, block], rtol=1e-5, atol=1e-5)
 
 
 def test_anchors_are_distinct_assistant_tokens_followed_by_an_assistant_token() -> None:

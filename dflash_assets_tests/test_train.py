@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_assets.core.batching import pad_batch
 from dflash_assets.core.capture import HiddenStateCapture
-from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig
+from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig, anchor_generator, sample_anchors
 from dflash_assets.core.evaluate import evaluate_drafter
 from dflash_assets.core.samples import TokenizedSample
 from dflash_assets.core.store import open_store
@@ -18,6 +19,7 @@ from dflash_assets.core.train import (
     OnlineData,
     TrainSettings,
     collate_tokenized_samples,
+    epoch_plan,
     train_drafter,
 )
 from dflash_assets_tests.drafter_fixtures import (
@@ -58,7 +60,7 @@ def quick_settings(**overrides: object) -> TrainSettings:
         "lr": 3e-3,
         "warmup_ratio": 0.05,
         "num_anchors": 8,
-        "max_tokens_per_batch": 200,
+        "max_tokens_per_batch": 700,  # 3 or 4 samples of ~40 tokens with 8 blocks of 16 each
         "eval_samples": 2,
         "log_every_steps": 1,
         "checkpoint_every_minutes": None,
@@ -204,6 +206,28 @@ def test_a_killed_run_resumes_from_the_store_and_ends_at_the_same_weights(
     assert resumed.steps == straight.steps
     for name, weight in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], weight), name
+
+
+@pytest.mark.parametrize(("num_anchors", "max_tokens_per_batch"), [(8, 700), (64, 2000)])
+def test_a_batch_with_its_block_slots_fits_the_token_budget(
+    num_anchors: int, max_tokens_per_batch: int
+) -> None:
+    # The drafter's work is the padded context plus `blocks * block_size` query slots per sample; with
+    # 64 anchors asked for, these ~40-token samples are capped by the anchors they can hold instead.
+    samples = counting_samples(40, seed=1)
+    settings = quick_settings(num_anchors=num_anchors, max_tokens_per_batch=max_tokens_per_batch)
+    sample_ids = list(range(len(samples)))
+    for epoch in range(settings.epochs):
+        plan = epoch_plan([s.num_tokens for s in samples], sample_ids, settings, epoch)
+        assert sorted(i for batch in plan for i in batch) == sample_ids
+        assert max(len(batch) for batch in plan) > 1  # the budget is used, not only respected
+        for batch_index, batch in enumerate(plan):
+            loss_mask, _ = pad_batch([samples[i].loss_mask for i in batch], 0)
+            generator = anchor_generator(settings.seed, epoch, batch_index)
+            anchors = sample_anchors(loss_mask.bool(), settings.num_anchors, generator)
+            batch_size, padded_length = loss_mask.shape
+            work = batch_size * (padded_length + anchors.positions.shape[1] * settings.block_size)
+            assert work <= settings.max_tokens_per_batch, (epoch, batch)
 
 
 def test_unknown_train_mode_is_rejected_naming_the_setting() -> None:

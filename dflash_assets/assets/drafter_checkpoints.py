@@ -28,7 +28,9 @@ class TrainConfig(Config):
     )
     num_anchors: int = Field(default=512, description="Random anchor positions per sequence.")
     gamma: float = Field(default=7.0, description="Loss weight exp(-(p-1)/gamma) at block position p.")
-    max_tokens_per_batch: int = Field(default=16384, description="Batch size x longest sample.")
+    max_tokens_per_batch: int = Field(
+        default=16384, description="Batch size x the costliest sample (its tokens + anchors x block size)."
+    )
     seed: int = Field(default=0, description="Data order, anchors and initial weights.")
     checkpoint_every_steps: int = Field(default=settings.CHECKPOINT_EVERY_STEPS.get_int())
     checkpoint_every_minutes: float = Field(default=settings.CHECKPOINT_EVERY_MINUTES.get_float())

@@ -20,20 +20,35 @@ def _check_budget(max_tokens_per_batch: int, max_batch_size: int | None) -> None
 
 
 def _pack(
-    order: Sequence[int], lengths: Sequence[int], max_tokens_per_batch: int, max_batch_size: int | None
+    order: Sequence[int],
+    lengths: Sequence[int],
+    max_tokens_per_batch: int,
+    max_batch_size: int | None,
+    max_padding_fraction: float | None = None,
 ) -> list[list[int]]:
-    """Greedy packing of `order` (longest first): the first sample of a batch fixes its padded length."""
+    """Greedy packing of `order` (longest first): the first sample of a batch fixes its padded length.
+
+    With `max_padding_fraction`, a batch also closes when the next sample would push its share of
+    padded positions over that bound, so padding stays bounded however the lengths are spread."""
     batches: list[list[int]] = []
     batch: list[int] = []
     padded_length = 0
+    real_tokens = 0
     for index in order:
         length = lengths[index]
         new_padded = max(padded_length, length)
         full = max_batch_size is not None and len(batch) >= max_batch_size
-        if batch and (full or (len(batch) + 1) * new_padded > max_tokens_per_batch):
+        computed = (len(batch) + 1) * new_padded
+        too_padded = (
+            max_padding_fraction is not None
+            and computed > 0
+            and (computed - real_tokens - length) / computed > max_padding_fraction
+        )
+        if batch and (full or computed > max_tokens_per_batch or too_padded):
             batches.append(batch)
-            batch, new_padded = [], length
+            batch, new_padded, real_tokens = [], length, 0
         batch.append(index)
+        real_tokens += length
         padded_length = new_padded
     if batch:
         batches.append(batch)
@@ -41,9 +56,13 @@ def _pack(
 
 
 def plan_batches(
-    lengths: Sequence[int], max_tokens_per_batch: int, max_batch_size: int | None = None
+    lengths: Sequence[int],
+    max_tokens_per_batch: int,
+    max_batch_size: int | None = None,
+    max_padding_fraction: float | None = 0.05,
 ) -> list[list[int]]:
-    """Indices into `lengths`, grouped so `len(batch) * max(length) <= max_tokens_per_batch`.
+    """Indices into `lengths`, grouped so `len(batch) * max(length) <= max_tokens_per_batch` and each
+    batch carries at most `max_padding_fraction` padding (None: no bound).
 
     Longest batches come first, so an out-of-memory error shows up in the first seconds of a run,
     not hours in. A single sample longer than the budget gets a batch of its own.
@@ -53,7 +72,7 @@ def plan_batches(
         if length < 0:
             raise ValueError(f"sample {index} has negative length {length}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    return _pack(order, lengths, max_tokens_per_batch, max_batch_size)
+    return _pack(order, lengths, max_tokens_per_batch, max_batch_size, max_padding_fraction)
 
 
 def shuffled_bucket_batches(

@@ -227,23 +227,33 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables `[B, L, head_dim]` for integer `positions [B, L]` (rotate-half convention)."""
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
+    """cos/sin tables `[..., head_dim]` for integer `positions [...]` (rotate-half convention)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # [B, L, head_dim/2]
+    angles = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[B, heads, L, head_dim]`, cos/sin `[B, L, head_dim]`."""
+def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x `[..., heads, head_dim]`, cos/sin `[..., head_dim]` (the same leading shape, no heads axis)."""
+    cos, sin = (table.unsqueeze(-2).to(x.dtype) for table in rope)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
+    return x * cos + rotated * sin
 
 
 class DrafterAttention(nn.Module):
-    """Block slots query [context ; own block]; the context feature is projected by THIS layer's k/v."""
+    """Block slots query [context ; own block]; the context feature is projected by THIS layer's k/v.
+
+    Each block's keys are the shared context plus its own `S` slots, so the scores come in two parts:
+    every slot against the context, `[B, h, N, S, C]` (masked per block), and every slot against its own
+    block, `[B, h, N, S, S]`. One softmax runs over both, as if they were one row of keys. Cost is linear
+    in the number of blocks N; blocks never see each other, so there is nothing else to compute.
+    """
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -257,26 +267,40 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
+    def _keys_values(self, inputs: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, ..., D] -> k, v [B, heads, ..., head_dim]`, kv heads repeated for grouped-query attention."""
+        shape = (*inputs.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = apply_rotary(self.k_norm(self.k_proj(inputs).view(shape)), rope)
+        v = self.v_proj(inputs).view(shape)
+        groups = self.num_heads // self.num_kv_heads  # query head i reads kv head i // groups
+        k, v = k.repeat_interleave(groups, dim=-2), v.repeat_interleave(groups, dim=-2)
+        return k.movedim(-2, 1), v.movedim(-2, 1)
+
     def forward(
         self,
-        x: torch.Tensor,  # [B, Q, D] block slots (after input norm)
+        x: torch.Tensor,  # [B, N, S, D] block slots (after input norm)
         context: torch.Tensor,  # [B, C, D] context feature (shared by every layer)
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, C+Q, head_dim], context positions first
-        attention_mask: torch.Tensor,  # [B, 1, Q, C+Q] bool, True = may attend
+        block_rope: Rope,  # cos/sin [B, N, S, head_dim]
+        context_rope: Rope,  # cos/sin [B, C, head_dim]
+        context_visible: torch.Tensor,  # [B, N, C] bool: block n may attend to context position c
     ) -> torch.Tensor:
-        batch, num_queries, _ = x.shape
-        keys_in = torch.cat([context, x], dim=1)  # [B, C+Q, D]
-        num_keys = keys_in.shape[1]
-        q = self.q_norm(self.q_proj(x).view(batch, num_queries, self.num_heads, self.head_dim))
-        q = q.transpose(1, 2)  # [B, heads, Q, head_dim]
-        k = self.k_norm(self.k_proj(keys_in).view(batch, num_keys, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(keys_in).view(batch, num_keys, self.num_kv_heads, self.head_dim)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, C+Q, head_dim]
-        cos, sin = rope
-        q = apply_rotary(q, cos[:, -num_queries:], sin[:, -num_queries:])
-        k = apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, num_queries, -1))  # [B, Q, D]
+        batch, num_blocks, block_size, _ = x.shape
+        context_length = context.shape[1]
+        q = self.q_norm(self.q_proj(x).view(batch, num_blocks, block_size, self.num_heads, self.head_dim))
+        q = apply_rotary(q, block_rope).movedim(-2, 1) * self.head_dim**-0.5  # [B, h, N, S, hd]
+        k_block, v_block = self._keys_values(x, block_rope)  # [B, h, N, S, hd]
+        k_context, v_context = self._keys_values(context, context_rope)  # [B, h, C, hd]
+
+        # The context is the same for every block: one matmul for all N*S queries, then the block mask.
+        context_scores = q.flatten(2, 3) @ k_context.transpose(-1, -2)  # [B, h, N*S, C]
+        context_scores = context_scores.view(batch, self.num_heads, num_blocks, block_size, context_length)
+        context_scores = context_scores.masked_fill(~context_visible[:, None, :, None, :], float("-inf"))
+        block_scores = q @ k_block.transpose(-1, -2)  # [B, h, N, S, S]: non-causal within a block
+        # One softmax over [context ; own block]. The own block is never masked: no row is all -inf.
+        probs = torch.cat([context_scores, block_scores], dim=-1).softmax(dim=-1)  # [B, h, N, S, C+S]
+        context_probs, block_probs = probs.split([context_length, block_size], dim=-1)
+        out = (context_probs.flatten(2, 3) @ v_context).view_as(q) + block_probs @ v_block  # [B, h, N, S, hd]
+        return self.o_proj(out.movedim(1, -2).flatten(-2))  # [B, N, S, h*hd] -> [B, N, S, D]
 
 
 class SwiGLU(nn.Module):
@@ -300,12 +324,13 @@ class DrafterLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor,
+        x: torch.Tensor,  # [B, N, S, D]
+        context: torch.Tensor,  # [B, C, D]
+        block_rope: Rope,
+        context_rope: Rope,
+        context_visible: torch.Tensor,  # [B, N, C] bool
     ) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), context, rope, attention_mask)
+        x = x + self.attention(self.input_norm(x), context, block_rope, context_rope, context_visible)
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -354,22 +379,27 @@ class DFlashDrafter(nn.Module):
 
     def forward(
         self,
-        block_input_ids: torch.Tensor,  # [B, Q] long; Q = blocks * block_size
-        block_position_ids: torch.Tensor,  # [B, Q] long; absolute positions, anchor + slot
+        block_input_ids: torch.Tensor,  # [B, N, S] long: N blocks of S = block_size slots
+        block_position_ids: torch.Tensor,  # [B, N, S] long; absolute positions, anchor + slot
         context_hidden_states: torch.Tensor,  # [B, C, K, H] captured target layers (any float dtype)
         context_position_ids: torch.Tensor,  # [B, C] long
-        attention_mask: torch.Tensor,  # [B, 1, Q, C+Q] bool
+        context_visible: torch.Tensor,  # [B, N, C] bool: block n may attend to context position c
     ) -> torch.Tensor:
-        """Final-normed hidden states of the block slots, `[B, Q, D]`."""
+        """Final-normed hidden states of the block slots, `[B, N, S, D]`.
+
+        At inference: N = 1, the context is everything before the anchor and `context_visible` is all
+        True (or False on padding). In training, `block_context_mask` builds it from the anchors.
+        """
         dtype = self.context_proj.weight.dtype
         batch, context_length = context_hidden_states.shape[:2]
-        x = F.embedding(block_input_ids, self.embed_weight).to(dtype)  # [B, Q, D]
+        x = F.embedding(block_input_ids, self.embed_weight).to(dtype)  # [B, N, S, D]
         flat = context_hidden_states.reshape(batch, context_length, -1).to(dtype)  # [B, C, K*H]
         context = self.context_norm(self.context_proj(flat))  # [B, C, D]
-        positions = torch.cat([context_position_ids, block_position_ids], dim=1)  # [B, C+Q]
-        rope = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        head_dim, theta = self.config.head_dim, self.config.rope_theta
+        block_rope = rotary_cos_sin(block_position_ids, head_dim, theta)  # [B, N, S, hd]
+        context_rope = rotary_cos_sin(context_position_ids, head_dim, theta)  # [B, C, hd]
         for layer in self.layers:
-            x = layer(x, context, rope, attention_mask)
+            x = layer(x, context, block_rope, context_rope, context_visible)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -432,20 +462,15 @@ def anchor_generator(seed: int, *parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def block_attention_mask(anchors: BlockAnchors, context_length: int, block_size: int) -> torch.Tensor:
-    """`[B, 1, Q, C+Q]` bool: a slot sees context positions `< anchor` and every slot of its own block.
+def block_context_mask(anchors: BlockAnchors, context_length: int) -> torch.Tensor:
+    """`[B, N, C]` bool: block n sees the context positions strictly before its anchor.
 
-    A dropped block sees only itself (never an all-False row, which would make attention NaN) and
-    carries no loss.
+    Every block also sees all of its own slots (the attention adds those), so a dropped block, which
+    sees no context here, still attends to something and carries no loss.
     """
-    batch, num_blocks = anchors.positions.shape
-    device = anchors.positions.device
     context_end = torch.where(anchors.keep, anchors.positions, 0)  # [B, N]
-    context_end = context_end.repeat_interleave(block_size, dim=1)  # [B, Q]
-    sees_context = torch.arange(context_length, device=device)[None, None, :] < context_end[:, :, None]
-    block_of = torch.arange(num_blocks * block_size, device=device) // block_size  # [Q]
-    sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)  # [B, Q, Q]
-    return torch.cat([sees_context, sees_block], dim=2)[:, None]
+    positions = torch.arange(context_length, device=context_end.device)
+    return positions[None, None, :] < context_end[:, :, None]
 
 
 def position_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -474,7 +499,7 @@ def _cross_entropy_and_argmax(
 def dflash_loss(
     model: DFlashDrafter, batch: DrafterBatch, anchors: BlockAnchors, gamma: float
 ) -> BlockLossOutput:
-    """All blocks of all sequences in one forward pass with a block attention mask.
+    """All blocks of all sequences in one forward pass.
 
     A drafted position p counts only while `anchor+1 .. anchor+p` are all inside the sequence and the
     assistant span: drafting stops at the end of a turn, and acceptance is a leading run anyway.
@@ -497,12 +522,12 @@ def dflash_loss(
     block_input_ids = torch.full_like(tokens, config.mask_token_id)
     block_input_ids[:, :, 0] = tokens[:, :, 0]
     hidden = model(
-        block_input_ids.view(batch_size, -1),
-        slot_positions.view(batch_size, -1),
+        block_input_ids,
+        slot_positions,
         batch.hidden_states.to(device),
         torch.arange(length, device=device).expand(batch_size, -1),
-        block_attention_mask(BlockAnchors(positions, keep), length, block_size),
-    ).view(batch_size, num_blocks, block_size, -1)[:, :, 1:]  # [B, N, S-1, D]
+        block_context_mask(BlockAnchors(positions, keep), length),
+    )[:, :, 1:]  # [B, N, S-1, D]
 
     rows, labels = hidden[label_valid], tokens[:, :, 1:][label_valid]  # [R, D], [R]
     weights = position_weights(block_size, gamma, device).expand_as(label_valid)[label_valid]  # [R]

@@ -76,7 +76,7 @@ class TrainSettings:
     num_anchors: int = 512  # per sequence, capped by the positions that qualify
     gamma: float = 7.0  # position weight exp(-(p-1)/gamma)
     block_size: int = 16  # must equal the drafter config's
-    max_tokens_per_batch: int = 16384  # batch size * longest sample
+    max_tokens_per_batch: int = 16384  # batch size * (longest sample + its block slots), see `sample_cost`
     max_batch_size: int | None = None
     seed: int = 0
     checkpoint_every_steps: int | None = None
@@ -280,15 +280,36 @@ def split_eval(num_samples: int, eval_samples: int, seed: int) -> tuple[list[int
     return [i for i in range(num_samples) if i not in held], held_out
 
 
+def sample_cost(length: int, settings: TrainSettings) -> int:
+    """Positions a sample of `length` tokens adds to a padded batch: its context plus its block slots.
+
+    The drafter's work per sample is dominated by its queries, `anchors * block_size`, not by its
+    length. A sample has at most `length - 1` anchors (each needs a label after it), so this bounds its
+    real cost from above without reading its loss mask, and grows with length: a batch padded to its
+    longest sample costs at most `batch size * sample_cost(longest)`, which the planner keeps within
+    `max_tokens_per_batch`.
+    """
+    return length + min(settings.num_anchors, max(length - 1, 0)) * settings.block_size
+
+
 def epoch_plan(
     source_lengths: Sequence[int], train_ids: Sequence[int], settings: TrainSettings, epoch: int
 ) -> list[list[int]]:
-    """Epoch `epoch`'s batches as lists of sample ids: length-bucketed, batch order shuffled per epoch."""
-    lengths = [source_lengths[i] for i in train_ids]
+    """Epoch `epoch`'s batches as lists of sample ids: bucketed by cost, batch order shuffled per epoch."""
+    costs = [sample_cost(source_lengths[i], settings) for i in train_ids]
     plan = shuffled_bucket_batches(
-        lengths, settings.max_tokens_per_batch, settings.seed, epoch, max_batch_size=settings.max_batch_size
+        costs, settings.max_tokens_per_batch, settings.seed, epoch, max_batch_size=settings.max_batch_size
     )
     return [[train_ids[i] for i in batch] for batch in plan]
+
+
+def eval_plan(
+    source_lengths: Sequence[int], eval_ids: Sequence[int], settings: TrainSettings
+) -> list[list[int]]:
+    """The held-out batches, under the same budget as training's, in a fixed order."""
+    costs = [sample_cost(source_lengths[i], settings) for i in eval_ids]
+    plan = plan_batches(costs, settings.max_tokens_per_batch, settings.max_batch_size)
+    return [[eval_ids[i] for i in batch] for batch in plan]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,7 +478,7 @@ class DrafterTrainer:
         self.device = torch.device(settings.device)
         self.autocast_bf16 = self.device.type == "cuda" and settings.bf16_autocast
 
-        # Data: a fixed held-out set, then one length-bucketed, shuffled batch order per epoch.
+        # Data: a fixed held-out set, then one cost-bucketed, shuffled batch order per epoch.
         self.source = (_OfflineSource if isinstance(data, OfflineData) else _OnlineSource)(
             data, config, settings
         )
@@ -473,11 +494,7 @@ class DrafterTrainer:
         self.total_steps = sum(len(plan) for plan in self.plans)
         if settings.max_steps is not None:
             self.total_steps = min(self.total_steps, settings.max_steps)
-        eval_lengths = [self.source.lengths[i] for i in self.eval_ids]
-        self.eval_plan = [
-            [self.eval_ids[i] for i in batch]
-            for batch in plan_batches(eval_lengths, settings.max_tokens_per_batch)
-        ]
+        self.eval_plan = eval_plan(self.source.lengths, self.eval_ids, settings)
 
         # Model and optimisation: the same seed gives the same initial weights.
         torch.manual_seed(settings.seed)

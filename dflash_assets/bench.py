@@ -1,0 +1,245 @@
+"""`dflash-assets bench`: throughput and memory ratios, each measured within one run.
+
+The machine may be shared and noisy, so every figure is a ratio of two measurements taken side by
+side, interleaved over several rounds, and the median round is reported. Nothing here asserts: the
+README records the figures and the targets they are read against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from dflash_assets import settings
+from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
+from dflash_assets.core.capture import HiddenStateCapture, dflash_target_layer_ids, load_target_model
+from dflash_assets.core.datasets import bundled_dataset_path
+from dflash_assets.core.demo_model import ensure_demo_model
+from dflash_assets.core.sample_range import SampleRange
+from dflash_assets.core.samples import TokenizedSample
+from dflash_assets.core.store import open_store
+from dflash_assets.core.tokenize import tokenize_range
+from dflash_assets.core.uploader import Uploader
+
+ANCHOR_BATCH_SIZE = 8  # the public pipelines' way: fixed-size batches in dataset order
+TOKEN_BUDGET = 4096
+
+
+def _demo_samples(model_dir: Path, count: int) -> list[TokenizedSample]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    result = tokenize_range(tokenizer, str(bundled_dataset_path()), SampleRange(0, count - 1))
+    return result.samples
+
+
+def _layer_ids(model) -> list[int]:
+    return dflash_target_layer_ids(model.config.num_hidden_layers, 5)
+
+
+def _ours(model, samples: Sequence[TokenizedSample], layer_ids: list[int]) -> tuple[int, float]:
+    """Capture with early stop over length-bucketed batches; returns (real tokens, padding fraction)."""
+    capture = HiddenStateCapture(model, layer_ids)
+    lengths = [s.num_tokens for s in samples]
+    batches = plan_batches(lengths, TOKEN_BUDGET)
+    for batch in batches:
+        input_ids, mask = pad_batch([samples[i].input_ids for i in batch], 0)
+        hidden = capture(input_ids.to(capture.device), mask.to(capture.device))
+        for row, i in enumerate(batch):
+            hidden[row, : lengths[i]].to(torch.bfloat16).cpu()
+    return sum(lengths), padding_fraction(batches, lengths)
+
+
+def _anchors(model, samples: Sequence[TokenizedSample], layer_ids: list[int]) -> tuple[int, float]:
+    """Full forward with output_hidden_states=True (LM head included) over dataset-order batches."""
+    lengths = [s.num_tokens for s in samples]
+    batches = [
+        list(range(i, min(i + ANCHOR_BATCH_SIZE, len(samples))))
+        for i in range(0, len(samples), ANCHOR_BATCH_SIZE)
+    ]
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for batch in batches:
+            input_ids, mask = pad_batch([samples[i].input_ids for i in batch], 0)
+            out = model(input_ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+            stacked = torch.stack([out.hidden_states[i + 1] for i in layer_ids], dim=2)
+            for row, i in enumerate(batch):
+                stacked[row, : lengths[i]].to(torch.bfloat16).cpu()
+    return sum(lengths), padding_fraction(batches, lengths)
+
+
+def _timed(fn: Callable[[], tuple[int, float]]) -> tuple[float, float]:
+    start = time.perf_counter()
+    tokens, padding = fn()
+    return tokens / (time.perf_counter() - start), padding
+
+
+def _extract_with_io(
+    model, samples, layer_ids, store_url: str, staging: Path, budget: int
+) -> tuple[float, int]:
+    from dflash_assets.core.extract import extract_range
+
+    store = open_store(store_url)
+    with Uploader(store, max_in_flight=16, staging_budget_bytes=budget) as uploader:
+        start = time.perf_counter()
+        result = extract_range(
+            model=model,
+            target_model_name="bench",
+            samples=samples,
+            target_layer_ids=layer_ids,
+            store=store,
+            prefix=f"hidden-states/bench-{time.monotonic_ns()}",
+            staging_dir=staging,
+            uploader=uploader,
+            device=str(next(model.parameters()).device),
+            max_tokens_per_batch=TOKEN_BUDGET,
+            log=lambda message: None,
+            progress_every_s=3600,
+        )
+        elapsed = time.perf_counter() - start
+    return result.tokens / elapsed, result.peak_staging_bytes
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_memory_child(way: str, model_dir: str, count: int) -> None:
+    """In a fresh process: peak memory above the loaded model while extracting one way (GPU: allocator
+    peak; CPU: resident set, sampled every millisecond)."""
+    import threading
+
+    model = load_target_model(Path(model_dir), "cuda:0" if torch.cuda.is_available() else "cpu")
+    samples = _demo_samples(Path(model_dir), count)
+    layer_ids = _layer_ids(model)
+    run = _ours if way == "ours" else _anchors
+    run(model, samples[:4], layer_ids)  # warm-up, so lazy initialisation is not counted
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run(model, samples, layer_ids)
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        base, samples_rss, done = _rss_bytes(), [0], threading.Event()
+
+        def sample_rss() -> None:
+            while not done.is_set():
+                samples_rss.append(_rss_bytes())
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=sample_rss, daemon=True)
+        watcher.start()
+        run(model, samples, layer_ids)
+        done.set()
+        watcher.join()
+        peak = max(samples_rss) - base
+    print(json.dumps({"peak_bytes": peak}))
+
+
+def _peak_memory(way: str, model_dir: Path, count: int) -> int:
+    code = (
+        "import sys; from dflash_assets.bench import _peak_memory_child as f; "
+        "f(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, way, str(model_dir), str(count)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return int(json.loads(out.strip().splitlines()[-1])["peak_bytes"])
+
+
+def _moto_store() -> tuple[str, Callable[[], None]] | None:
+    """An S3 server on loopback when moto is installed (the test extra), so 'upload' means HTTP."""
+    try:
+        from dflash_assets_tests.s3_server import start_moto_server
+    except ImportError:
+        return None
+    import boto3
+
+    server = start_moto_server()
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint_url
+    boto3.client("s3").create_bucket(Bucket="bench")
+    return "s3://bench/run", server.stop
+
+
+def bench_extraction(count: int, rounds: int) -> dict[str, float]:
+    model_dir = ensure_demo_model(settings.cache_dir())
+    model = load_target_model(model_dir, "cuda:0" if torch.cuda.is_available() else "cpu")
+    samples = _demo_samples(model_dir, count)
+    layer_ids = _layer_ids(model)
+    print(
+        f"extraction: demo target ({model.config.num_hidden_layers} layers, layers {layer_ids}), "
+        f"{len(samples)} samples, {sum(s.num_tokens for s in samples)} tokens, {rounds} interleaved rounds"
+    )
+    _ours(model, samples[:8], layer_ids), _anchors(model, samples[:8], layer_ids)  # warm-up
+
+    budget = 4 * 2**20
+    speedups, local_ratios, s3_ratios, peaks = [], [], [], []
+    moto = _moto_store()
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_index in range(rounds):
+            ours_rate, ours_padding = _timed(lambda: _ours(model, samples, layer_ids))
+            anchor_rate, anchor_padding = _timed(lambda: _anchors(model, samples, layer_ids))
+            local_rate, peak = _extract_with_io(
+                model,
+                samples,
+                layer_ids,
+                str(Path(tmp) / "store"),
+                Path(tmp) / f"staging-l{round_index}",
+                budget,
+            )
+            peaks.append(peak)
+            if moto:
+                s3_rate, peak = _extract_with_io(
+                    model, samples, layer_ids, moto[0], Path(tmp) / f"staging-s{round_index}", budget
+                )
+                s3_ratios.append(s3_rate / ours_rate)
+                peaks.append(peak)
+            speedups.append(ours_rate / anchor_rate)
+            local_ratios.append(local_rate / ours_rate)
+    if moto:
+        moto[1]()
+    memory_ours = _peak_memory("ours", model_dir, count)
+    memory_anchor = _peak_memory("anchors", model_dir, count)
+    figures = {
+        "extraction tokens/s, ours / anchors' way (target >= 1.0)": statistics.median(speedups),
+        "extraction with storage (local store) / capture alone (target >= 0.9)": statistics.median(
+            local_ratios
+        ),
+    }
+    if s3_ratios:
+        figures["extraction with upload (S3 on loopback) / capture alone"] = statistics.median(s3_ratios)
+    figures.update(
+        {
+            "padding fraction, ours (target <= 0.05)": ours_padding,
+            "padding fraction, anchors' way": anchor_padding,
+            "peak extra memory, ours / anchors' way (lower is better)": memory_ours / max(memory_anchor, 1),
+            "staging high-water / budget (must be <= 1.0)": max(peaks) / budget,
+        }
+    )
+    return figures
+
+
+def run_bench(quick: bool = False) -> int:
+    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+    count, rounds = (64, 2) if quick else (256, 3)
+    figures = bench_extraction(count, rounds)
+    print("")
+    for name, value in figures.items():
+        print(f"  {value:8.3f}  {name}")
+    return 0
