@@ -25,14 +25,19 @@ def _instance():
     return DagsterInstance.ephemeral()
 
 
+DEMO_TRAIN_STEPS = 30  # minutes on a CPU; DFLASH_TRAIN_MAX_STEPS or --steps for more
+
+
 def run_demo(steps: int | None = None) -> int:
     """Materialise every asset end to end on the current settings and print where results are."""
     from dagster import materialize
 
     from dflash_assets.definitions import defs
 
-    if steps is not None:
-        os.environ["DFLASH_TRAIN_MAX_STEPS"] = str(steps)
+    if steps is None and not os.environ.get("DFLASH_TRAIN_MAX_STEPS"):
+        steps = DEMO_TRAIN_STEPS
+    train_config = {} if steps is None else {"max_steps": steps, "checkpoint_every_steps": max(1, steps // 3)}
+    quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
     instance = _instance()
     assets = list(defs.assets or [])
     resources = dict(defs.resources or {})
@@ -53,19 +58,23 @@ def run_demo(steps: int | None = None) -> int:
                 resources=resources,
                 instance=instance,
                 raise_on_error=False,
+                run_config=quiet,
             )
             status = "ok" if result.success else "FAILED"
             print(f"  {name:26s} {key}  {status}  {time.monotonic() - t0:6.1f}s  run {result.run_id}")
             if not result.success:
+                _print_failure(result)
                 return 1
     if "drafter_checkpoints" in by_name:
         t0 = time.monotonic()
+        print(f"  training the drafter ({steps or 'DFLASH_TRAIN_MAX_STEPS'} steps) ...", flush=True)
         result = materialize(
             assets,
             selection=["drafter_checkpoints"],
             resources=resources,
             instance=instance,
             raise_on_error=False,
+            run_config={**quiet, "ops": {"drafter_checkpoints": {"config": train_config}}},
         )
         status = "ok" if result.success else "FAILED"
         print(
@@ -73,6 +82,7 @@ def run_demo(steps: int | None = None) -> int:
             f"run {result.run_id}"
         )
         if not result.success:
+            _print_failure(result)
             return 1
     print(f"done in {time.monotonic() - started:.0f}s. Results under {store.url}:")
     from dflash_assets.core.store import open_store
@@ -88,6 +98,15 @@ def run_demo(steps: int | None = None) -> int:
             f"runs are in the Dagster instance at {os.environ['DAGSTER_HOME']} (see them with scripts/ui.sh)"
         )
     return 0
+
+
+def _print_failure(result) -> None:
+    for event in result.all_events:
+        if event.is_step_failure:
+            print(
+                f"    {event.step_key} failed: {event.event_specific_data.error.message.strip()}",
+                file=sys.stderr,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,10 +6,12 @@ removed before any test runs, and the instance-metadata lookup is disabled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,3 +165,21 @@ def dflash_env(tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     return dict(os.environ)
+
+
+@contextlib.contextmanager
+def open_instance(dagster_home: str | Path) -> Iterator[Any]:
+    """The Dagster instance a CLI run under `DAGSTER_HOME=dagster_home` wrote to (its dagster.yaml
+    reads DAGSTER_HOME, so the variable is set while it is open)."""
+    from dagster import DagsterInstance
+
+    previous = os.environ.get("DAGSTER_HOME")
+    os.environ["DAGSTER_HOME"] = str(dagster_home)
+    try:
+        with DagsterInstance.get() as instance:
+            yield instance
+    finally:
+        if previous is None:
+            os.environ.pop("DAGSTER_HOME", None)
+        else:
+            os.environ["DAGSTER_HOME"] = previous

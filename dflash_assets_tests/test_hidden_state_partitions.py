@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from dagster import AssetKey, DagsterInstance
+from dagster import AssetKey
 
 from dflash_assets.core.manifest import read_manifest
 from dflash_assets.core.sample_format import read_sample
 from dflash_assets.core.store import open_store
-from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY, create_bucket
+from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY, create_bucket, open_instance
 
 KEY = "00000000-00000023"  # 24 samples per range keeps each run to seconds
 HS_PREFIX = f"hidden-states/{KEY}"
@@ -151,8 +151,7 @@ def test_a_range_stores_one_object_per_sample_equal_to_the_target_and_passes_its
         torch.testing.assert_close(sample.hidden_states[:, j], expected, atol=1e-3, rtol=2**-7)
     assert sample.target_layer_ids == [1, 3, 6, 8, 9] or len(sample.target_layer_ids) == 5
 
-    os.environ["DAGSTER_HOME"] = pipeline["env"]["DAGSTER_HOME"]
-    with DagsterInstance.get() as instance:
+    with open_instance(pipeline["env"]["DAGSTER_HOME"]) as instance:
         event = instance.get_latest_materialization_event(AssetKey("hidden_state_partitions"))
         metadata = event.asset_materialization.metadata
         check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
@@ -243,7 +242,7 @@ def _extract(pipeline, url: str, endpoint: str, **store_config) -> tuple[int, st
     code, output = _run_cli(args, env)
     metadata = {}
     if code == 0:
-        with DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+        with open_instance(env["DAGSTER_HOME"]) as instance:
             event = instance.get_latest_materialization_event(AssetKey("hidden_state_partitions"))
             metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
     return code, output, metadata

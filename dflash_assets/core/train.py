@@ -38,6 +38,7 @@ from dflash_assets.core.drafter import (
     sample_anchors,
 )
 from dflash_assets.core.evaluate import BlockMetrics, evaluate_drafter
+from dflash_assets.core.faults import fault_point
 from dflash_assets.core.sample_format import HiddenStateSample, parse_sample_object_name
 from dflash_assets.core.sample_range import SampleRange
 from dflash_assets.core.sample_stream import SampleStream, partition_of
@@ -560,6 +561,7 @@ class DrafterTrainer:
     # -- one step
 
     def train_step(self, here: DataPosition, batch: DrafterBatch) -> None:
+        fault_point("train_step")  # crash tests: die between steps, checkpoints possibly mid-upload
         generator = anchor_generator(self.settings.seed, here.epoch, here.batch_index)
         anchors = sample_anchors(batch.loss_mask, self.settings.num_anchors, generator)
         with self._autocast():

@@ -1,0 +1,174 @@
+"""`drafter_checkpoints` end to end: the `dagster` CLI a user types, a real S3 server, the demo target.
+Train offline on the materialised ranges, kill the run, materialise again: it resumes exactly."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dagster import AssetKey
+from safetensors.torch import load_file
+
+from dflash_assets.core.drafter import load_drafter
+from dflash_assets.core.manifest import read_manifest
+from dflash_assets.core.store import open_store
+from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY, create_bucket, open_instance
+
+RANGES = ["00000000-00000023", "00000024-00000047"]
+TRAIN = {
+    "max_steps": 6,
+    "checkpoint_every_steps": 2,
+    "max_tokens_per_batch": 4096,
+    "num_anchors": 16,
+    "eval_samples": 4,
+    "log_every_steps": 1,
+    "max_length": 256,
+}
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    dagster = Path(sys.executable).with_name("dagster")
+    return subprocess.run([str(dagster), *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def _materialize(asset: str, env: dict[str, str], partition: str | None = None, config: dict | None = None):
+    args = ["asset", "materialize", "-m", "dflash_assets.definitions", "--select", asset]
+    if partition:
+        args += ["--partition", partition]
+    if config:
+        args += ["--config-json", json.dumps({"ops": {asset: {"config": config}}})]
+    return _cli(args, env)
+
+
+@pytest.fixture(scope="module")
+def ranges(tmp_path_factory, moto_endpoint):
+    """Two tokenized and extracted ranges in a bucket, shared by every training test here."""
+    from dflash_assets.core.demo_model import ensure_demo_model
+
+    root = tmp_path_factory.mktemp("train")
+    model_dir = ensure_demo_model(root / "cache")
+    create_bucket(moto_endpoint, "train-ranges")
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": TEST_SECRET_ACCESS_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": moto_endpoint,
+        "DFLASH_HOME": str(root / "home"),
+        "DFLASH_CACHE_DIR": str(root / "cache"),
+        "DFLASH_SAMPLES_PER_PARTITION": "24",
+        "DFLASH_STORE_URL": "s3://train-ranges/shared",
+        "OMP_NUM_THREADS": "1",
+    }
+    patch = pytest.MonkeyPatch()
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3"):
+        patch.setenv(name, env[name])
+    for key in RANGES:
+        for asset in ("tokenized_completions", "hidden_state_partitions"):
+            done = _materialize(asset, {**env, "DAGSTER_HOME": _dagster_home(root / "setup")}, key)
+            assert done.returncode == 0, done.stderr[-4000:]
+    yield {"env": env, "root": root, "model_dir": model_dir}
+    patch.undo()
+
+
+def _dagster_home(path: Path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "dagster.yaml").write_text((Path(__file__).parent.parent / "dagster.yaml").read_text())
+    return str(path)
+
+
+def _train(
+    ranges, tmp_path: Path, name: str, run: str, **extra_env
+) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {
+        **ranges["env"],
+        "DAGSTER_HOME": _dagster_home(tmp_path / name),
+        "DFLASH_HOME": str(tmp_path / name),
+        **extra_env,
+    }
+    done = _materialize("drafter_checkpoints", env, config={**TRAIN, "run_name": run})
+    return done, env
+
+
+def _exported(run: str, tmp_path: Path) -> dict[str, torch.Tensor]:
+    store = open_store(ranges_store_url())
+    local = tmp_path / f"export-{run}"
+    for name in ("config.json", "model.safetensors"):
+        store.download(f"drafter/{run}/{name}", local / name)
+    return load_file(str(local / "model.safetensors"))
+
+
+def ranges_store_url() -> str:
+    return "s3://train-ranges/shared"
+
+
+def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_drafter(ranges, tmp_path):
+    done, env = _train(ranges, tmp_path, "offline", "offline-run")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert TEST_SECRET_ACCESS_KEY not in done.stdout + done.stderr
+
+    store = open_store(ranges_store_url())
+    manifest = read_manifest(store, "checkpoints/offline-run")
+    assert manifest["trained_partitions"] == RANGES
+    assert manifest["steps"] == TRAIN["max_steps"]
+    assert len(manifest["checkpoints"]) >= 3  # steps 2, 4, 6
+
+    local = tmp_path / "export"
+    for name in ("config.json", "model.safetensors"):
+        store.download(f"drafter/offline-run/{name}", local / name)
+    drafter = load_drafter(local, target_model=ranges["model_dir"])
+    config = json.loads((local / "config.json").read_text())
+    assert config["block_size"] == 16 and config["target_layer_ids"] == [1, 3, 5, 7, 9]
+    assert config["mask_token_id"] == 3
+    assert drafter.lm_head_weight.shape[0] == config["vocab_size"]
+
+    with open_instance(env["DAGSTER_HOME"]) as instance:
+        event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
+        metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+        observations = instance.fetch_observations(AssetKey("drafter_checkpoints"), limit=20).records
+    assert metadata["steps"] == TRAIN["max_steps"]
+    assert metadata["acceptance_length_tau"] >= 1.0
+    assert 0 <= metadata["accuracy_pos_01"] <= 1
+    assert metadata["drafter_uri"] == "s3://train-ranges/shared/drafter/offline-run"
+    assert len(observations) >= 3  # one per checkpoint, with held-out metrics the UI plots
+    observed = observations[0].asset_observation.metadata
+    assert "eval_loss" in observed and "eval_acceptance_length_tau" in observed
+
+
+def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weights(ranges, tmp_path):
+    done, _ = _train(ranges, tmp_path, "uninterrupted", "straight")
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    killed, env = _train(ranges, tmp_path, "killed", "resumed", DFLASH_FAULT_POINTS="train_step@5")
+    assert killed.returncode != 0
+    assert read_manifest(open_store(ranges_store_url()), "checkpoints/resumed") is None
+    resumed = _materialize("drafter_checkpoints", env, config={**TRAIN, "run_name": "resumed"})
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resuming run resumed from" in resumed.stdout + resumed.stderr
+
+    straight, again = _exported("straight", tmp_path), _exported("resumed", tmp_path)
+    assert straight.keys() == again.keys()
+    for name in straight:
+        assert torch.equal(straight[name], again[name]), name  # bitwise on CPU
+
+
+def test_offline_training_without_materialised_ranges_says_which_asset_to_materialise(ranges, tmp_path):
+    env = {
+        **ranges["env"],
+        "DFLASH_STORE_URL": "s3://train-ranges/empty",
+        "DAGSTER_HOME": _dagster_home(tmp_path / "empty"),
+        "DFLASH_HOME": str(tmp_path / "empty"),
+    }
+    done = _materialize("drafter_checkpoints", env, config={**TRAIN, "run_name": "nothing"})
+    assert done.returncode != 0
+    assert "materialise hidden_state_partitions" in done.stdout + done.stderr
+
+
+def test_hidden_states_captured_from_other_layers_are_refused_naming_the_partition(ranges, tmp_path):
+    done, _ = _train(ranges, tmp_path, "mismatch", "mismatch", DFLASH_TARGET_LAYER_IDS="2,4,6,8,10")
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "00000000-00000023" in output and "[1, 3, 5, 7, 9]" in output and "[2, 4, 6, 8, 10]" in output
