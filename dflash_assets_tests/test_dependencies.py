@@ -1,0 +1,27 @@
+"""The installed Dagster packages are one release line: every integration pins the core it runs with."""
+
+from importlib.metadata import PackageNotFoundError, requires, version
+
+import pytest
+from packaging.requirements import Requirement
+
+INTEGRATIONS = ["dagster-webserver", "dagster-aws", "dagster-postgres"]
+
+
+@pytest.mark.parametrize("integration", INTEGRATIONS)
+def test_each_dagster_integration_requires_exactly_the_installed_core(integration):
+    try:
+        pinned = [Requirement(r) for r in requires(integration) or [] if Requirement(r).name == "dagster"]
+    except PackageNotFoundError:
+        pytest.fail(f"{integration} is not installed; scripts/setup.sh installs it")
+    assert pinned, f"{integration} declares no dagster requirement"
+    installed = version("dagster")
+    assert all(r.specifier.contains(installed) for r in pinned), (
+        f"{integration} {version(integration)} wants {[str(r.specifier) for r in pinned]}, "
+        f"dagster is {installed}"
+    )
+
+
+def test_the_core_is_the_release_line_the_project_pins():
+    assert version("dagster") == "1.13.27"
+    assert version("dagster-aws") == "0.29.27"
