@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("directory", nargs="?", default=None)
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
+    bench.add_argument("--only", choices=["extraction", "training"], default=None)
     sub.add_parser(
         "reap", help="mark runs whose worker on this host died as failed and free their pool slots"
     )
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from dflash_assets.bench import run_bench
 
-        return run_bench(quick=args.quick)
+        return run_bench(quick=args.quick, only=args.only)
     return 2
 
 
