@@ -38,6 +38,9 @@ def run_demo(steps: int | None = None) -> int:
         steps = DEMO_TRAIN_STEPS
     train_config = {} if steps is None else {"max_steps": steps, "checkpoint_every_steps": max(1, steps // 3)}
     quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
     instance = _instance()
     assets = list(defs.assets or [])
     resources = dict(defs.resources or {})

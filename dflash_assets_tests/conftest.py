@@ -183,3 +183,26 @@ def open_instance(dagster_home: str | Path) -> Iterator[Any]:
             os.environ.pop("DAGSTER_HOME", None)
         else:
             os.environ["DAGSTER_HOME"] = previous
+
+
+def aws_env(endpoint_url: str) -> dict[str, str]:
+    """The standard AWS variables a user sets to point the pipeline at an S3-compatible endpoint."""
+    return {
+        "AWS_ACCESS_KEY_ID": TEST_ACCESS_KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": TEST_SECRET_ACCESS_KEY,
+        "AWS_DEFAULT_REGION": TEST_REGION,
+        "AWS_ENDPOINT_URL_S3": endpoint_url,
+    }
+
+
+@contextlib.contextmanager
+def aws_env_set(endpoint_url: str) -> Iterator[dict[str, str]]:
+    """`aws_env` applied to this process too (module-scoped fixtures cannot use `monkeypatch`)."""
+    patch = pytest.MonkeyPatch()
+    variables = aws_env(endpoint_url)
+    for name, value in variables.items():
+        patch.setenv(name, value)
+    try:
+        yield variables
+    finally:
+        patch.undo()

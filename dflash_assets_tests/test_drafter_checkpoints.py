@@ -15,7 +15,13 @@ from safetensors.torch import load_file
 from dflash_assets.core.drafter import load_drafter
 from dflash_assets.core.manifest import read_manifest
 from dflash_assets.core.store import open_store
-from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY, create_bucket, open_instance
+from dflash_assets_tests.conftest import (
+    TEST_SECRET_ACCESS_KEY,
+    aws_env,
+    aws_env_set,
+    create_bucket,
+    open_instance,
+)
 
 RANGES = ["00000000-00000023", "00000024-00000047"]
 TRAIN = {
@@ -53,25 +59,19 @@ def ranges(tmp_path_factory, moto_endpoint):
     create_bucket(moto_endpoint, "train-ranges")
     env = {
         **os.environ,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": TEST_SECRET_ACCESS_KEY,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL_S3": moto_endpoint,
+        **aws_env(moto_endpoint),
         "DFLASH_HOME": str(root / "home"),
         "DFLASH_CACHE_DIR": str(root / "cache"),
         "DFLASH_SAMPLES_PER_PARTITION": "24",
         "DFLASH_STORE_URL": "s3://train-ranges/shared",
         "OMP_NUM_THREADS": "1",
     }
-    patch = pytest.MonkeyPatch()
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3"):
-        patch.setenv(name, env[name])
-    for key in RANGES:
-        for asset in ("tokenized_completions", "hidden_state_partitions"):
-            done = _materialize(asset, {**env, "DAGSTER_HOME": _dagster_home(root / "setup")}, key)
-            assert done.returncode == 0, done.stderr[-4000:]
-    yield {"env": env, "root": root, "model_dir": model_dir}
-    patch.undo()
+    with aws_env_set(moto_endpoint):
+        for key in RANGES:
+            for asset in ("tokenized_completions", "hidden_state_partitions"):
+                done = _materialize(asset, {**env, "DAGSTER_HOME": _dagster_home(root / "setup")}, key)
+                assert done.returncode == 0, done.stderr[-4000:]
+        yield {"env": env, "root": root, "model_dir": model_dir}
 
 
 def _dagster_home(path: Path) -> str:
@@ -172,3 +172,16 @@ def test_hidden_states_captured_from_other_layers_are_refused_naming_the_partiti
     assert done.returncode != 0
     output = done.stdout + done.stderr
     assert "00000000-00000023" in output and "[1, 3, 5, 7, 9]" in output and "[2, 4, 6, 8, 10]" in output
+
+
+def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ranges(ranges, tmp_path):
+    done, env = _train(ranges, tmp_path, "online", "online-run", DFLASH_TRAIN_MODE="online")
+    assert done.returncode == 0, done.stderr[-4000:]
+    manifest = read_manifest(open_store(ranges_store_url()), "checkpoints/online-run")
+    assert manifest["mode"] == "online"
+    assert manifest["trained_partitions"] == RANGES
+    with open_instance(env["DAGSTER_HOME"]) as instance:
+        event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
+        metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+    assert metadata["mode"] == "online" and metadata["steps"] == TRAIN["max_steps"]
+    assert metadata["loss"] > 0

@@ -19,7 +19,13 @@ from dagster import AssetKey
 from dflash_assets.core.manifest import read_manifest
 from dflash_assets.core.sample_format import read_sample
 from dflash_assets.core.store import open_store
-from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY, create_bucket, open_instance
+from dflash_assets_tests.conftest import (
+    TEST_SECRET_ACCESS_KEY,
+    aws_env,
+    aws_env_set,
+    create_bucket,
+    open_instance,
+)
 
 KEY = "00000000-00000023"  # 24 samples per range keeps each run to seconds
 HS_PREFIX = f"hidden-states/{KEY}"
@@ -91,10 +97,7 @@ def pipeline(tmp_path_factory, moto_endpoint):
     (dagster_home / "dagster.yaml").write_text((Path(__file__).parent.parent / "dagster.yaml").read_text())
     env = {
         **os.environ,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": TEST_SECRET_ACCESS_KEY,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL_S3": moto_endpoint,
+        **aws_env(moto_endpoint),
         "DFLASH_HOME": str(root / "home"),
         "DFLASH_CACHE_DIR": str(cache),
         "DFLASH_SAMPLES_PER_PARTITION": "24",
@@ -103,26 +106,24 @@ def pipeline(tmp_path_factory, moto_endpoint):
         "OMP_NUM_THREADS": "1",
     }
     # The test process itself reads the store too: the same variables a user would set.
-    patch = pytest.MonkeyPatch()
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3"):
-        patch.setenv(name, env[name])
-    base = f"s3://{bucket}/reference"
-    env["DFLASH_STORE_URL"] = base
-    code, output = _run_cli(_materialize_args("tokenized_completions"), env)
-    assert code == 0, output[-4000:]
-    code, output = _run_cli(
-        _materialize_args("hidden_state_partitions", config={"progress_every_s": 0.2}), env
-    )
-    assert code == 0, output[-4000:]
-    return {
-        "env": env,
-        "bucket": bucket,
-        "base": base,
-        "reference": _object_digests(base),
-        "root": root,
-        "cache": cache,
-        "model_dir": model_dir,
-    }
+    with aws_env_set(moto_endpoint):
+        base = f"s3://{bucket}/reference"
+        env["DFLASH_STORE_URL"] = base
+        code, output = _run_cli(_materialize_args("tokenized_completions"), env)
+        assert code == 0, output[-4000:]
+        code, output = _run_cli(
+            _materialize_args("hidden_state_partitions", config={"progress_every_s": 0.2}), env
+        )
+        assert code == 0, output[-4000:]
+        yield {
+            "env": env,
+            "bucket": bucket,
+            "base": base,
+            "reference": _object_digests(base),
+            "root": root,
+            "cache": cache,
+            "model_dir": model_dir,
+        }
 
 
 def _fresh_store(pipeline, name: str) -> str:
