@@ -185,3 +185,23 @@ def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ran
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
     assert metadata["mode"] == "online" and metadata["steps"] == TRAIN["max_steps"]
     assert metadata["loss"] > 0
+
+
+def test_online_training_with_the_target_on_other_devices_than_the_drafter(ranges, tmp_path):
+    env = {
+        **ranges["env"],
+        "DAGSTER_HOME": _dagster_home(tmp_path / "multi"),
+        "DFLASH_HOME": str(tmp_path / "m"),
+        "DFLASH_TRAIN_MODE": "online",
+        "DFLASH_DEVICES": "cpu:0,cpu:1,cpu:2",
+    }
+    done = _materialize(
+        "drafter_checkpoints", env, config={**TRAIN, "run_name": "multi-device", "online_target_devices": 2}
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "target replicas on cpu:1, cpu:2; drafter on cpu:0" in done.stdout + done.stderr
+    with open_instance(env["DAGSTER_HOME"]) as instance:
+        event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
+        metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+    assert metadata["target_devices"] == "cpu:1, cpu:2" and metadata["device"] == "cpu:0"
+    assert metadata["steps"] == TRAIN["max_steps"]

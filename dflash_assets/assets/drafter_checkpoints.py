@@ -1,5 +1,6 @@
 """`drafter_checkpoints`: train the DFlash drafter from the store (offline) or beside the target (online)."""
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -36,9 +37,18 @@ class TrainConfig(Config):
     checkpoint_every_minutes: float = Field(default=settings.CHECKPOINT_EVERY_MINUTES.get_float())
     log_every_steps: int = Field(default=10, description="Steps between progress log lines.")
     eval_samples: int = Field(default=16, description="Held-out samples evaluated at every checkpoint.")
+    online_target_devices: int = Field(
+        default=0,
+        description="Online mode: devices that run target replicas besides the drafter's (0: share it). "
+        "A node with 8 GPUs: 7.",
+    )
     cache_budget_bytes: int = Field(
         default=16 * 2**30, description="Offline: bound on the local cache of streamed hidden states."
     )
+
+
+def _torch_device(leased: str) -> str:
+    return "cpu" if leased.startswith("cpu") else leased  # "cpu:1" only names a simulated lease
 
 
 def _block_metadata(prefix: str, metrics: dict) -> dict:
@@ -92,7 +102,7 @@ def drafter_checkpoints(
     target_model: TargetModelResource,
     devices: DeviceLeaseResource,
 ) -> PartitionOutput:
-    from dflash_assets.core.capture import HiddenStateCapture, load_target_model
+    from dflash_assets.core.capture import HiddenStateCapture, ReplicatedCapture, load_target_model
     from dflash_assets.core.drafter import DrafterConfig, export_drafter
     from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
 
@@ -107,7 +117,8 @@ def drafter_checkpoints(
     work_dir = Path(store.staging_dir).expanduser() / "training" / config.run_name
     cache_dir = Path(target_model.cache_dir).expanduser()
 
-    with devices.lease() as device:
+    target_devices: list[str] = []
+    with devices.lease() as device, contextlib.ExitStack() as target_leases:
         context.log.info(f"training run {config.run_name!r} in {config.mode} mode on {device}")
         train_settings = TrainSettings(
             mode=config.mode,
@@ -123,7 +134,7 @@ def drafter_checkpoints(
             checkpoint_every_minutes=config.checkpoint_every_minutes or None,
             log_every_steps=config.log_every_steps,
             eval_samples=config.eval_samples,
-            device="cpu" if device.startswith("cpu") else device,
+            device=_torch_device(device),
         )
         if config.mode == "offline":
             data = _offline_data(
@@ -135,10 +146,17 @@ def drafter_checkpoints(
             samples = [
                 s for partition in tokenized for s in load_tokenized(partition, cache_dir / "read-cache")
             ]
-            target = load_target_model(model_dir, train_settings.device)
+            target_devices = [
+                target_leases.enter_context(devices.lease()) for _ in range(config.online_target_devices)
+            ] or [device]  # each replica's device is leased like any run's, so runs never share one
+            context.log.info(f"target replicas on {', '.join(target_devices)}; drafter on {device}")
+            captures = [
+                HiddenStateCapture(load_target_model(model_dir, _torch_device(d)), layer_ids)
+                for d in target_devices
+            ]
             data = OnlineData(
                 samples=samples,
-                target_hidden_states=HiddenStateCapture(target, layer_ids),
+                target_hidden_states=ReplicatedCapture(captures, train_settings.device),
                 partitions=[p.partition for p in tokenized],
             )
 
@@ -178,6 +196,7 @@ def drafter_checkpoints(
             "tokens_per_s": MetadataValue.float(float(result.tokens_per_second)),
             "mode": config.mode,
             "device": device,
+            "target_devices": ", ".join(target_devices) or "none (offline)",
             "drafter_uri": object_store.uri(export_prefix),
             "trained_partitions": MetadataValue.json(result.partitions),
             "checkpoints_written": len(result.checkpoints),

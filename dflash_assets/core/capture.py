@@ -246,3 +246,38 @@ class HiddenStateCapture:
                 "its decoder layers in order"
             )
         return captured
+
+
+class ReplicatedCapture:
+    """The target on several devices feeding one trainer (online training: the seeds ran 7 target GPUs
+    beside 1 drafter GPU). A batch's rows are split into one contiguous chunk per replica, the replicas
+    run concurrently (each on its own device, so threads overlap), and the results are gathered on
+    `output_device` in the original row order."""
+
+    def __init__(self, captures: Sequence[HiddenStateCapture], output_device: str | torch.device) -> None:
+        if not captures:
+            raise ValueError("ReplicatedCapture needs at least one target replica")
+        self.captures = list(captures)
+        self.output_device = torch.device(output_device)
+        self.target_layer_ids = self.captures[0].target_layer_ids
+        self.hidden_size = self.captures[0].hidden_size
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        from concurrent.futures import ThreadPoolExecutor
+
+        chunks = [
+            (capture, ids, mask)
+            for capture, ids, mask in zip(
+                self.captures,
+                torch.tensor_split(input_ids, len(self.captures)),
+                torch.tensor_split(attention_mask, len(self.captures)),
+                strict=True,
+            )
+            if ids.shape[0] > 0
+        ]
+        if len(chunks) == 1:
+            capture, ids, mask = chunks[0]
+            return capture(ids, mask).to(self.output_device)
+        with ThreadPoolExecutor(max_workers=len(chunks), thread_name_prefix="target-replica") as pool:
+            futures = [pool.submit(capture, ids, mask) for capture, ids, mask in chunks]
+            return torch.cat([future.result().to(self.output_device) for future in futures])
