@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
     bench.add_argument("--only", choices=["extraction", "training"], default=None)
+    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
     sub.add_parser(
         "reap", help="mark runs whose worker on this host died as failed and free their pool slots"
     )
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from dflash_assets.bench import run_bench
 
-        return run_bench(quick=args.quick, only=args.only)
+        return run_bench(quick=args.quick, only=args.only, threads=args.threads)
     return 2
 
 
