@@ -16,9 +16,9 @@ from dagster import ConfigurableIOManager, InputContext, OutputContext
 
 from dflash_assets.core.faults import fault_point
 from dflash_assets.core.manifest import (
-    ASSET_PREFIXES,
     StoredPartition,
     new_manifest,
+    partition_prefix,
     read_manifest,
     write_manifest,
 )
@@ -39,11 +39,6 @@ def _asset_name(context: InputContext | OutputContext) -> str:
     return context.asset_key.path[-1]
 
 
-def _prefix(asset_name: str, partition_key: str | None) -> str:
-    top = ASSET_PREFIXES.get(asset_name, asset_name.replace("_", "-"))
-    return f"{top}/{partition_key}" if partition_key else top
-
-
 class StoreIOManager(ConfigurableIOManager):
     """Keys outputs by asset and partition under the store layout in the README."""
 
@@ -57,7 +52,7 @@ class StoreIOManager(ConfigurableIOManager):
             )
         store = self.store.open()
         partition_key = context.partition_key if context.has_partition_key else None
-        prefix = obj.prefix or _prefix(_asset_name(context), partition_key)
+        prefix = obj.prefix or partition_prefix(_asset_name(context), partition_key)
         objects = dict(obj.stored_objects)
         if obj.staged_files:
             with self.store.uploader() as uploader:
@@ -86,7 +81,7 @@ class StoreIOManager(ConfigurableIOManager):
         # consumer decides whether an empty list is an error for what it does.
         committed = []
         for key in keys:
-            prefix = _prefix(asset_name, key)
+            prefix = partition_prefix(asset_name, key)
             manifest = read_manifest(store, prefix)
             if manifest is not None:
                 committed.append(StoredPartition(store, prefix, manifest))
@@ -94,7 +89,7 @@ class StoreIOManager(ConfigurableIOManager):
         return committed
 
     def _load_one(self, store, asset_name: str, partition_key: str | None) -> StoredPartition:
-        prefix = _prefix(asset_name, partition_key)
+        prefix = partition_prefix(asset_name, partition_key)
         manifest = read_manifest(store, prefix)
         if manifest is None:
             where = f"partition {partition_key}" if partition_key else "it"

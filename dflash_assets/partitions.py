@@ -14,7 +14,7 @@ from pathlib import Path
 from dagster import StaticPartitionsDefinition
 
 from dflash_assets import settings
-from dflash_assets.core.sample_range import SampleRange, sample_ranges
+from dflash_assets.core.sample_range import sample_ranges
 
 
 def _dataset_uri() -> str:
@@ -64,7 +64,3 @@ def sample_range_partitions() -> StaticPartitionsDefinition:
     if not keys:
         raise ValueError(f"dataset {_dataset_uri()!r} has no rows: check DFLASH_DATASET")
     return StaticPartitionsDefinition(keys)
-
-
-def partition_range(partition_key: str) -> SampleRange:
-    return SampleRange.parse(partition_key)

@@ -115,10 +115,6 @@ RETRIGGER_MAX_ATTEMPTS = Setting(
 ALL_SETTINGS = [value for value in list(globals().values()) if isinstance(value, Setting)]
 
 
-def home_dir() -> Path:
-    return _home()
-
-
 def store_url() -> str:
     return STORE_URL.get() or str(_home() / "store")
 

@@ -151,18 +151,25 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("dflash-cache"))
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_dagster_home(path: Path) -> str:
+    """A DAGSTER_HOME holding the repo's dagster.yaml (the SQLite instance a user gets)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
+    return str(path)
+
+
 @pytest.fixture
 def dflash_env(tmp_path: Path, demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """A private DFLASH_HOME and DAGSTER_HOME (SQLite instance from the repo's dagster.yaml), for
     tests that run the `dagster` / `dflash-assets` commands as a user would. Returns the environment."""
     home = tmp_path / "dflash-home"
-    dagster_home = tmp_path / "dagster-home"
-    dagster_home.mkdir()
-    repo = Path(__file__).resolve().parent.parent
-    (dagster_home / "dagster.yaml").write_text((repo / "dagster.yaml").read_text())
+    dagster_home = make_dagster_home(tmp_path / "dagster-home")
     monkeypatch.setenv("DFLASH_HOME", str(home))
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(demo_model_dir.parent))
-    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    monkeypatch.setenv("DAGSTER_HOME", dagster_home)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     return dict(os.environ)
 

@@ -20,6 +20,7 @@ from dflash_assets_tests.conftest import (
     aws_env,
     aws_env_set,
     create_bucket,
+    make_dagster_home,
     open_instance,
 )
 
@@ -69,15 +70,9 @@ def ranges(tmp_path_factory, moto_endpoint):
     with aws_env_set(moto_endpoint):
         for key in RANGES:
             for asset in ("tokenized_completions", "hidden_state_partitions"):
-                done = _materialize(asset, {**env, "DAGSTER_HOME": _dagster_home(root / "setup")}, key)
+                done = _materialize(asset, {**env, "DAGSTER_HOME": make_dagster_home(root / "setup")}, key)
                 assert done.returncode == 0, done.stderr[-4000:]
         yield {"env": env, "root": root, "model_dir": model_dir}
-
-
-def _dagster_home(path: Path) -> str:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "dagster.yaml").write_text((Path(__file__).parent.parent / "dagster.yaml").read_text())
-    return str(path)
 
 
 def _train(
@@ -85,7 +80,7 @@ def _train(
 ) -> tuple[subprocess.CompletedProcess, dict]:
     env = {
         **ranges["env"],
-        "DAGSTER_HOME": _dagster_home(tmp_path / name),
+        "DAGSTER_HOME": make_dagster_home(tmp_path / name),
         "DFLASH_HOME": str(tmp_path / name),
         **extra_env,
     }
@@ -159,7 +154,7 @@ def test_offline_training_without_materialised_ranges_says_which_asset_to_materi
     env = {
         **ranges["env"],
         "DFLASH_STORE_URL": "s3://train-ranges/empty",
-        "DAGSTER_HOME": _dagster_home(tmp_path / "empty"),
+        "DAGSTER_HOME": make_dagster_home(tmp_path / "empty"),
         "DFLASH_HOME": str(tmp_path / "empty"),
     }
     done = _materialize("drafter_checkpoints", env, config={**TRAIN, "run_name": "nothing"})
@@ -190,7 +185,7 @@ def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ran
 def test_online_training_with_the_target_on_other_devices_than_the_drafter(ranges, tmp_path):
     env = {
         **ranges["env"],
-        "DAGSTER_HOME": _dagster_home(tmp_path / "multi"),
+        "DAGSTER_HOME": make_dagster_home(tmp_path / "multi"),
         "DFLASH_HOME": str(tmp_path / "m"),
         "DFLASH_TRAIN_MODE": "online",
         "DFLASH_DEVICES": "cpu:0,cpu:1,cpu:2",

@@ -28,12 +28,13 @@ class ManifestError(RuntimeError):
     """A partition's objects and its manifest disagree."""
 
 
-def partition_prefix(asset_name: str, partition_key: str) -> str:
+def partition_prefix(asset_name: str, partition_key: str | None) -> str:
+    """`<asset prefix>/<partition key>`, or the asset prefix alone for an unpartitioned asset."""
     try:
         top = ASSET_PREFIXES[asset_name]
     except KeyError:
         raise ValueError(f"no store prefix is defined for asset {asset_name!r}") from None
-    return f"{top}/{partition_key}"
+    return f"{top}/{partition_key}" if partition_key else top
 
 
 def manifest_key(prefix: str) -> str:
