@@ -78,6 +78,30 @@ class ExtractionResult:
     peak_device_memory_bytes: int | None = None
 
 
+@dataclass(frozen=True)
+class ExtractionProgress:
+    """A snapshot of one range's extraction, handed to `on_progress` every `progress_every_s` seconds
+    (and once more at the end): what a monitor shows per device."""
+
+    device: str
+    samples_total: int  # every sample of the range
+    samples_done: int  # stored, finished in staging, or extracted by this run
+    extracted_this_run: int
+    uploaded_this_run: int
+    samples_per_s: float
+    tokens_per_s: float
+    eta_s: float | None  # None while the rate is unknown
+    staging_bytes: int
+    staging_budget_bytes: int
+    uploads_in_flight: int  # queued + uploading
+    uploaded_bytes: int
+    reason: str | None = None  # what the run is waiting for, if anything
+
+    @property
+    def fraction_done(self) -> float:
+        return self.samples_done / self.samples_total if self.samples_total else 1.0
+
+
 def extraction_fingerprint(
     target_model: str, target_layer_ids: Sequence[int], hidden_size: int
 ) -> dict[str, Any]:
@@ -107,6 +131,7 @@ def extract_range(
     progress_every_s: float = 5.0,
     drop_non_finite: bool = False,
     warn: Callable[[str], None] | None = None,
+    on_progress: Callable[[ExtractionProgress], None] | None = None,
 ) -> ExtractionResult:
     """Make `<prefix>/hs_<index>.safetensors` exist in `store` for every sample, computing only the gaps.
 
@@ -114,7 +139,8 @@ def extract_range(
     until the uploader confirms them, so a crash or a store outage loses no finished work. A sample
     whose hidden states are not finite is retried alone (batching cannot be the cause then) and then
     fails the run, naming it; with `drop_non_finite` it is left out and reported in `result.dropped`.
-    `log` gets progress lines, `warn` (default: `log` with a "WARNING: " prefix) what needs attention.
+    `log` gets progress lines, `warn` (default: `log` with a "WARNING: " prefix) what needs attention,
+    `on_progress` the same progress as an `ExtractionProgress` (e.g. for asset observations).
     """
     started = time.monotonic()
     base = prefix.strip("/") + "/"
@@ -137,6 +163,7 @@ def extract_range(
         warn=warn or (lambda message: log(f"WARNING: {message}")),
         progress_every_s=progress_every_s,
         drop_non_finite=drop_non_finite,
+        on_progress=on_progress,
     )
     with _staging_lock(staging_dir):
         listed = run.reconcile_fingerprint()
@@ -159,6 +186,7 @@ def extract_range(
         run.wait_for_uploads()
         extract_seconds = time.monotonic() - extract_started
         objects = run.verify_store()
+        run.report_progress("done")
 
     stats = uploader.stats
     tokens_now = sum(s.num_tokens for s in missing if s.sample_index not in run.dropped)
@@ -284,6 +312,7 @@ class _Run:
         warn: Callable[[str], None],
         progress_every_s: float,
         drop_non_finite: bool,
+        on_progress: Callable[[ExtractionProgress], None] | None = None,
     ) -> None:
         self.store = store
         self.base = base
@@ -298,6 +327,7 @@ class _Run:
         self.warn = warn
         self.progress_every_s = progress_every_s
         self.drop_non_finite = drop_non_finite
+        self.on_progress = on_progress
         self.num_layers = len(capture.target_layer_ids)
         self.hidden_size = capture.hidden_size
         self.metadata_nbytes = len(target_model_name.encode())
@@ -610,28 +640,48 @@ class _Run:
 
     # -- progress
 
-    def _maybe_log_progress(self, reason: str | None = None) -> None:
-        now = time.monotonic()
-        if now - self._last_progress < self.progress_every_s:
-            return
-        self._last_progress = now
-        elapsed = max(now - self._extract_started, 1e-9)
+    def progress(self, reason: str | None = None) -> ExtractionProgress:
+        elapsed = max(time.monotonic() - self._extract_started, 1e-9)
         rate = self.extracted / elapsed
-        token_rate = self.extracted_tokens / elapsed
         remaining = self.total_to_extract - self.extracted
-        eta = f"{remaining / rate:,.0f} s" if rate > 0 else "unknown"
         stats = self.uploader.stats
         with self._uploaded_lock:
             uploaded = len(self.uploaded_sizes)
-        total = len(self.by_index)
-        self.log(
-            f"{self.device}: {self.already_done + self.extracted}/{total} samples extracted "
-            f"({self.extracted} this run, {uploaded} uploaded this run) | {rate:.2f} samples/s, "
-            f"{token_rate:,.0f} tokens/s | ETA {eta} | staging {_human_bytes(stats.staging_bytes)} / "
-            f"{_human_bytes(stats.staging_budget_bytes)} | uploads in flight "
-            f"{stats.queued + stats.in_flight}, uploaded {_human_bytes(stats.uploaded_bytes)}"
-            + (f" | {reason}" if reason else "")
+        return ExtractionProgress(
+            device=self.device,
+            samples_total=len(self.by_index),
+            samples_done=self.already_done + self.extracted,
+            extracted_this_run=self.extracted,
+            uploaded_this_run=uploaded,
+            samples_per_s=rate,
+            tokens_per_s=self.extracted_tokens / elapsed,
+            eta_s=remaining / rate if rate > 0 else (0.0 if remaining == 0 else None),
+            staging_bytes=stats.staging_bytes,
+            staging_budget_bytes=stats.staging_budget_bytes,
+            uploads_in_flight=stats.queued + stats.in_flight,
+            uploaded_bytes=stats.uploaded_bytes,
+            reason=reason,
         )
+
+    def report_progress(self, reason: str | None = None) -> None:
+        """One progress line (and `on_progress` snapshot) now, whatever the interval."""
+        self._last_progress = time.monotonic()
+        progress = self.progress(reason)
+        eta = f"{progress.eta_s:,.0f} s" if progress.eta_s is not None else "unknown"
+        self.log(
+            f"{self.device}: {progress.samples_done}/{progress.samples_total} samples extracted "
+            f"({progress.extracted_this_run} this run, {progress.uploaded_this_run} uploaded this run) | "
+            f"{progress.samples_per_s:.2f} samples/s, {progress.tokens_per_s:,.0f} tokens/s | ETA {eta} | "
+            f"staging {_human_bytes(progress.staging_bytes)} / {_human_bytes(progress.staging_budget_bytes)}"
+            f" | uploads in flight {progress.uploads_in_flight}, uploaded "
+            f"{_human_bytes(progress.uploaded_bytes)}" + (f" | {reason}" if reason else "")
+        )
+        if self.on_progress is not None:
+            self.on_progress(progress)
+
+    def _maybe_log_progress(self, reason: str | None = None) -> None:
+        if time.monotonic() - self._last_progress >= self.progress_every_s:
+            self.report_progress(reason)
 
 
 def _pad_token_id(model: torch.nn.Module) -> int:
