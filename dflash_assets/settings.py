@@ -29,6 +29,10 @@ class Setting:
         except ValueError:
             raise ValueError(f"{self.name}={raw!r} is not an integer") from None
 
+    def get_optional_int(self) -> int | None:
+        """The integer value, or None when the variable is unset or empty and has no default."""
+        return self.get_int() if self.get() else None
+
     def get_float(self) -> float:
         raw = self.get()
         try:
@@ -102,7 +106,28 @@ MAX_TOKENS_PER_BATCH = Setting(
 TRAIN_MODE = Setting(
     "DFLASH_TRAIN_MODE", "offline", "`offline` (stored hidden states) or `online` (target runs)."
 )
-TRAIN_MAX_STEPS = Setting("DFLASH_TRAIN_MAX_STEPS", "200", "Optimiser steps per training run.")
+TRAIN_MAX_STEPS = Setting(
+    "DFLASH_TRAIN_MAX_STEPS",
+    "",
+    "Exactly this many optimiser steps, over as many epochs as it takes. Empty: the recipe's epochs decide.",
+)
+TRAIN_GLOBAL_BATCH_SIZE = Setting(
+    "DFLASH_TRAIN_GLOBAL_BATCH_SIZE",
+    "32",
+    "Sequences per optimiser step, reached by gradient accumulation over micro-batches that fit memory.",
+)
+MASK_TOKEN_ID = Setting(
+    "DFLASH_MASK_TOKEN_ID",
+    "",
+    "Token id of the drafter's mask slots. Empty: the tokenizer's `mask_token`, else the first id past "
+    "the tokenizer's vocabulary inside the embedding matrix.",
+)
+DRAFTER_SHAPE = Setting(
+    "DFLASH_DRAFTER_SHAPE",
+    "auto",
+    "Drafter attention shape: `dflash` (32 query / 8 KV heads of 128, full attention; `auto`), "
+    "`dflash-swa` (the Qwen3.6-27B drafter: sliding-window layers then a full one) or `target`.",
+)
 CHECKPOINT_EVERY_STEPS = Setting("DFLASH_CHECKPOINT_EVERY_STEPS", "100", "Checkpoint every N steps (0: off).")
 CHECKPOINT_EVERY_MINUTES = Setting(
     "DFLASH_CHECKPOINT_EVERY_MINUTES", "30", "Checkpoint every M minutes, whichever comes first."

@@ -45,6 +45,45 @@ def build_tiny_target(directory: Path) -> Path:
     return directory
 
 
+def build_counting_target(directory: Path) -> Path:
+    """A tiny hybrid target that, after any token of the cycle 260..267, greedily continues the cycle
+    (t -> the next one, 267 -> 260).
+
+    Its decoder layers are left at a small init, so the residual stream stays close to the embedding of
+    the current token, and its LM head scores cycle token j by the embedding of the one before it. What
+    it generates is then learnable by a drafter in a few dozen steps, which is what a test of measured
+    acceptance needs (a random target's continuations are not learnable from a few samples).
+    """
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=1024,
+        initializer_range=0.02,
+    )
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        embedding = torch.randn(VOCAB_SIZE, 64)
+        head = 0.01 * torch.randn(VOCAB_SIZE, 64)
+        for k in range(8):  # row of cycle token j: the embedding of the token before it in the cycle
+            head[CYCLE_START + (k + 1) % 8] = 0.3 * embedding[CYCLE_START + k]
+        model.get_input_embeddings().weight.copy_(embedding)
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(directory)
+    return directory
+
+
 def tiny_drafter_config(target_dir: Path, *, num_layers: int = 2) -> DrafterConfig:
     """Fewer drafter layers than target layers keeps the tests fast; the context still has all five."""
     return DrafterConfig.from_target(

@@ -110,11 +110,12 @@ def test_dflash_rule_gives_the_seed_layers_for_a_64_layer_target():
     assert dflash_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
 
 
-def test_dflash_rule_rounds_halves_up_not_to_even():
-    # 1 + i*6/4 = 1, 2.5, 4, 5.5, 7; banker's rounding would give [1, 2, 4, 6, 7].
-    assert dflash_target_layer_ids(10, 5) == [1, 3, 4, 6, 7]
+def test_dflash_rule_rounds_as_the_reference_implementations_do():
+    # 1 + i*6/4 = 1, 2.5, 4, 5.5, 7: Python's round (half to even), as z-lab/dflash, SGLang and vLLM.
+    assert dflash_target_layer_ids(10, 5) == [1, 2, 4, 6, 7]
     assert dflash_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
-    assert dflash_target_layer_ids(64, 1) == [1]
+    assert dflash_target_layer_ids(64, 1) == [32]  # one draft layer: the middle layer N // 2
+    assert dflash_target_layer_ids(12, 1) == [6]
 
 
 def test_dflash_rule_refuses_a_model_too_shallow_for_distinct_layers():
@@ -153,7 +154,7 @@ def test_layer_count_is_read_from_a_nested_text_config_and_missing_counts_fail_c
 
     nested = {"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 64}}
     assert resolve_target_layer_ids(nested, None) == [1, 16, 31, 46, 61]
-    assert resolve_target_layer_ids(AutoConfig.from_pretrained(tiny_target_dir), None) == [1, 3, 4, 6, 7]
+    assert resolve_target_layer_ids(AutoConfig.from_pretrained(tiny_target_dir), None) == [1, 2, 4, 6, 7]
     assert resolve_target_layer_ids(json.loads((tiny_target_dir / "config.json").read_text()), [0, 9]) == [
         0,
         9,

@@ -37,7 +37,7 @@ def small_drafter() -> DFlashDrafter:
         vocab_size=50,
         mask_token_id=49,
         target_layer_ids=[1, 2],
-        target_hidden_size=32,
+        target_num_hidden_layers=4,
         num_layers=1,
     )
     return DFlashDrafter(config, torch.randn(50, 32), torch.randn(50, 32))

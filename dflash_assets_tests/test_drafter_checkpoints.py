@@ -23,14 +23,17 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
+from dflash_assets_tests.reference_dflash import ReferenceDrafter
 
 RANGES = ["00000000-00000023", "00000024-00000047"]
 TRAIN = {
     "max_steps": 6,
     "checkpoint_every_steps": 2,
-    "max_tokens_per_batch": 4096,
+    "global_batch_size": 6,
     "num_anchors": 16,
     "eval_samples": 4,
+    "spec_eval_prompts": 2,
+    "spec_eval_max_new_tokens": 8,
     "log_every_steps": 1,
     "max_length": 256,
 }
@@ -91,7 +94,7 @@ def _train(
 def _exported(run: str, tmp_path: Path) -> dict[str, torch.Tensor]:
     store = open_store(ranges_store_url())
     local = tmp_path / f"export-{run}"
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", "README.md"):
         store.download(f"drafter/{run}/{name}", local / name)
     return load_file(str(local / "model.safetensors"))
 
@@ -112,25 +115,33 @@ def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_
     assert len(manifest["checkpoints"]) >= 3  # steps 2, 4, 6
 
     local = tmp_path / "export"
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", "README.md"):
         store.download(f"drafter/offline-run/{name}", local / name)
     drafter = load_drafter(local, target_model=ranges["model_dir"])
     config = json.loads((local / "config.json").read_text())
-    assert config["block_size"] == 16 and config["target_layer_ids"] == [1, 3, 5, 7, 9]
-    assert config["mask_token_id"] == 3
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 16
+    assert config["num_target_layers"] == 12  # the demo target's depth
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3, 5, 7, 9]
+    assert config["dflash_config"]["mask_token_id"] == 3
+    assert config["dflash_assets"]["trained_partitions"] == RANGES
+    assert "tokenizer's mask_token" in config["dflash_assets"]["mask_token_source"]
     assert drafter.lm_head_weight.shape[0] == config["vocab_size"]
+    ReferenceDrafter(local)  # every weight the reference layout names, and nothing else
+    card = (local / "README.md").read_text()
+    assert "sglang.launch_server" in card and "[1, 3, 5, 7, 9]" in card
 
     with open_instance(env["DAGSTER_HOME"]) as instance:
         event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
         observations = instance.fetch_observations(AssetKey("drafter_checkpoints"), limit=20).records
     assert metadata["steps"] == TRAIN["max_steps"]
-    assert metadata["acceptance_length_tau"] >= 1.0
+    assert metadata["acceptance_length_tau"] >= 1.0 and metadata["baseline_acceptance_length_tau"] >= 1.0
+    assert metadata["spec_matches_target_greedy"] is True
     assert 0 <= metadata["accuracy_pos_01"] <= 1
     assert metadata["drafter_uri"] == "s3://train-ranges/shared/drafter/offline-run"
-    assert len(observations) >= 3  # one per checkpoint, with held-out metrics the UI plots
+    assert len(observations) >= 4  # the untrained baseline, then one per checkpoint, for the UI's plots
     observed = observations[0].asset_observation.metadata
-    assert "eval_loss" in observed and "eval_acceptance_length_tau" in observed
+    assert {"eval_loss", "eval_teacher_forced_tau", "spec_acceptance_length_tau"} <= set(observed)
 
 
 def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weights(ranges, tmp_path):
@@ -200,3 +211,12 @@ def test_online_training_with_the_target_on_other_devices_than_the_drafter(range
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
     assert metadata["target_devices"] == "cpu:1, cpu:2" and metadata["device"] == "cpu:0"
     assert metadata["steps"] == TRAIN["max_steps"]
+
+
+def test_an_explicit_mask_token_id_reaches_the_export(ranges, tmp_path):
+    done, _ = _train(ranges, tmp_path, "mask", "mask-run", DFLASH_MASK_TOKEN_ID="1530")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "mask token 1530: explicit setting" in done.stdout + done.stderr
+    store = open_store(ranges_store_url())
+    config = json.loads(store.get_bytes("drafter/mask-run/config.json"))
+    assert config["dflash_config"]["mask_token_id"] == 1530

@@ -40,7 +40,7 @@ from dflash_assets_tests.test_capture import (
 
 PREFIX = "hidden-states/00000100-00000199"
 MODEL_NAME = "tiny-qwen3_5"
-DEFAULT_LAYERS = dflash_target_layer_ids(TINY_LAYERS)  # [1, 3, 4, 6, 7]
+DEFAULT_LAYERS = dflash_target_layer_ids(TINY_LAYERS)  # [1, 2, 4, 6, 7]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -32,7 +32,7 @@ def drafter_config(**overrides: object) -> DrafterConfig:
         "vocab_size": 100,
         "mask_token_id": 99,
         "target_layer_ids": LAYERS,
-        "target_hidden_size": HIDDEN,
+        "target_num_hidden_layers": 6,
         "target_model": TARGET,
     }
     return DrafterConfig(**{**fields, **overrides})
@@ -166,7 +166,7 @@ def test_stopping_early_gives_the_budget_back(store: ObjectStore, tmp_path: Path
             {"target_layer_ids": [1, 2, 4]},
             r"target layers \[1, 2, 3\] but the drafter is configured for \[1, 2, 4\]",
         ),
-        ({"target_hidden_size": 48}, "hidden size 32 but the drafter expects target hidden size 48"),
+        ({"hidden_size": 48}, "hidden size 32 but the drafter expects target hidden size 48"),
         ({"target_model": "other-model"}, "target model 'tiny-target' .* for 'other-model'"),
     ],
 )

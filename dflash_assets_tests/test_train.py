@@ -8,18 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.core.batching import pad_batch
 from dflash_assets.core.capture import HiddenStateCapture
-from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig, anchor_generator, sample_anchors
+from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig, estimate_step_bytes
 from dflash_assets.core.evaluate import evaluate_drafter
 from dflash_assets.core.samples import TokenizedSample
 from dflash_assets.core.store import open_store
 from dflash_assets.core.train import (
     OfflineData,
     OnlineData,
+    TrainResult,
     TrainSettings,
     collate_tokenized_samples,
     epoch_plan,
+    lr_factor,
+    micro_batches,
     train_drafter,
 )
 from dflash_assets_tests.drafter_fixtures import (
@@ -60,8 +62,9 @@ def quick_settings(**overrides: object) -> TrainSettings:
         "lr": 3e-3,
         "warmup_ratio": 0.05,
         "num_anchors": 8,
-        "max_tokens_per_batch": 700,  # 3 or 4 samples of ~40 tokens with 8 blocks of 16 each
+        "global_batch_size": 4,
         "eval_samples": 2,
+        "spec_eval_prompts": 0,
         "log_every_steps": 1,
         "checkpoint_every_minutes": None,
     }
@@ -96,14 +99,17 @@ def test_the_drafter_learns_a_repeated_small_dataset(
     before = evaluate_drafter(untrained, [batch], num_anchors=settings.num_anchors)
     after = evaluate_drafter(result.model, [batch], num_anchors=settings.num_anchors)
     assert after["loss"] < before["loss"] - 1.0, (before["loss"], after["loss"])
-    assert after["acceptance_length_tau"] >= before["acceptance_length_tau"]
+    assert after["teacher_forced_tau"] >= before["teacher_forced_tau"]
 
     assert result.steps == result.total_steps > 0
     assert result.eval is not None and result.eval["loss"] == pytest.approx(after["loss"], abs=1e-4)
     assert len(result.per_position_accuracy) == config.block_size - 1
-    assert reports[-1]["step"] == result.steps and reports[-1]["eval"]["acceptance_length_tau"] >= 1.0
+    assert reports[-1]["step"] == result.steps and reports[-1]["eval"]["teacher_forced_tau"] >= 1.0
+    assert reports[0]["step"] == 0 and reports[0]["checkpoint"] is None  # the untrained baseline
+    assert reports[0]["eval"]["loss"] == pytest.approx(before["loss"], abs=1e-4)
     assert result.checkpoints == [reports[-1]["checkpoint"]]
-    assert all(re.search(r"step \d+/\d+ .* lr .* tokens/s .* eta ", line) for line in lines)
+    progress = [line for line in lines if line.startswith("step ")]
+    assert progress and all(re.search(r"step \d+/\d+ .* lr .* sequences/step .* eta ", p) for p in progress)
     trained = {i for r in result.trained_sample_ranges for i in range(int(r[:8]), int(r[9:]) + 1)}
     assert trained | set(result.eval_sample_indices) == set(range(12))
     assert not trained & set(result.eval_sample_indices)
@@ -202,32 +208,85 @@ def test_a_killed_run_resumes_from_the_store_and_ends_at_the_same_weights(
         log=lines.append,
     )
 
-    assert resumed.resumed_from_step == 4 and "resuming run killed" in lines[0]
+    assert resumed.resumed_from_step == 4 and any("resuming run killed" in line for line in lines)
     assert resumed.steps == straight.steps
     for name, weight in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], weight), name
 
 
-@pytest.mark.parametrize(("num_anchors", "max_tokens_per_batch"), [(8, 700), (64, 2000)])
-def test_a_batch_with_its_block_slots_fits_the_token_budget(
-    num_anchors: int, max_tokens_per_batch: int
+def test_each_step_takes_a_global_batch_of_sequences_and_each_epoch_is_a_new_order() -> None:
+    settings = quick_settings(global_batch_size=4)
+    lengths = [s.num_tokens for s in counting_samples(10, seed=1)]
+    ids = list(range(10))
+    plans = [epoch_plan(lengths, ids, settings, epoch) for epoch in range(3)]
+    for plan in plans:
+        assert [len(step) for step in plan] == [4, 4, 2]
+        assert sorted(i for step in plan for i in step) == ids
+        # longest first inside a step: micro-batches of neighbours pad little
+        for step in plan:
+            assert [lengths[i] for i in step] == sorted((lengths[i] for i in step), reverse=True)
+    assert plans[0] != plans[1]
+    assert plans[0] == epoch_plan(lengths, ids, settings, 0)  # a pure function of (seed, epoch)
+
+
+def test_micro_batches_fit_the_memory_budget_and_never_change_the_update(
+    config: DrafterConfig, capture: HiddenStateCapture, samples: list[TokenizedSample], tmp_path: Path
 ) -> None:
-    # The drafter's work is the padded context plus `blocks * block_size` query slots per sample; with
-    # 64 anchors asked for, these ~40-token samples are capped by the anchors they can hold instead.
-    samples = counting_samples(40, seed=1)
-    settings = quick_settings(num_anchors=num_anchors, max_tokens_per_batch=max_tokens_per_batch)
-    sample_ids = list(range(len(samples)))
-    for epoch in range(settings.epochs):
-        plan = epoch_plan([s.num_tokens for s in samples], sample_ids, settings, epoch)
-        assert sorted(i for batch in plan for i in batch) == sample_ids
-        assert max(len(batch) for batch in plan) > 1  # the budget is used, not only respected
-        for batch_index, batch in enumerate(plan):
-            loss_mask, _ = pad_batch([samples[i].loss_mask for i in batch], 0)
-            generator = anchor_generator(settings.seed, epoch, batch_index)
-            anchors = sample_anchors(loss_mask.bool(), settings.num_anchors, generator)
-            batch_size, padded_length = loss_mask.shape
-            work = batch_size * (padded_length + anchors.positions.shape[1] * settings.block_size)
-            assert work <= settings.max_tokens_per_batch, (epoch, batch)
+    lengths = [s.num_tokens for s in samples]
+    one = estimate_step_bytes(config, 1, max(lengths), 8)
+    split = micro_batches(list(range(4)), lengths, config, quick_settings(), budget_bytes=one)
+    assert split == [[0], [1], [2], [3]]
+    assert micro_batches(list(range(4)), lengths, config, quick_settings(), budget_bytes=10 * one) == [
+        [0, 1, 2, 3]
+    ]
+
+    def run(name: str, budget: int) -> tuple[TrainResult, list[str]]:
+        lines: list[str] = []
+        result = train_drafter(
+            config,
+            quick_settings(max_steps=3, eval_samples=0, micro_batch_bytes=budget),
+            OnlineData(samples, capture),
+            store=open_store(str(tmp_path / "store")),
+            run=name,
+            work_dir=tmp_path / name,
+            log=lines.append,
+        )
+        return result, lines
+
+    whole, whole_lines = run("whole", 10 * one)
+    per_sample, per_sample_lines = run("per-sample", one)
+    assert "4.0 sequences/step in 1.0 micro-batches" in whole_lines[-1]
+    assert "4.0 sequences/step in 4.0 micro-batches" in per_sample_lines[-1]
+    # The loss is normalised over the whole global batch, so the split is invisible to the update.
+    for name, weight in whole.model.state_dict().items():
+        torch.testing.assert_close(per_sample.model.state_dict()[name], weight, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_budget_runs_exactly_that_many_steps_over_as_many_epochs_as_it_takes(
+    config: DrafterConfig, capture: HiddenStateCapture, samples: list[TokenizedSample], tmp_path: Path
+) -> None:
+    # 10 training samples, 4 per step: 3 steps per epoch; 8 steps take three epochs.
+    result = train_drafter(
+        config,
+        quick_settings(max_steps=8, epochs=1, eval_samples=2),
+        OnlineData(samples, capture),
+        store=open_store(str(tmp_path / "store")),
+        run="budget",
+        work_dir=tmp_path / "work",
+    )
+    assert (result.steps, result.total_steps, result.steps_per_epoch) == (8, 8, 3)
+
+
+def test_the_default_recipe_is_specforges_dflash_recipe() -> None:
+    settings = TrainSettings()
+    assert (settings.lr, settings.betas, settings.weight_decay) == (6e-4, (0.9, 0.999), 0.0)
+    assert (settings.warmup_ratio, settings.lr_schedule, settings.min_lr_ratio) == (0.04, "cosine", 0.0)
+    assert (settings.max_grad_norm, settings.epochs, settings.max_length) == (1.0, 6, 3072)
+    assert (settings.num_anchors, settings.gamma, settings.global_batch_size) == (512, 7.0, 32)
+    assert settings.max_steps is None  # epochs decide
+    assert lr_factor(0, 100, settings) == pytest.approx(1 / 4)  # 4 warm-up steps
+    assert lr_factor(3, 100, settings) == pytest.approx(1.0)
+    assert lr_factor(99, 100, settings) == pytest.approx(0.0, abs=1e-3)  # cosine to 0
 
 
 def test_unknown_train_mode_is_rejected_naming_the_setting() -> None:

@@ -20,23 +20,39 @@ class TrainConfig(Config):
     mode: str = Field(default=settings.TRAIN_MODE.get(), description="`offline` or `online`.")
     run_name: str = Field(default=settings.RUN_NAME.get(), description="checkpoints/<run>/, drafter/<run>/.")
     max_steps: int = Field(
-        default=settings.TRAIN_MAX_STEPS.get_int(), description="Optimiser steps (0: epochs)."
+        default=settings.TRAIN_MAX_STEPS.get_optional_int() or 0,
+        description="Exactly this many optimiser steps (0: the recipe's epochs decide).",
     )
     epochs: int = Field(default=6, description="Passes over the data (the DFlash recipe: 6).")
+    global_batch_size: int = Field(
+        default=settings.TRAIN_GLOBAL_BATCH_SIZE.get_int(),
+        description="Sequences per optimiser step (gradient accumulation over micro-batches).",
+    )
+    micro_batch_gib: float = Field(
+        default=0.0, description="Activation memory per micro-batch, GiB (0: 70% of free device memory)."
+    )
     lr: float = Field(default=6e-4, description="AdamW peak learning rate.")
     max_length: int = Field(
         default=settings.MAX_LENGTH.get_int(), description="Tokens per sample trained on."
     )
     num_anchors: int = Field(default=512, description="Random anchor positions per sequence.")
     gamma: float = Field(default=7.0, description="Loss weight exp(-(p-1)/gamma) at block position p.")
-    max_tokens_per_batch: int = Field(
-        default=16384, description="Batch size x the costliest sample (its tokens + anchors x block size)."
-    )
     seed: int = Field(default=0, description="Data order, anchors and initial weights.")
+    mask_token_id: int = Field(
+        default=settings.MASK_TOKEN_ID.get_optional_int() if settings.MASK_TOKEN_ID.get() else -1,
+        description="Mask token id (-1: the tokenizer's mask_token, else the first id past its vocabulary).",
+    )
+    drafter_shape: str = Field(
+        default=settings.DRAFTER_SHAPE.get(), description="`auto`/`dflash`, `dflash-swa` or `target`."
+    )
     checkpoint_every_steps: int = Field(default=settings.CHECKPOINT_EVERY_STEPS.get_int())
     checkpoint_every_minutes: float = Field(default=settings.CHECKPOINT_EVERY_MINUTES.get_float())
     log_every_steps: int = Field(default=10, description="Steps between progress log lines.")
     eval_samples: int = Field(default=16, description="Held-out samples evaluated at every checkpoint.")
+    spec_eval_prompts: int = Field(
+        default=8, description="Held-out prompts decoded speculatively with the target at every checkpoint."
+    )
+    spec_eval_max_new_tokens: int = Field(default=64, description="Tokens decoded per held-out prompt.")
     online_target_devices: int = Field(
         default=0,
         description="Online mode: devices that run target replicas besides the drafter's (0: share it). "
@@ -51,17 +67,21 @@ def _torch_device(leased: str) -> str:
     return "cpu" if leased.startswith("cpu") else leased  # "cpu:1" only names a simulated lease
 
 
-def _block_metadata(prefix: str, metrics: dict) -> dict:
+def _block_metadata(prefix: str, metrics: dict | None) -> dict:
     """Numbers only, so the UI plots them across checkpoints and runs."""
     out = {}
-    for name in ("loss", "acceptance_length_tau"):
-        value = metrics.get(name)
-        if isinstance(value, (int, float)) and math.isfinite(value):
+    for name in ("loss", "acceptance_length_tau", "teacher_forced_tau"):
+        value = (metrics or {}).get(name)
+        if isinstance(value, int | float) and math.isfinite(value):
             out[f"{prefix}{name}"] = MetadataValue.float(float(value))
-    for position, accuracy in enumerate(metrics.get("per_position_accuracy") or [], start=1):
+    for position, accuracy in enumerate((metrics or {}).get("per_position_accuracy") or [], start=1):
         if accuracy is not None:
             out[f"{prefix}accuracy_pos_{position:02d}"] = MetadataValue.float(float(accuracy))
     return out
+
+
+def _tau(evaluation: dict | None) -> float | None:
+    return ((evaluation or {}).get("speculative") or {}).get("acceptance_length_tau")
 
 
 def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, budget: int):
@@ -103,7 +123,9 @@ def drafter_checkpoints(
     devices: DeviceLeaseResource,
 ) -> PartitionOutput:
     from dflash_assets.core.capture import HiddenStateCapture, ReplicatedCapture, load_target_model
-    from dflash_assets.core.drafter import DrafterConfig, export_drafter
+    from dflash_assets.core.drafter import DrafterConfig, config_summary, export_drafter
+    from dflash_assets.core.model_card import drafter_model_card
+    from dflash_assets.core.speculative import TargetVerifier
     from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
 
     record_worker(context)
@@ -111,9 +133,17 @@ def drafter_checkpoints(
     model_dir = target_model.model_dir()
     layer_ids = target_model.layer_ids()
     drafter_config = DrafterConfig.from_target(
-        model_dir, num_layers=target_model.num_draft_layers, target_layer_ids=layer_ids
+        model_dir,
+        num_layers=target_model.num_draft_layers,
+        target_layer_ids=layer_ids,
+        mask_token_id=config.mask_token_id if config.mask_token_id >= 0 else None,
+        shape=config.drafter_shape,
     )
     drafter_config.extra["target_model_name"] = target_model.name  # what hidden-state objects record
+    context.log.info(
+        f"mask token {drafter_config.mask_token_id}: {drafter_config.extra['mask_token_source']}; "
+        f"drafter {config_summary(drafter_config)}"
+    )
     work_dir = Path(store.staging_dir).expanduser() / "training" / config.run_name
     cache_dir = Path(target_model.cache_dir).expanduser()
 
@@ -124,18 +154,22 @@ def drafter_checkpoints(
             mode=config.mode,
             max_steps=config.max_steps or None,
             epochs=config.epochs,
+            global_batch_size=config.global_batch_size,
+            micro_batch_bytes=int(config.micro_batch_gib * 2**30) or None,
             lr=config.lr,
             max_length=config.max_length,
             num_anchors=config.num_anchors,
             gamma=config.gamma,
-            max_tokens_per_batch=config.max_tokens_per_batch,
             seed=config.seed,
             checkpoint_every_steps=config.checkpoint_every_steps or None,
             checkpoint_every_minutes=config.checkpoint_every_minutes or None,
             log_every_steps=config.log_every_steps,
             eval_samples=config.eval_samples,
+            spec_eval_prompts=config.spec_eval_prompts,
+            spec_eval_max_new_tokens=config.spec_eval_max_new_tokens,
             device=_torch_device(device),
         )
+        verifier = None  # offline: the target is loaded on the drafter's device for evaluation only
         if config.mode == "offline":
             data = _offline_data(
                 hidden_states, object_store, cache_dir / "train-cache", config.cache_budget_bytes
@@ -159,11 +193,13 @@ def drafter_checkpoints(
                 target_hidden_states=ReplicatedCapture(captures, train_settings.device),
                 partitions=[p.partition for p in tokenized],
             )
+            verifier = lambda: TargetVerifier(captures[0].model, layer_ids)  # noqa: E731
 
         def on_checkpoint(report: dict) -> None:
-            metadata = {"step": int(report.get("step", 0)), "checkpoint": str(report.get("checkpoint", ""))}
-            metadata.update(_block_metadata("train_", report.get("train") or {}))
-            metadata.update(_block_metadata("eval_", report.get("eval") or {}))
+            metadata = {"step": int(report.get("step", 0)), "checkpoint": str(report.get("checkpoint") or "")}
+            metadata.update(_block_metadata("train_", report.get("train")))
+            metadata.update(_block_metadata("eval_", report.get("eval")))
+            metadata.update(_block_metadata("spec_", report.get("speculative")))
             context.log_event(AssetObservation(asset_key=context.asset_key, metadata=metadata))
 
         with store.uploader() as uploader:
@@ -177,30 +213,62 @@ def drafter_checkpoints(
                 log=context.log.info,
                 on_checkpoint=on_checkpoint,
                 uploader=uploader,
+                target_verifier=verifier,
             )
-            export_dir = export_drafter(result.model, work_dir / "export")
+            metrics = {
+                **(result.eval or {}),
+                "acceptance_length_tau": result.acceptance_length_tau,
+                "baseline_acceptance_length_tau": _tau(result.baseline),
+                "teacher_forced_tau": result.teacher_forced_tau,
+                "per_position_accuracy": result.per_position_accuracy,
+            }
+            export_dir = export_drafter(
+                result.model,
+                work_dir / "export",
+                provenance={
+                    "run": config.run_name,
+                    "steps": result.steps,
+                    "trained_sample_ranges": result.trained_sample_ranges,
+                    "trained_partitions": result.partitions,
+                    "metrics": {k: v for k, v in metrics.items() if k != "per_position_accuracy"},
+                },
+                model_card=drafter_model_card(
+                    drafter_config,
+                    run=config.run_name,
+                    target_model_name=target_model.name,
+                    trained_sample_ranges=result.trained_sample_ranges,
+                    partitions=result.partitions,
+                    steps=result.steps,
+                    metrics=metrics,
+                ),
+            )
             export_prefix = f"drafter/{config.run_name}"
-            for path in sorted(export_dir.iterdir()):
+            # config.json last: readers take a directory with a config as complete.
+            for path in sorted(export_dir.iterdir(), key=lambda p: (p.name == "config.json", p.name)):
                 uploader.submit(path, f"{export_prefix}/{path.name}")
-            uploader.flush()
+                uploader.flush()
 
-    final = {
-        "loss": result.final_loss,
-        "acceptance_length_tau": result.acceptance_length_tau,
-        "per_position_accuracy": result.per_position_accuracy,
-    }
+    speculative = result.speculative or {}
     context.add_output_metadata(
         {
             "steps": result.steps,
+            "steps_per_epoch": result.steps_per_epoch,
+            "global_batch_size": config.global_batch_size,
             "resumed_from_step": result.resumed_from_step if result.resumed_from_step is not None else -1,
             "tokens_per_s": MetadataValue.float(float(result.tokens_per_second)),
             "mode": config.mode,
             "device": device,
             "target_devices": ", ".join(target_devices) or "none (offline)",
             "drafter_uri": object_store.uri(export_prefix),
+            "mask_token_id": drafter_config.mask_token_id,
+            "mask_token_source": drafter_config.extra["mask_token_source"],
+            "drafter_shape": MetadataValue.json(config_summary(drafter_config)),
             "trained_partitions": MetadataValue.json(result.partitions),
             "checkpoints_written": len(result.checkpoints),
-            **_block_metadata("", final),
+            "spec_matches_target_greedy": bool(speculative.get("matches_target_greedy", False)),
+            **_block_metadata("", {k: v for k, v in metrics.items() if k != "loss"}),
+            **_block_metadata("baseline_", (result.baseline or {}).get("speculative")),
+            **_block_metadata("eval_", result.eval),
         }
     )
     return PartitionOutput(
@@ -216,5 +284,7 @@ def drafter_checkpoints(
             "drafter": object_store.uri(export_prefix),
             "target_model": drafter_config.target_model,
             "target_layer_ids": layer_ids,
+            "acceptance_length_tau": result.acceptance_length_tau,
+            "baseline_acceptance_length_tau": _tau(result.baseline),
         },
     )

@@ -7,10 +7,8 @@ The forward never reaches later layers, the final norm or the LM head, so no log
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +26,20 @@ class TargetModelError(ValueError):
 
 
 def dflash_target_layer_ids(num_hidden_layers: int, num_draft_layers: int = 5) -> list[int]:
-    """DFlash's rule: k layers evenly spaced from layer 1 to N-3, `round(1 + i*(N-4)/(k-1))`.
+    """DFlash's rule: k layers evenly spaced from layer 1 to N-3, `round(1 + i*(N-4)/(k-1))`, and the
+    middle layer `N // 2` for k = 1.
 
-    Rounds half up (exact fractions), not Python's banker's rounding: N=64, k=5 -> [1, 16, 31, 46, 61].
+    Python's `round` (half to even) on the same float expression as z-lab/dflash, SGLang and vLLM, so a
+    drafter trained here reads the layers the engines capture: N=64, k=5 -> [1, 16, 31, 46, 61];
+    N=10, k=5 -> [1, 2, 4, 6, 7] (2.5 and 5.5 round to even).
     """
     if num_draft_layers < 1:
         raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
     if num_draft_layers == 1:
-        ids = [1]
+        ids = [num_hidden_layers // 2]
     else:
-        step = Fraction(num_hidden_layers - 4, num_draft_layers - 1)
-        ids = [math.floor(1 + i * step + Fraction(1, 2)) for i in range(num_draft_layers)]
+        span = num_hidden_layers - 4
+        ids = [int(round(1 + (i * span) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
     if any(b <= a for a, b in zip(ids, ids[1:], strict=False)) or ids[-1] >= num_hidden_layers or ids[0] < 0:
         raise ValueError(
             f"a model with {num_hidden_layers} decoder layers is too shallow for {num_draft_layers} evenly "

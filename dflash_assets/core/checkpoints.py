@@ -29,7 +29,7 @@ from dflash_assets.core.drafter import DrafterConfig
 from dflash_assets.core.store import ObjectStore
 from dflash_assets.core.uploader import Uploader
 
-CHECKPOINT_FORMAT = "dflash-assets.checkpoint/1"
+CHECKPOINT_FORMAT = "dflash-assets.checkpoint/2"  # 2: reference weight names and config
 CHECKPOINTS_PREFIX = "checkpoints"
 MARKER_NAME = "_complete.json"
 MODEL_FILE = "model.safetensors"  # trainable drafter weights (the target's embedding / LM head are not)

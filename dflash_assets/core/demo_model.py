@@ -28,7 +28,7 @@ from typing import Any
 from dflash_assets.core.datasets import Dropped, bundled_dataset_path, default_cache_dir, iter_rows
 
 # Bump when anything below changes what gets built: cached copies are keyed by it.
-DEMO_MODEL_VERSION = "1"
+DEMO_MODEL_VERSION = "2"  # 2: no transitions between turns
 DEMO_MODEL_NAME = "dflash-assets/demo-target"
 
 IM_START, IM_END, END_OF_TEXT, MASK = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|mask|>"
@@ -226,6 +226,11 @@ def _fit_bigram_head(
     sequences = [tokenizer.apply_chat_template(m, tokenize=True, return_dict=False) for m in conversations]
     previous = torch.cat([torch.tensor(s[:-1], dtype=torch.long) for s in sequences])
     following = torch.cat([torch.tensor(s[1:], dtype=torch.long) for s in sequences])
+    # A chat model ends its turn with <|im_end|> and never writes the next turn's header itself: drop
+    # the transitions between turns, or greedy decoding after a generation prompt would loop through
+    # `<|im_start|>assistant` headers instead of writing an answer a drafter could learn to predict.
+    within_turn = following != tokenizer.convert_tokens_to_ids(IM_START)
+    previous, following = previous[within_turn], following[within_turn]
     counts = torch.bincount(previous * vocab + following, minlength=vocab * vocab).view(vocab, vocab).float()
     seen = (counts.sum(1) > 0).nonzero().squeeze(1)
     counts = counts[seen]

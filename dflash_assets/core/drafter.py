@@ -1,213 +1,56 @@
-"""The DFlash drafter, top to bottom: config, layers, the block-diffusion training objective, export.
+"""The DFlash drafter, top to bottom: config and shape presets, layers, the block objective, export.
 
 A drafter proposes a block of `block_size` tokens at once. Slot 0 of a block is the real anchor token
 (the last token the target produced), slots 1.. are the mask token; the drafter fills them in one
-non-causal forward pass, conditioned on a context feature built from k hidden layers of the target.
+forward pass, conditioned on a context feature built from k hidden layers of the target.
 
 Attention rule (checked against z-lab/dflash `dflash_generate` and SpecForge's DFlash training mask):
-a block sees the context feature at positions strictly BEFORE its anchor, plus every slot of its own
-block. At inference the anchor is the token the target has just sampled, so the target has not yet run
-on it and there is no hidden state for it; training with `<= anchor` would teach the drafter to lean on
-a feature it never gets. Blocks never see each other.
+a block sees the context feature at positions strictly BEFORE its anchor, plus slots of its own block.
+At inference the anchor is the token the target has just sampled, so the target has not yet run on it
+and there is no hidden state for it; training with `<= anchor` would teach the drafter to lean on a
+feature it never gets. Blocks never see each other.
 
-Label rule (the same sources): block slot j predicts the token at `anchor + j`, i.e. the same position,
-not the next one; slot 0 (the anchor) carries no loss.
+Layer types: a `full_attention` layer sees every slot of its block (non-causal) and the whole context
+before the anchor. A `sliding_attention` layer is causal with a window, as SGLang and vLLM run the
+published Qwen3.6 drafter's sliding layers (SGLang: decoder attention with `sliding_window - 1` to the
+left; vLLM: causal for sliding layers): slot j at position q sees positions p with q - window < p <= q,
+its own block included only up to itself.
+
+Label rule (the same sources): block slot j predicts the token at `anchor + j` (the same position, not
+the next one); slot 0 (the anchor) carries no loss; every slot whose position is inside the sequence
+and the assistant mask carries a label, even after a non-assistant token earlier in the block.
+
+Names: modules are named as the reference checkpoints name their weights (`layers.N.self_attn.q_proj`,
+`input_layernorm`, `fc`, `hidden_norm`, ...), so `state_dict()` is the published layout itself and an
+export needs no renaming table that could drift.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_assets.core.capture import resolve_target_layer_ids, text_config
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-DRAFTER_FORMAT = "dflash-assets.drafter/1"
-
-# Where the two shared tensors live in a target checkpoint: plain causal LMs, then multimodal wrappers
-# (Qwen3.5/3.6 checkpoints are vision-language models whose text model sits under `language_model`).
-EMBEDDING_KEYS = (
-    "model.embed_tokens.weight",
-    "model.language_model.embed_tokens.weight",
-    "language_model.model.embed_tokens.weight",
-    "embed_tokens.weight",
+from dflash_assets.core.drafter_config import (
+    CONFIG_NAME,
+    DRAFTER_SHAPES,
+    SLIDING_ATTENTION,
+    WEIGHTS_NAME,
+    DrafterConfig,
+    load_target_embeddings,
 )
-LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
 
+__all__ = ["CONFIG_NAME", "DRAFTER_SHAPES", "WEIGHTS_NAME", "DrafterConfig", "load_target_embeddings"]
 
-# --------------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DrafterConfig:
-    """Everything needed to rebuild a drafter; saved as the export's `config.json`."""
-
-    hidden_size: int  # = the target's hidden size: the drafter shares the target's embedding and LM head
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    mask_token_id: int
-    target_layer_ids: list[int]  # K target decoder layers, 0-based; their raw outputs form the context
-    target_hidden_size: int  # H of each captured target layer
-    target_model: str = ""  # path or hub id the shared embedding / LM head are read from
-    num_layers: int = 5
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000.0
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (tokenizer, run name...)
-
-    def __post_init__(self) -> None:
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-            )
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (an anchor plus drafted slots), got {self.block_size}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})"
-            )
-
-    @property
-    def num_target_layers(self) -> int:
-        return len(self.target_layer_ids)
-
-    def to_json(self) -> str:
-        header = {"format": DRAFTER_FORMAT, "architecture": "DFlashDrafter"}
-        return json.dumps({**header, **asdict(self)}, indent=2)
-
-    @classmethod
-    def from_json(cls, text: str) -> DrafterConfig:
-        raw = json.loads(text)
-        if raw.get("format", DRAFTER_FORMAT) != DRAFTER_FORMAT:
-            raise ValueError(f"drafter config has format {raw.get('format')!r}, expected {DRAFTER_FORMAT!r}")
-        known = {f.name for f in fields(cls)}
-        return cls(**{key: value for key, value in raw.items() if key in known})
-
-    def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / CONFIG_NAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json() + "\n")
-        return path
-
-    @classmethod
-    def load(cls, directory: str | Path) -> DrafterConfig:
-        return cls.from_json((Path(directory) / CONFIG_NAME).read_text())
-
-    @classmethod
-    def from_target(
-        cls,
-        target_model: str | Path,
-        *,
-        num_layers: int = 5,
-        target_layer_ids: list[int] | None = None,
-        mask_token_id: int | None = None,
-        block_size: int = 16,
-    ) -> DrafterConfig:
-        """A drafter shaped like the target's attention layers (as DFlash does), from its `config.json`.
-
-        `mask_token_id=None` takes the target tokenizer's `mask_token`.
-        """
-        target = text_config(json.loads(_target_file(target_model, CONFIG_NAME).read_text()))
-        hidden_size = int(target["hidden_size"])
-        num_heads = int(target["num_attention_heads"])
-        target_layer_ids = resolve_target_layer_ids(target, target_layer_ids, num_layers)
-        if mask_token_id is None:
-            mask_token_id = _tokenizer_mask_token_id(target_model)
-        rope = target.get("rope_parameters") or target.get("rope_scaling") or {}
-        return cls(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            num_kv_heads=int(target.get("num_key_value_heads") or num_heads),
-            head_dim=int(target.get("head_dim") or hidden_size // num_heads),
-            intermediate_size=int(target["intermediate_size"]),
-            vocab_size=int(target["vocab_size"]),
-            mask_token_id=mask_token_id,
-            target_layer_ids=list(target_layer_ids),
-            target_hidden_size=hidden_size,
-            target_model=str(target_model),
-            num_layers=num_layers,
-            block_size=block_size,
-            rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", target.get("rope_theta", 10_000.0))),
-        )
-
-
-def _target_file(target_model: str | Path, filename: str) -> Path:
-    """One file of the target checkpoint: from a local directory, else from the Hugging Face hub cache."""
-    local = Path(target_model)
-    if local.is_dir():
-        path = local / filename
-        if not path.exists():
-            raise FileNotFoundError(f"target model directory {local} has no {filename}")
-        return path
-    from huggingface_hub import hf_hub_download  # only for hub ids; local directories never need it
-
-    return Path(hf_hub_download(str(target_model), filename))
-
-
-def _tokenizer_mask_token_id(target_model: str | Path) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(target_model))
-    if tokenizer.mask_token_id is None:
-        raise ValueError(
-            f"the tokenizer of {target_model} has no mask_token; add one to the tokenizer or pass "
-            "mask_token_id explicitly (DFlash fills drafted slots with it)"
-        )
-    return int(tokenizer.mask_token_id)
-
-
-def load_target_embeddings(target_model: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the input embedding and LM head of the target, `[V, H]` each, without loading the model.
-
-    Reads the safetensors index to find the shard of each tensor and pulls just those two tensors; a
-    checkpoint without `lm_head.weight` (tied embeddings) reuses the embedding.
-    """
-    try:
-        index = json.loads(_target_file(target_model, "model.safetensors.index.json").read_text())
-        weight_map: dict[str, str] = index["weight_map"]
-    except FileNotFoundError:
-        with safe_open(str(_target_file(target_model, WEIGHTS_NAME)), framework="pt") as handle:
-            weight_map = dict.fromkeys(handle.keys(), WEIGHTS_NAME)  # noqa: SIM118 (not a dict)
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(str(_target_file(target_model, weight_map[key])), framework="pt") as handle:
-            return handle.get_tensor(key)
-
-    embed_key = next((key for key in EMBEDDING_KEYS if key in weight_map), None)
-    if embed_key is None:
-        raise KeyError(f"no input embedding in {target_model}: looked for {list(EMBEDDING_KEYS)}")
-    embedding = read(embed_key)
-    head_key = next((key for key in LM_HEAD_KEYS if key in weight_map), None)
-    if head_key is not None:
-        return embedding, read(head_key)
-    config = json.loads(_target_file(target_model, CONFIG_NAME).read_text())
-    if not (config.get("tie_word_embeddings") or text_config(config).get("tie_word_embeddings")):
-        raise KeyError(
-            f"no LM head in {target_model}: looked for {list(LM_HEAD_KEYS)} and the config does not tie "
-            "word embeddings"
-        )
-    return embedding, embedding
-
+MODEL_CARD_NAME = "README.md"
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -246,6 +89,32 @@ def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+@dataclass
+class BlockMasks:
+    """What each block slot may attend to, for one layer type. True = visible."""
+
+    context: torch.Tensor  # [B, N, S or 1, C]: context positions per block (and per slot if windowed)
+    block: torch.Tensor | None  # [S, S] among a block's own slots (query, key); None: all visible
+
+
+def block_masks(
+    context_end: torch.Tensor,  # [B, N]: a block sees context positions < this (its anchor; 0 if dropped)
+    block_positions: torch.Tensor,  # [B, N, S]
+    context_positions: torch.Tensor,  # [B, C]
+    sliding_window: int | None,
+) -> BlockMasks:
+    before_anchor = context_positions[:, None, None, :] < context_end[:, :, None, None]  # [B, N, 1, C]
+    if sliding_window is None:
+        return BlockMasks(context=before_anchor, block=None)
+    distance = block_positions[:, :, :, None] - context_positions[:, None, None, :]  # [B, N, S, C]
+    slots = torch.arange(block_positions.shape[-1], device=block_positions.device)
+    offset = slots[:, None] - slots[None, :]  # query slot - key slot
+    return BlockMasks(
+        context=before_anchor & (distance < sliding_window),
+        block=(offset >= 0) & (offset < sliding_window),
+    )
+
+
 class DrafterAttention(nn.Module):
     """Block slots query [context ; own block]; the context feature is projected by THIS layer's k/v.
 
@@ -255,7 +124,7 @@ class DrafterAttention(nn.Module):
     in the number of blocks N; blocks never see each other, so there is nothing else to compute.
     """
 
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, layer_index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -266,6 +135,8 @@ class DrafterAttention(nn.Module):
         # Per-head q/k norms as in Qwen3 and the reference DFlash drafter.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        sliding = config.layer_types[layer_index] == SLIDING_ATTENTION
+        self.sliding_window = config.sliding_window if sliding else None
 
     def _keys_values(self, inputs: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, ..., D] -> k, v [B, heads, ..., head_dim]`, kv heads repeated for grouped-query attention."""
@@ -282,7 +153,7 @@ class DrafterAttention(nn.Module):
         context: torch.Tensor,  # [B, C, D] context feature (shared by every layer)
         block_rope: Rope,  # cos/sin [B, N, S, head_dim]
         context_rope: Rope,  # cos/sin [B, C, head_dim]
-        context_visible: torch.Tensor,  # [B, N, C] bool: block n may attend to context position c
+        masks: BlockMasks,  # for this layer's type
     ) -> torch.Tensor:
         batch, num_blocks, block_size, _ = x.shape
         context_length = context.shape[1]
@@ -294,9 +165,12 @@ class DrafterAttention(nn.Module):
         # The context is the same for every block: one matmul for all N*S queries, then the block mask.
         context_scores = q.flatten(2, 3) @ k_context.transpose(-1, -2)  # [B, h, N*S, C]
         context_scores = context_scores.view(batch, self.num_heads, num_blocks, block_size, context_length)
-        context_scores = context_scores.masked_fill(~context_visible[:, None, :, None, :], float("-inf"))
-        block_scores = q @ k_block.transpose(-1, -2)  # [B, h, N, S, S]: non-causal within a block
-        # One softmax over [context ; own block]. The own block is never masked: no row is all -inf.
+        # In place: a matmul's output is not needed for its backward, so no copy of the largest tensor.
+        context_scores.masked_fill_(~masks.context[:, None], float("-inf"))
+        block_scores = q @ k_block.transpose(-1, -2)  # [B, h, N, S, S]
+        if masks.block is not None:
+            block_scores.masked_fill_(~masks.block, float("-inf"))
+        # One softmax over [context ; own block]. A slot always sees itself: no row is all -inf.
         probs = torch.cat([context_scores, block_scores], dim=-1).softmax(dim=-1)  # [B, h, N, S, C+S]
         context_probs, block_probs = probs.split([context_length, block_size], dim=-1)
         out = (context_probs.flatten(2, 3) @ v_context).view_as(q) + block_probs @ v_block  # [B, h, N, S, hd]
@@ -315,11 +189,11 @@ class SwiGLU(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, layer_index: int) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attention = DrafterAttention(config)
-        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DrafterAttention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
     def forward(
@@ -328,17 +202,18 @@ class DrafterLayer(nn.Module):
         context: torch.Tensor,  # [B, C, D]
         block_rope: Rope,
         context_rope: Rope,
-        context_visible: torch.Tensor,  # [B, N, C] bool
+        masks: BlockMasks,
     ) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), context, block_rope, context_rope, context_visible)
-        return x + self.mlp(self.post_attention_norm(x))
+        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, masks)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
     """k drafter layers over the target's frozen embedding and LM head.
 
     The frozen tensors are non-persistent buffers: not parameters (the optimiser never sees them) and
-    not in `state_dict()` (checkpoints hold only what training changes).
+    not in `state_dict()` (checkpoints and exports hold only what training changes, as the published
+    drafters do).
     """
 
     def __init__(self, config: DrafterConfig, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
@@ -355,10 +230,10 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_weight", embedding.detach().clone(), persistent=False)  # [V, D]
         self.register_buffer("lm_head_weight", lm_head.detach().clone(), persistent=False)  # [V, D]
         # Context feature: RMSNorm(Linear(K*H -> D)) over the concatenated target layers.
-        context_width = config.num_target_layers * config.target_hidden_size
-        self.context_proj = nn.Linear(context_width, config.hidden_size, bias=False)
-        self.context_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        context_width = config.num_context_layers * config.target_hidden_size
+        self.fc = nn.Linear(context_width, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.apply(self._init_weights)
 
@@ -375,7 +250,7 @@ class DFlashDrafter(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.context_proj.weight.device
+        return self.fc.weight.device
 
     def forward(
         self,
@@ -383,28 +258,54 @@ class DFlashDrafter(nn.Module):
         block_position_ids: torch.Tensor,  # [B, N, S] long; absolute positions, anchor + slot
         context_hidden_states: torch.Tensor,  # [B, C, K, H] captured target layers (any float dtype)
         context_position_ids: torch.Tensor,  # [B, C] long
-        context_visible: torch.Tensor,  # [B, N, C] bool: block n may attend to context position c
+        context_end: torch.Tensor,  # [B, N] long: block n sees context positions < context_end[:, n]
     ) -> torch.Tensor:
         """Final-normed hidden states of the block slots, `[B, N, S, D]`.
 
-        At inference: N = 1, the context is everything before the anchor and `context_visible` is all
-        True (or False on padding). In training, `block_context_mask` builds it from the anchors.
+        At inference: N = 1, the context is every position before the anchor and `context_end` is the
+        anchor's position. In training, `context_end` is each block's anchor (0 for a dropped block).
         """
-        dtype = self.context_proj.weight.dtype
+        dtype = self.fc.weight.dtype
         batch, context_length = context_hidden_states.shape[:2]
         x = F.embedding(block_input_ids, self.embed_weight).to(dtype)  # [B, N, S, D]
         flat = context_hidden_states.reshape(batch, context_length, -1).to(dtype)  # [B, C, K*H]
-        context = self.context_norm(self.context_proj(flat))  # [B, C, D]
+        context = self.hidden_norm(self.fc(flat))  # [B, C, D]
         head_dim, theta = self.config.head_dim, self.config.rope_theta
         block_rope = rotary_cos_sin(block_position_ids, head_dim, theta)  # [B, N, S, hd]
         context_rope = rotary_cos_sin(context_position_ids, head_dim, theta)  # [B, C, hd]
+        masks: dict[int | None, BlockMasks] = {}
         for layer in self.layers:
-            x = layer(x, context, block_rope, context_rope, context_visible)
+            window = layer.self_attn.sliding_window
+            if window not in masks:
+                masks[window] = block_masks(context_end, block_position_ids, context_position_ids, window)
+            x = layer(x, context, block_rope, context_rope, masks[window])
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[..., D] -> [..., V]` float32 logits through the target's LM head."""
         return F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def draft_block(
+        self,
+        context_hidden_states: torch.Tensor,  # [C, K, H]: the target's layers at positions 0..C-1
+        anchor_token: int,  # the token at position C, just produced by the target
+    ) -> torch.Tensor:
+        """Greedy drafts for positions C+1 .. C+block_size-1, `[block_size - 1]` long: inference as the
+        engines run it (one block, the anchor then mask tokens, the whole context before the anchor)."""
+        device, size = self.device, self.config.block_size
+        context_length = context_hidden_states.shape[0]
+        ids = torch.full((1, 1, size), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0, 0] = anchor_token
+        positions = (context_length + torch.arange(size, device=device)).view(1, 1, size)
+        hidden = self(
+            ids,
+            positions,
+            context_hidden_states[None].to(device),
+            torch.arange(context_length, device=device)[None],
+            torch.tensor([[context_length]], device=device),
+        )
+        return self.logits(hidden[0, 0, 1:]).argmax(dim=-1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -433,12 +334,23 @@ class BlockAnchors:
     keep: torch.Tensor  # [B, N] bool; rows with fewer candidates than N have dropped blocks at the end
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> BlockAnchors:
+def anchor_generator(seed: int, *parts: object) -> torch.Generator:
+    """A CPU generator seeded from `(seed, *parts)`, e.g. (seed, epoch, sample index): anchors then
+    depend only on the sample and the epoch, never on what ran before or on how samples are grouped into
+    batches, so a resumed run, an uninterrupted one and any micro-batch split draw the same anchors."""
+    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generators: torch.Generator | Sequence[torch.Generator]
+) -> BlockAnchors:
     """Up to `num_anchors` distinct random anchors per sequence, sorted by position.
 
     An anchor must be an assistant token followed by another assistant token: at inference the anchor
     is a token the target just generated, and a block with no assistant label would teach nothing.
-    Drawn on the CPU from `generator`, so the choice is the same on any device and in either mode.
+    Row b is drawn on the CPU from `generators[b]` (one generator: shared by all rows), so the choice is
+    the same on any device and in either mode.
     """
     mask = loss_mask.detach().to("cpu", torch.bool)
     batch, length = mask.shape
@@ -446,31 +358,17 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
     counts = candidates.sum(dim=1)  # [B]
     num_blocks = min(num_anchors, int(counts.max())) if batch else 0
-    scores = torch.rand(batch, length, generator=generator)
+    if isinstance(generators, torch.Generator):
+        scores = torch.rand(batch, length, generator=generators)
+    else:
+        if len(generators) != batch:
+            raise ValueError(f"{len(generators)} anchor generators for a batch of {batch}")
+        scores = torch.stack([torch.rand(length, generator=g) for g in generators]) if batch else mask.float()
     scores[~candidates] = 2.0  # never picked before a real candidate
     picked = scores.argsort(dim=1, stable=True)[:, :num_blocks]  # [B, N]
     keep = torch.arange(num_blocks)[None, :] < counts[:, None]
     positions = torch.where(keep, picked, length).sort(dim=1).values  # dropped ones sort last
     return BlockAnchors(positions=torch.where(keep, positions, 0), keep=keep)
-
-
-def anchor_generator(seed: int, *parts: object) -> torch.Generator:
-    """A CPU generator seeded from `(seed, *parts)`, e.g. (seed, epoch, batch index): anchors then
-    depend only on where a batch sits in the data order, never on what ran before, so a resumed run
-    and an uninterrupted one draw the same anchors."""
-    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
-def block_context_mask(anchors: BlockAnchors, context_length: int) -> torch.Tensor:
-    """`[B, N, C]` bool: block n sees the context positions strictly before its anchor.
-
-    Every block also sees all of its own slots (the attention adds those), so a dropped block, which
-    sees no context here, still attends to something and carries no loss.
-    """
-    context_end = torch.where(anchors.keep, anchors.positions, 0)  # [B, N]
-    positions = torch.arange(context_length, device=context_end.device)
-    return positions[None, None, :] < context_end[:, :, None]
 
 
 def position_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -480,12 +378,13 @@ def position_weights(block_size: int, gamma: float, device: torch.device | None 
 
 @dataclass
 class BlockLossOutput:
-    loss: torch.Tensor  # scalar: position-weighted mean cross-entropy (what training minimises)
-    weighted_ce_sum: float  # numerator of `loss`, for exact aggregation over batches
+    loss: torch.Tensor  # scalar: position-weighted mean cross-entropy of this batch
+    weighted_ce: torch.Tensor  # scalar with grad: the numerator of `loss`, for exact sums over batches
+    weighted_ce_sum: float  # `weighted_ce` as a number
     weight_sum: float  # denominator of `loss`
     correct: torch.Tensor  # [block_size - 1] long: argmax hits per drafted position
     counted: torch.Tensor  # [block_size - 1] long: labels per drafted position
-    accepted_sum: float  # sum over blocks of the leading run of hits (greedy acceptance)
+    accepted_sum: float  # sum over blocks of the leading run of hits (teacher-forced acceptance)
     num_blocks: int
 
 
@@ -496,28 +395,39 @@ def _cross_entropy_and_argmax(
     return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
 
 
-def dflash_loss(
-    model: DFlashDrafter, batch: DrafterBatch, anchors: BlockAnchors, gamma: float
-) -> BlockLossOutput:
-    """All blocks of all sequences in one forward pass.
+def block_labels(
+    batch: DrafterBatch, anchors: BlockAnchors, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slot positions [B, N, S], slot tokens [B, N, S], label_valid [B, N, S-1]) on the batch's device.
 
-    A drafted position p counts only while `anchor+1 .. anchor+p` are all inside the sequence and the
-    assistant span: drafting stops at the end of a turn, and acceptance is a leading run anyway.
+    A drafted slot carries a label when its position is inside the sequence and the assistant mask.
     """
-    config, device = model.config, model.device
-    block_size = config.block_size
-    input_ids = batch.input_ids.to(device)
-    batch_size, length = input_ids.shape
+    device = batch.input_ids.device
+    batch_size, length = batch.input_ids.shape
     positions = anchors.positions.to(device)
     keep = anchors.keep.to(device)
     num_blocks = positions.shape[1]
-
     slot_positions = positions[:, :, None] + torch.arange(block_size, device=device)  # [B, N, S]
     in_sequence = slot_positions < batch.lengths.to(device)[:, None, None]
     safe_positions = slot_positions.clamp(max=length - 1).view(batch_size, -1)
-    tokens = input_ids.gather(1, safe_positions).view(batch_size, num_blocks, block_size)  # [B, N, S]
+    tokens = batch.input_ids.gather(1, safe_positions).view(batch_size, num_blocks, block_size)
     in_span = batch.loss_mask.to(device).gather(1, safe_positions).view_as(tokens) & in_sequence
-    label_valid = in_span[:, :, 1:].long().cumprod(dim=2).bool() & keep[:, :, None]  # [B, N, S-1]
+    return slot_positions, tokens, in_span[:, :, 1:] & keep[:, :, None]
+
+
+def dflash_loss(
+    model: DFlashDrafter, batch: DrafterBatch, anchors: BlockAnchors, gamma: float
+) -> BlockLossOutput:
+    """All blocks of all sequences in one forward pass (position weights `exp(-(p-1)/gamma)`)."""
+    config, device = model.config, model.device
+    block_size = config.block_size
+    on_device = DrafterBatch(
+        batch.input_ids.to(device), batch.loss_mask.to(device), batch.hidden_states,
+        batch.lengths.to(device), batch.sample_indices,
+    )  # fmt: skip
+    slot_positions, tokens, label_valid = block_labels(on_device, anchors, block_size)
+    batch_size, length = on_device.input_ids.shape
+    keep = anchors.keep.to(device)
 
     block_input_ids = torch.full_like(tokens, config.mask_token_id)
     block_input_ids[:, :, 0] = tokens[:, :, 0]
@@ -526,7 +436,7 @@ def dflash_loss(
         slot_positions,
         batch.hidden_states.to(device),
         torch.arange(length, device=device).expand(batch_size, -1),
-        block_context_mask(BlockAnchors(positions, keep), length),
+        torch.where(keep, anchors.positions.to(device), 0),
     )[:, :, 1:]  # [B, N, S-1, D]
 
     rows, labels = hidden[label_valid], tokens[:, :, 1:][label_valid]  # [R, D], [R]
@@ -547,16 +457,17 @@ def dflash_loss(
     argmax = torch.cat(argmax_chunks) if argmax_chunks else labels
 
     weight_sum = weights.sum()
-    weighted_ce = (ce * weights).sum()
     # A batch with no label keeps a (zero) graph so backward() and the optimiser step stay uniform.
-    loss = weighted_ce / weight_sum if rows.shape[0] else hidden.sum() * 0.0
+    weighted_ce = (ce * weights).sum() if rows.shape[0] else hidden.sum() * 0.0
+    loss = weighted_ce / weight_sum if rows.shape[0] else weighted_ce
 
     with torch.no_grad():
         correct = torch.zeros_like(label_valid)
         correct[label_valid] = argmax == labels
-        accepted = correct.long().cumprod(dim=2).sum(dim=2)  # [B, N]; an invalid position ends the run
+        accepted = correct.long().cumprod(dim=2).sum(dim=2)  # [B, N]; an unlabelled slot ends the run
     return BlockLossOutput(
         loss=loss,
+        weighted_ce=weighted_ce,
         weighted_ce_sum=float(weighted_ce.detach()),
         weight_sum=float(weight_sum),
         correct=correct.sum(dim=(0, 1)).cpu(),
@@ -566,8 +477,26 @@ def dflash_loss(
     )
 
 
+def estimate_step_bytes(
+    config: DrafterConfig, batch_size: int, context_length: int, num_blocks: int, bytes_per_element: int = 4
+) -> int:
+    """Activation memory one training forward+backward keeps for a micro-batch (padded shapes), from
+    the tensors the materialised attention and the MLP save for backward; weights and optimiser state
+    are not included. An estimate for planning micro-batches: a step that still runs out of memory is
+    split further (see the trainer)."""
+    slots = batch_size * num_blocks * config.block_size
+    width = config.hidden_size
+    attention = config.num_heads * slots * (context_length + config.block_size) * 3  # scores, probs, mask
+    kv = 4 * batch_size * config.num_heads * context_length * config.head_dim  # repeated k/v + rotary
+    linear = slots * (8 * width + 2 * config.num_heads * config.head_dim + 3 * config.intermediate_size)
+    per_layer = attention + kv + linear
+    context = batch_size * context_length * (config.num_context_layers * width + 2 * width)
+    logits_chunk = 2**27  # one checkpointed logits chunk at a time
+    return (config.num_layers * per_layer + context + logits_chunk) * bytes_per_element
+
+
 # --------------------------------------------------------------------------------------------------
-# Export
+# Export: the reference layout
 # --------------------------------------------------------------------------------------------------
 
 
@@ -575,39 +504,30 @@ def export_drafter(
     model: DFlashDrafter,
     directory: str | Path,
     *,
-    include_target_embeddings: bool = False,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    provenance: dict[str, Any] | None = None,
+    model_card: str | None = None,
 ) -> Path:
-    """Write `config.json` + `model.safetensors`, a directory `load_drafter` reads back in one call.
+    """Write the drafter as the engines load it: `config.json` (Qwen3 config with `architectures:
+    ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `dflash_config`), `model.safetensors` with
+    the reference weight names in `dtype` (bfloat16), and a model card `README.md`.
 
-    By default the weights are the drafter's own (what training changed), like the published DFlash
-    drafters: the shared embedding and LM head stay in the target checkpoint named by `target_model`
-    (at Qwen3.6-27B scale they are ~2.5 GB each). `include_target_embeddings=True` also stores them,
-    for a directory that runs without the target checkpoint. `dtype` (e.g. bfloat16) casts the drafter's
-    own weights, which train in float32.
+    The weights are the drafter's own, like the published drafters: the shared embedding and LM head
+    stay in the target checkpoint. `provenance` is merged into the config's `dflash_assets` block.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {
-        name: tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
-        for name, tensor in model.state_dict().items()
+        name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in model.state_dict().items()
     }
-    if include_target_embeddings:
-        tensors["embed_weight"] = model.embed_weight.detach().cpu().contiguous()
-        tensors["lm_head_weight"] = model.lm_head_weight.detach().cpu().contiguous()
     config = model.config
-    save_file(
-        tensors,
-        str(directory / WEIGHTS_NAME),
-        metadata={
-            "format": DRAFTER_FORMAT,
-            "block_size": str(config.block_size),
-            "mask_token_id": str(config.mask_token_id),
-            "target_layer_ids": json.dumps(config.target_layer_ids),
-            "target_model": config.target_model,
-        },
-    )
-    config.save(directory)
+    if provenance:
+        config = DrafterConfig.from_reference_dict(config.to_reference_dict())
+        config.extra.update(provenance)
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    if model_card is not None:
+        (directory / MODEL_CARD_NAME).write_text(model_card)
+    config.save(directory)  # last: a directory with a config is complete
     return directory
 
 
@@ -616,21 +536,49 @@ def load_drafter(
     *,
     target_model: str | Path | None = None,
     device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> DFlashDrafter:
     """An exported drafter, ready to run. `target_model` overrides where the shared embedding and LM
-    head come from when the export does not hold them (e.g. the target moved to another path)."""
+    head come from (e.g. the target moved to another path); by default the export's recorded path."""
     directory = Path(directory)
     config = DrafterConfig.load(directory)
-    tensors = load_file(str(directory / WEIGHTS_NAME))
-    embedding, lm_head = tensors.pop("embed_weight", None), tensors.pop("lm_head_weight", None)
-    if embedding is None or lm_head is None:
-        source = target_model or config.target_model
-        if not source:
-            raise ValueError(
-                f"{directory} holds no embedding/LM head and its config names no target_model; "
-                "pass target_model= (the target checkpoint the drafter was trained for)"
-            )
-        embedding, lm_head = load_target_embeddings(source)
+    source = target_model or config.target_model
+    if not source:
+        raise ValueError(
+            f"{directory} names no target model for the shared embedding and LM head; pass target_model= "
+            "(the target checkpoint the drafter was trained for)"
+        )
+    embedding, lm_head = load_target_embeddings(source)
     model = DFlashDrafter(config, embedding, lm_head)
-    model.load_state_dict(tensors, strict=True)
-    return model.to(device)
+    tensors = load_file(str(directory / WEIGHTS_NAME))
+    missing = sorted(set(model.state_dict()) - set(tensors))
+    unexpected = sorted(set(tensors) - set(model.state_dict()))
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory / WEIGHTS_NAME} does not match its config: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}"
+        )
+    model.load_state_dict({name: tensor.to(dtype) for name, tensor in tensors.items()}, strict=True)
+    return model.to(device=device, dtype=dtype)
+
+
+def drafter_parameter_count(config: DrafterConfig) -> int:
+    """Parameters of the drafter's own weights (what an export holds)."""
+    d, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = d * q * 2 + d * kv * 2 + 3 * d * i + 2 * d + 2 * config.head_dim
+    return config.num_layers * per_layer + config.num_context_layers * config.target_hidden_size * d + 2 * d
+
+
+def config_summary(config: DrafterConfig) -> dict[str, Any]:
+    """A flat, JSON-friendly description for logs and metadata."""
+    return {
+        "layers": config.num_layers,
+        "heads": f"{config.num_heads} query / {config.num_kv_heads} kv x {config.head_dim}",
+        "intermediate_size": config.intermediate_size,
+        "layer_types": config.layer_types,
+        "sliding_window": config.sliding_window,
+        "mask_token_id": config.mask_token_id,
+        "parameters": drafter_parameter_count(config),
+        **{k: v for k, v in asdict(config).items() if k in ("target_layer_ids", "block_size")},
+    }

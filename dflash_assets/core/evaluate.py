@@ -1,9 +1,11 @@
-"""Drafter quality on held-out batches: weighted loss, accuracy per drafted position, acceptance length.
+"""Drafter quality on held-out batches, teacher-forced: weighted loss, accuracy per drafted position,
+and the acceptance length those predict.
 
-Acceptance length tau = 1 + E[sum_p prod_{q<=p} correct_q]: the expected number of drafted tokens a
-greedy target accepts per block (the leading run of correct argmax predictions) plus the bonus token
-the target always contributes. Positions past the sequence or the assistant span end the run, so a
-block cut short by the end of a turn counts only what it could draft.
+Teacher-forced tau = 1 + E[sum_p prod_{q<=p} correct_q] against the held-out samples' own tokens: the
+drafted tokens a greedy target would accept per block if it wrote exactly those samples, plus its bonus
+token. It equals what a user sees only when the data is the target's own greedy output; the measured tau
+comes from `speculative.py`, with the target in the loop. Positions past the sequence or the assistant
+span end the run, so a block cut short by the end of a turn counts only what it could draft.
 """
 
 from __future__ import annotations
@@ -55,14 +57,14 @@ class BlockMetrics:
         return [int(c) / int(n) if int(n) else None for c, n in zip(self.correct, self.counted, strict=True)]
 
     @property
-    def acceptance_length_tau(self) -> float | None:
+    def teacher_forced_tau(self) -> float | None:
         return 1.0 + self.accepted_sum / self.num_blocks if self.num_blocks else None
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "loss": self.loss,
             "per_position_accuracy": self.per_position_accuracy,
-            "acceptance_length_tau": self.acceptance_length_tau,
+            "teacher_forced_tau": self.teacher_forced_tau,
             "num_blocks": self.num_blocks,
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
@@ -87,10 +89,9 @@ def evaluate_drafter(
     model.eval()
     try:
         with torch.no_grad():
-            for batch_index, batch in enumerate(batches):
-                anchors = sample_anchors(
-                    batch.loss_mask, num_anchors, anchor_generator(seed, "eval", batch_index)
-                )
+            for batch in batches:
+                generators = [anchor_generator(seed, "eval", index) for index in batch.sample_indices]
+                anchors = sample_anchors(batch.loss_mask, num_anchors, generators)
                 metrics.add(dflash_loss(model, batch, anchors, gamma), batch)
     finally:
         model.train(was_training)

@@ -52,7 +52,7 @@ def check_sample_matches(sample: HiddenStateSample, config: DrafterConfig, key: 
             f"{where} was captured from target model {sample.target_model!r} but the drafter is trained "
             f"for {expected_model!r}; set DFLASH_TARGET_MODEL to the captured model or recapture"
         )
-    expected_shape = (sample.num_tokens, config.num_target_layers, config.target_hidden_size)
+    expected_shape = (sample.num_tokens, config.num_context_layers, config.target_hidden_size)
     if tuple(sample.hidden_states.shape) != expected_shape:
         raise SampleMismatchError(
             f"{where} has hidden_states of shape {tuple(sample.hidden_states.shape)}, expected "

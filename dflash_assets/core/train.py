@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from dflash_assets.core.batching import pad_batch, plan_batches, shuffled_bucket_batches
+from dflash_assets.core.batching import pad_batch
+from dflash_assets.core.capture import load_target_model
 from dflash_assets.core.checkpoints import (
     CheckpointManager,
     CheckpointPolicy,
@@ -29,12 +30,14 @@ from dflash_assets.core.checkpoints import (
     restore_rng_state,
 )
 from dflash_assets.core.drafter import (
+    BlockAnchors,
     BlockLossOutput,
     DFlashDrafter,
     DrafterBatch,
     DrafterConfig,
     anchor_generator,
     dflash_loss,
+    estimate_step_bytes,
     sample_anchors,
 )
 from dflash_assets.core.evaluate import BlockMetrics, evaluate_drafter
@@ -43,6 +46,12 @@ from dflash_assets.core.sample_format import HiddenStateSample, parse_sample_obj
 from dflash_assets.core.sample_range import SampleRange
 from dflash_assets.core.sample_stream import SampleStream, partition_of
 from dflash_assets.core.samples import TokenizedSample
+from dflash_assets.core.speculative import (
+    SpeculativeEvaluator,
+    TargetVerifier,
+    held_out_prompts,
+    stop_token_ids_of,
+)
 from dflash_assets.core.store import ObjectStore
 from dflash_assets.core.uploader import Uploader
 
@@ -52,38 +61,45 @@ from dflash_assets.core.uploader import Uploader
 
 # Settings whose change between an interrupted run and its resumption changes the trajectory.
 _TRAJECTORY_SETTINGS = (
-    "max_steps", "epochs", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio", "weight_decay", "betas",
-    "adam_eps", "max_grad_norm", "max_length", "num_anchors", "gamma", "max_tokens_per_batch",
-    "max_batch_size", "seed", "eval_samples",
+    "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
+    "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "gamma", "seed",
+    "eval_samples",
 )  # fmt: skip
+
+GIB = 2**30
 
 
 @dataclass
 class TrainSettings:
-    """The DFlash recipe by default: AdamW at 6e-4, 6 epochs, max length 3072, 512 anchors, gamma 7."""
+    """SpecForge's DFlash recipe by default: AdamW at 6e-4 with betas (0.9, 0.999) and no weight decay,
+    4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 3072 tokens, 512 anchors
+    per sequence, gamma 7, and a global batch of 32 sequences per optimiser step (4 per GPU x 8 GPUs)
+    reached by gradient accumulation over micro-batches that fit the device's memory."""
 
     mode: str = "offline"  # "offline" (hidden states from the store) or "online" (target runs alongside)
-    max_steps: int | None = None  # None: `epochs` full passes
+    max_steps: int | None = None  # None: `epochs` full passes decide; set: exactly this many steps
     epochs: int = 6
+    global_batch_size: int = 32  # sequences per optimiser step
+    micro_batch_bytes: int | None = None  # activation memory per micro-batch; None: from the device
     lr: float = 6e-4
     warmup_ratio: float = 0.04  # of the total steps, linear from 0
     lr_schedule: str = "cosine"  # "cosine", "linear" or "constant" after warmup
-    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    weight_decay: float = 0.01  # on matrices only, never on norms
-    betas: tuple[float, float] = (0.9, 0.95)
+    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
+    weight_decay: float = 0.0  # on matrices only, never on norms
+    betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
     max_length: int = 3072  # longer samples are truncated (their tail is not trained on)
     num_anchors: int = 512  # per sequence, capped by the positions that qualify
     gamma: float = 7.0  # position weight exp(-(p-1)/gamma)
     block_size: int = 16  # must equal the drafter config's
-    max_tokens_per_batch: int = 16384  # batch size * (longest sample + its block slots), see `sample_cost`
-    max_batch_size: int | None = None
     seed: int = 0
     checkpoint_every_steps: int | None = None
     checkpoint_every_minutes: float | None = 30.0
     log_every_steps: int = 10
     eval_samples: int = 16  # held out from training, evaluated at every checkpoint
+    spec_eval_prompts: int = 8  # held-out prompts decoded speculatively with the target (0: off)
+    spec_eval_max_new_tokens: int = 64
     device: str = "cpu"  # the drafter's device; online targets may live elsewhere
     bf16_autocast: bool = True  # CUDA only: float32 master weights, bf16 matmuls
     max_consecutive_nonfinite: int = 10  # skipped non-finite steps in a row before giving up
@@ -98,11 +114,15 @@ class TrainSettings:
             raise ValueError(
                 f"max_steps must be positive or None, got {self.max_steps} (DFLASH_TRAIN_MAX_STEPS)"
             )
-        for name in ("epochs", "max_length", "num_anchors", "max_tokens_per_batch", "log_every_steps"):
+        for name in ("epochs", "global_batch_size", "max_length", "num_anchors", "log_every_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train setting {name} must be positive, got {getattr(self, name)}")
+        if self.micro_batch_bytes is not None and self.micro_batch_bytes <= 0:
+            raise ValueError(f"micro_batch_bytes must be positive or None, got {self.micro_batch_bytes}")
         if self.gamma <= 0:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
+        if self.spec_eval_prompts < 0 or self.spec_eval_max_new_tokens <= 0:
+            raise ValueError("spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens positive")
         # Raises early on bad checkpoint intervals rather than at the first checkpoint.
         CheckpointPolicy(self.checkpoint_every_steps, self.checkpoint_every_minutes)
 
@@ -180,7 +200,7 @@ def collate_tokenized_samples(
     input_ids, attention_mask = pad_batch([s.input_ids[:n] for s, n in zip(samples, lengths, strict=True)], 0)
     loss_mask, _ = pad_batch([s.loss_mask[:n] for s, n in zip(samples, lengths, strict=True)], 0)
     hidden_states = target_hidden_states(input_ids, attention_mask)
-    expected = (*input_ids.shape, config.num_target_layers, config.target_hidden_size)
+    expected = (*input_ids.shape, config.num_context_layers, config.target_hidden_size)
     if tuple(hidden_states.shape) != expected:
         raise ValueError(
             f"the target returned hidden states of shape {tuple(hidden_states.shape)} for samples "
@@ -198,7 +218,7 @@ def collate_tokenized_samples(
 
 
 class _OfflineSource:
-    """Batches of stored samples, each epoch's objects streamed in batch order."""
+    """Stored samples, streamed from the store in the order training will use them."""
 
     def __init__(self, data: OfflineData, config: DrafterConfig, settings: TrainSettings) -> None:
         self.data, self.config, self.settings = data, config, settings
@@ -208,7 +228,7 @@ class _OfflineSource:
             lengths = list(data.num_tokens)
         else:
             # bf16 states + int32 id + uint8 mask per token, plus a header of ~450 bytes.
-            per_token = config.num_target_layers * config.target_hidden_size * 2 + 5
+            per_token = config.num_context_layers * config.target_hidden_size * 2 + 5
             lengths = [max(1, round((size - 512) / per_token)) for _, size in self.objects]
         self.lengths = [min(n, settings.max_length) for n in lengths]
         parsed = [parse_sample_object_name(key.rsplit("/", 1)[-1]) for key, _ in self.objects]
@@ -241,17 +261,16 @@ class _OfflineSource:
                 self.data.store, self.cache_dir / "eval", cache_budget_bytes=eval_budget, **common
             )
 
-    def batches(self, plan: Sequence[Sequence[int]], stream: str = "train") -> Iterator[DrafterBatch]:
-        samples = self._streams[stream].iterate([self.objects[i] for batch in plan for i in batch])
-        with contextlib.closing(samples):
-            for batch in plan:
-                yield collate_hidden_state_samples(
-                    [next(samples)[1] for _ in batch], self.settings.max_length
-                )
+    def iterate(self, ids: Sequence[int], stream: str = "train") -> Iterator[HiddenStateSample]:
+        for _, sample in self._streams[stream].iterate([self.objects[i] for i in ids]):
+            yield sample
+
+    def collate(self, samples: Sequence[HiddenStateSample]) -> DrafterBatch:
+        return collate_hidden_state_samples(samples, self.settings.max_length)
 
 
 class _OnlineSource:
-    """Batches of tokenized samples with hidden states computed by the target on the fly."""
+    """Tokenized samples; collating a micro-batch runs the target on it."""
 
     def __init__(self, data: OnlineData, config: DrafterConfig, settings: TrainSettings) -> None:
         self.data, self.config, self.settings = data, config, settings
@@ -263,14 +282,13 @@ class _OnlineSource:
     def setup_streams(self, eval_ids: Sequence[int]) -> None:
         pass
 
-    def batches(self, plan: Sequence[Sequence[int]], stream: str = "train") -> Iterator[DrafterBatch]:
-        for batch in plan:
-            yield collate_tokenized_samples(
-                [self.samples[i] for i in batch],
-                self.settings.max_length,
-                self.data.target_hidden_states,
-                self.config,
-            )
+    def iterate(self, ids: Sequence[int], stream: str = "train") -> Iterator[TokenizedSample]:
+        return (self.samples[i] for i in ids)
+
+    def collate(self, samples: Sequence[TokenizedSample]) -> DrafterBatch:
+        return collate_tokenized_samples(
+            samples, self.settings.max_length, self.data.target_hidden_states, self.config
+        )
 
 
 def split_eval(num_samples: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
@@ -281,36 +299,48 @@ def split_eval(num_samples: int, eval_samples: int, seed: int) -> tuple[list[int
     return [i for i in range(num_samples) if i not in held], held_out
 
 
-def sample_cost(length: int, settings: TrainSettings) -> int:
-    """Positions a sample of `length` tokens adds to a padded batch: its context plus its block slots.
-
-    The drafter's work per sample is dominated by its queries, `anchors * block_size`, not by its
-    length. A sample has at most `length - 1` anchors (each needs a label after it), so this bounds its
-    real cost from above without reading its loss mask, and grows with length: a batch padded to its
-    longest sample costs at most `batch size * sample_cost(longest)`, which the planner keeps within
-    `max_tokens_per_batch`.
-    """
-    return length + min(settings.num_anchors, max(length - 1, 0)) * settings.block_size
-
-
 def epoch_plan(
     source_lengths: Sequence[int], train_ids: Sequence[int], settings: TrainSettings, epoch: int
 ) -> list[list[int]]:
-    """Epoch `epoch`'s batches as lists of sample ids: bucketed by cost, batch order shuffled per epoch."""
-    costs = [sample_cost(source_lengths[i], settings) for i in train_ids]
-    plan = shuffled_bucket_batches(
-        costs, settings.max_tokens_per_batch, settings.seed, epoch, max_batch_size=settings.max_batch_size
-    )
-    return [[train_ids[i] for i in batch] for batch in plan]
+    """Epoch `epoch`'s optimiser steps as lists of sample ids: a fresh shuffle for (seed, epoch), cut into
+    global batches of `global_batch_size` sequences (the last may be smaller). Within a step, samples
+    are ordered longest first, so micro-batches of neighbours carry little padding."""
+    order = list(train_ids)
+    random.Random(f"dflash-epoch:{settings.seed}:{epoch}").shuffle(order)
+    size = settings.global_batch_size
+    steps = [order[start : start + size] for start in range(0, len(order), size)]
+    return [sorted(step, key=lambda i: (-source_lengths[i], i)) for step in steps]
 
 
-def eval_plan(
-    source_lengths: Sequence[int], eval_ids: Sequence[int], settings: TrainSettings
+def micro_batches(
+    ids: Sequence[int],
+    lengths: Sequence[int],
+    config: DrafterConfig,
+    settings: TrainSettings,
+    budget_bytes: int,
 ) -> list[list[int]]:
-    """The held-out batches, under the same budget as training's, in a fixed order."""
-    costs = [sample_cost(source_lengths[i], settings) for i in eval_ids]
-    plan = plan_batches(costs, settings.max_tokens_per_batch, settings.max_batch_size)
-    return [[eval_ids[i] for i in batch] for batch in plan]
+    """`ids` (longest first) cut into consecutive micro-batches whose estimated activation memory
+    (`estimate_step_bytes`, padded to the longest sample and its anchor count) fits `budget_bytes`.
+    A sample that alone exceeds the budget still gets a micro-batch of its own."""
+    batches: list[list[int]] = []
+    for index in ids:
+        candidate = [*batches[-1], index] if batches else [index]
+        longest = max(lengths[i] for i in candidate)
+        blocks = min(settings.num_anchors, max(longest - 1, 1))
+        if batches and estimate_step_bytes(config, len(candidate), longest, blocks) <= budget_bytes:
+            batches[-1] = candidate
+        else:
+            batches.append([index])
+    return batches
+
+
+def default_micro_batch_bytes(device: torch.device, reserved_bytes: int) -> int:
+    """Activation memory for one micro-batch: on CUDA, 70 % of what is free once weights and optimiser
+    state (`reserved_bytes`) are in place; on the CPU, 4 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(GIB // 4, int((free - reserved_bytes) * 0.7))
+    return 4 * GIB
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,11 +395,15 @@ class _Progress:
         self.window = BlockMetrics(self.block_size)
         self.window_started = time.monotonic()
         self.window_steps = 0
+        self.window_micro_batches = 0
 
     def add(self, output: BlockLossOutput, batch: DrafterBatch) -> None:
         self.window.add(output, batch)
-        self.window_steps += 1
         self.run_tokens += batch.num_tokens
+
+    def count_step(self, micro_batches: int) -> None:
+        self.window_steps += 1
+        self.window_micro_batches += micro_batches
 
     @property
     def tokens_per_second(self) -> float:
@@ -387,13 +421,17 @@ class _Progress:
             "lr": lr,
             "tokens_per_second": self.window.num_tokens / elapsed if elapsed > 0 else 0.0,
             "per_position_accuracy": self.window.per_position_accuracy,
-            "acceptance_length_tau": self.window.acceptance_length_tau,
+            "teacher_forced_tau": self.window.teacher_forced_tau,
+            "sequences_per_step": self.window.num_samples / max(1, self.window_steps),
+            "micro_batches_per_step": self.window_micro_batches / max(1, self.window_steps),
             "eta_seconds": eta,
         }
         self._reset()
         loss_text = f"{loss:.4f}" if loss is not None else "n/a"
         return (
             f"step {step}/{self.total_steps} epoch {epoch + 1}/{epochs} loss {loss_text} lr {lr:.2e} "
+            f"{self.last_window['sequences_per_step']:.1f} sequences/step in "
+            f"{self.last_window['micro_batches_per_step']:.1f} micro-batches, "
             f"tokens/s {self.last_window['tokens_per_second']:,.0f} eta {_duration(eta)}"
         )
 
@@ -407,11 +445,15 @@ class _Progress:
 class TrainResult:
     steps: int  # optimiser steps done in total (including those before a resume)
     total_steps: int
+    steps_per_epoch: int
     resumed_from_step: int | None
     final_loss: float | None  # mean training loss over the last logging window
-    eval: dict[str, Any] | None  # the last held-out evaluation
+    eval: dict[str, Any] | None  # the last teacher-forced held-out evaluation
+    speculative: dict[str, Any] | None  # the last speculative decoding evaluation (measured tau)
+    baseline: dict[str, Any] | None  # both evaluations of the untrained weights
     per_position_accuracy: list[float | None]  # held-out if evaluated, else the last training window
-    acceptance_length_tau: float | None
+    acceptance_length_tau: float | None  # measured by speculative decoding with the target
+    teacher_forced_tau: float | None  # predicted from held-out labels
     tokens_per_second: float  # this process's training throughput
     checkpoints: list[str]  # store URIs committed by this process
     trained_sample_ranges: list[str]  # sample-index range keys trained on, held-out samples excluded
@@ -432,26 +474,9 @@ def _index_ranges(indices: Sequence[int]) -> list[str]:
     return ranges
 
 
-def _batches_from(
-    source: _OfflineSource | _OnlineSource, plans: Sequence[Sequence[Sequence[int]]], position: DataPosition
-) -> Iterator[tuple[DataPosition, DrafterBatch, DataPosition]]:
-    """(where the batch is, the batch, the position after it), from `position` to the last epoch's end."""
-    for epoch in range(position.epoch, len(plans)):
-        plan = plans[epoch]
-        start = position.batch_index if epoch == position.epoch else 0
-        batches = source.batches(plan[start:])
-        with contextlib.closing(batches):
-            for batch_index, batch in enumerate(batches, start=start):
-                after = (
-                    DataPosition(epoch, batch_index + 1)
-                    if batch_index + 1 < len(plan)
-                    else DataPosition(epoch + 1, 0)
-                )
-                yield DataPosition(epoch, batch_index), batch, after
-
-
 class DrafterTrainer:
-    """The parts of one training run, wired together: data plan, model, optimiser, checkpoints, metrics."""
+    """The parts of one training run, wired together: data plan, model, optimiser, checkpoints, metrics,
+    and the evaluations (teacher-forced on held-out samples, speculative decoding with the target)."""
 
     def __init__(
         self,
@@ -465,6 +490,7 @@ class DrafterTrainer:
         log: Callable[[str], None] | None = None,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
         uploader: Uploader | None = None,
+        target_verifier: Callable[[], TargetVerifier] | None = None,
     ) -> None:
         if data.mode != settings.mode:
             raise ValueError(f"train mode is {settings.mode!r} but the data given is {data.mode!r}")
@@ -478,8 +504,13 @@ class DrafterTrainer:
         self.on_checkpoint = on_checkpoint
         self.device = torch.device(settings.device)
         self.autocast_bf16 = self.device.type == "cuda" and settings.bf16_autocast
+        self._target_verifier = target_verifier or (
+            lambda: TargetVerifier(
+                load_target_model(config.target_model, self.device), config.target_layer_ids
+            )
+        )
 
-        # Data: a fixed held-out set, then one cost-bucketed, shuffled batch order per epoch.
+        # Data: a fixed held-out set, then one shuffled order of global batches per epoch.
         self.source = (_OfflineSource if isinstance(data, OfflineData) else _OnlineSource)(
             data, config, settings
         )
@@ -489,13 +520,9 @@ class DrafterTrainer:
             len(self.source.lengths), settings.eval_samples, settings.seed
         )
         self.source.setup_streams(self.eval_ids)
-        self.plans = [
-            epoch_plan(self.source.lengths, self.train_ids, settings, e) for e in range(settings.epochs)
-        ]
-        self.total_steps = sum(len(plan) for plan in self.plans)
-        if settings.max_steps is not None:
-            self.total_steps = min(self.total_steps, settings.max_steps)
-        self.eval_plan = eval_plan(self.source.lengths, self.eval_ids, settings)
+        self._plans: dict[int, list[list[int]]] = {}
+        self.steps_per_epoch = len(self.plan(0))
+        self.total_steps = settings.max_steps or self.steps_per_epoch * settings.epochs
 
         # Model and optimisation: the same seed gives the same initial weights.
         torch.manual_seed(settings.seed)
@@ -505,6 +532,10 @@ class DrafterTrainer:
         total = self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, total, settings)
+        )
+        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) * 4
+        self.micro_batch_bytes = settings.micro_batch_bytes or default_micro_batch_bytes(
+            self.device, weights_bytes
         )
 
         self.checkpoints = CheckpointManager(
@@ -518,9 +549,25 @@ class DrafterTrainer:
         self.resumed_from: int | None = None
         self.last_saved: int | None = None
         self.last_eval: dict[str, Any] | None = None
+        self.baseline: dict[str, Any] | None = None  # the evaluations of the untrained weights
         self.skipped_nonfinite = self._consecutive_nonfinite = 0
         self._pending_reports: list[dict[str, Any]] = []
+        self._eval_prompts: list[list[int]] | None = None
+        self._speculative: SpeculativeEvaluator | None = None
         self.progress = _Progress(config.block_size, 0, self.total_steps)
+        self.log(
+            f"drafter: {config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} kv heads "
+            f"x {config.head_dim} ({', '.join(sorted(set(config.layer_types)))}), mask token "
+            f"{config.mask_token_id} ({config.extra.get('mask_token_source', 'given')}); "
+            f"{len(self.train_ids)} training samples, {len(self.eval_ids)} held out; "
+            f"{self.steps_per_epoch} steps per epoch of up to {settings.global_batch_size} sequences; "
+            f"{self.total_steps} steps in total"
+        )
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._plans:
+            self._plans = {epoch: epoch_plan(self.source.lengths, self.train_ids, self.settings, epoch)}
+        return self._plans[epoch]
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_bf16:
@@ -551,6 +598,7 @@ class DrafterTrainer:
         restore_rng_state(restored.rng_state)
         self.step, self.position = restored.step, restored.data_position
         self.resumed_from = self.last_saved = restored.step
+        self.baseline = restored.extra.get("baseline")
         self.checkpoints.start_from(self.step)
         self.progress = _Progress(self.config.block_size, self.step, self.total_steps)
         self.log(
@@ -558,50 +606,138 @@ class DrafterTrainer:
             f"epoch {self.position.epoch + 1}, batch {self.position.batch_index}"
         )
 
-    # -- one step
+    # -- one optimiser step: gradient accumulation over micro-batches
 
-    def train_step(self, here: DataPosition, batch: DrafterBatch) -> None:
+    def _anchors(self, batch: DrafterBatch, epoch: int | str) -> BlockAnchors:
+        generators = [anchor_generator(self.settings.seed, epoch, index) for index in batch.sample_indices]
+        return sample_anchors(batch.loss_mask, self.settings.num_anchors, generators)
+
+    def _accumulate(self, samples: Sequence[Any], lengths: Sequence[int], epoch: int) -> list[tuple]:
+        """Forward and backward over micro-batches of `samples`, gradients summed (not averaged)."""
+        outputs = []
+        ids = list(range(len(samples)))
+        for micro in micro_batches(ids, lengths, self.config, self.settings, self.micro_batch_bytes):
+            batch = self.source.collate([samples[i] for i in micro])
+            with self._autocast():
+                output = dflash_loss(self.model, batch, self._anchors(batch, epoch), self.settings.gamma)
+            if torch.isfinite(output.loss) and output.weight_sum > 0:
+                output.weighted_ce.backward()
+            outputs.append((output, batch))
+        return outputs
+
+    def train_step(self, here: DataPosition, samples: Sequence[Any], lengths: Sequence[int]) -> None:
+        """One optimiser step over one global batch. The loss is normalised by the label weight of the
+        whole global batch, so any micro-batch split (including a split made after running out of
+        memory) gives the same update."""
         fault_point("train_step")  # crash tests: die between steps, checkpoints possibly mid-upload
-        generator = anchor_generator(self.settings.seed, here.epoch, here.batch_index)
-        anchors = sample_anchors(batch.loss_mask, self.settings.num_anchors, generator)
-        with self._autocast():
-            output = dflash_loss(self.model, batch, anchors, self.settings.gamma)
-        if not torch.isfinite(output.loss):
+        while True:
+            try:
+                outputs = self._accumulate(samples, lengths, here.epoch)
+                break
+            except torch.OutOfMemoryError:
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if self.micro_batch_bytes <= GIB // 64:
+                    raise
+                self.micro_batch_bytes //= 2
+                self.log(
+                    f"WARNING: out of memory at step {self.step + 1}; micro-batch budget lowered to "
+                    f"{self.micro_batch_bytes / GIB:.2f} GiB and the step redone"
+                )
+        bad = [o for o, _ in outputs if not torch.isfinite(o.loss)]
+        sample_indices = [i for _, b in outputs for i in b.sample_indices]
+        if bad:
             # Skip the update, not the data: one bad batch must not kill a day-long run.
             self.skipped_nonfinite += 1
             self._consecutive_nonfinite += 1
             self.optimizer.zero_grad(set_to_none=True)
-            self.log(
-                f"WARNING: non-finite loss at step {self.step + 1} (samples {batch.sample_indices}); skipped"
-            )
+            self.log(f"WARNING: non-finite loss at step {self.step + 1} (samples {sample_indices}); skipped")
             if self._consecutive_nonfinite > self.settings.max_consecutive_nonfinite:
                 raise FloatingPointError(
-                    f"{self._consecutive_nonfinite} consecutive non-finite losses (last batch: samples "
-                    f"{batch.sample_indices}); lower the learning rate or check those samples' hidden states"
+                    f"{self._consecutive_nonfinite} consecutive non-finite losses (last step: samples "
+                    f"{sample_indices}); lower the learning rate or check those samples' hidden states"
                 )
             return
         self._consecutive_nonfinite = 0
-        if output.weight_sum > 0:  # a batch without a single label leaves weights and moments alone
-            output.loss.backward()
+        weight = sum(o.weight_sum for o, _ in outputs)
+        if weight > 0:  # a step without a single label leaves weights and moments alone
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.div_(weight)
             if self.settings.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.progress.add(output, batch)
+        for output, batch in outputs:
+            self.progress.add(output, batch)
+        self.progress.count_step(len(outputs))
 
-    # -- checkpoints and evaluation
+    # -- evaluation
+
+    def _eval_batches(self) -> Iterator[DrafterBatch]:
+        micro = micro_batches(
+            sorted(self.eval_ids, key=lambda i: (-self.source.lengths[i], i)),
+            self.source.lengths,
+            self.config,
+            self.settings,
+            self.micro_batch_bytes,
+        )
+        samples = self.source.iterate([i for batch in micro for i in batch], "eval")
+        for batch in micro:
+            yield self.source.collate([next(samples) for _ in batch])
 
     def evaluate(self) -> dict[str, Any] | None:
-        if not self.eval_plan:
+        """`{"teacher_forced": ..., "speculative": ...}` on the held-out samples (None without any)."""
+        if not self.eval_ids:
             return None
+        batches = []
+
+        def remember(stream: Iterator[DrafterBatch]) -> Iterator[DrafterBatch]:
+            for batch in stream:
+                if self._eval_prompts is None:
+                    batches.append(batch)
+                yield batch
+
         with self._autocast():
-            return evaluate_drafter(
+            teacher_forced = evaluate_drafter(
                 self.model,
-                self.source.batches(self.eval_plan, "eval"),
+                remember(self._eval_batches()),
                 gamma=self.settings.gamma,
                 num_anchors=self.settings.num_anchors,
                 seed=self.settings.seed,
             )
+        if self._eval_prompts is None:
+            rows = [
+                (b.input_ids[r, : b.lengths[r]].tolist(), b.loss_mask[r, : b.lengths[r]].tolist())
+                for b in batches
+                for r in range(len(b.sample_indices))
+            ]
+            limit = max(1, self.settings.max_length - self.settings.spec_eval_max_new_tokens)
+            self._eval_prompts = held_out_prompts([r[0] for r in rows], [r[1] for r in rows], limit)
+        return {"teacher_forced": teacher_forced, "speculative": self.speculative_evaluation()}
+
+    def speculative_evaluation(self) -> dict[str, Any] | None:
+        prompts = (self._eval_prompts or [])[: self.settings.spec_eval_prompts]
+        if not prompts:
+            return None
+        if self._speculative is None:
+            self._speculative = SpeculativeEvaluator(
+                self._target_verifier(),
+                prompts,
+                max_new_tokens=self.settings.spec_eval_max_new_tokens,
+                stop_token_ids=stop_token_ids_of(self.config.target_model),
+            )
+        with self._autocast():
+            result = self._speculative.evaluate(self.model)
+        if not result["matches_target_greedy"]:
+            self.log(
+                "WARNING: speculative decoding differs from the target's greedy decoding on held-out "
+                f"prompts {result['mismatched_prompts']} (ties in the target's logits, or a verification bug)"
+            )
+        return result
+
+    # -- checkpoints
 
     def save_checkpoint(self) -> None:
         ref = self.checkpoints.save(
@@ -612,18 +748,25 @@ class DrafterTrainer:
             data_position=self.position,
             config=self.config,
             settings=self.settings.to_dict(),
-            extra={"eval_sample_indices": [self.source.sample_indices[i] for i in self.eval_ids]},
+            extra={
+                "eval_sample_indices": [self.source.sample_indices[i] for i in self.eval_ids],
+                "baseline": self.baseline,
+            },
         )
         self.last_eval = self.evaluate()  # overlaps the upload
         self.last_saved = self.step
+        self._queue_report(self.step, self.store.uri(ref.prefix))
+
+    def _queue_report(self, step: int, checkpoint_uri: str | None) -> None:
         self._pending_reports.append(
             {
-                "step": self.step,
-                "checkpoint": self.store.uri(ref.prefix),
+                "step": step,
+                "checkpoint": checkpoint_uri,
                 "epoch": self.position.epoch,
                 "train": self.progress.last_window or None,
                 "tokens_per_second": self.progress.tokens_per_second,
-                "eval": self.last_eval,
+                "eval": (self.last_eval or {}).get("teacher_forced"),
+                "speculative": (self.last_eval or {}).get("speculative"),
             }
         )
 
@@ -640,21 +783,13 @@ class DrafterTrainer:
 
     def train(self) -> TrainResult:
         try:
+            if self.step == 0 and self.baseline is None:
+                # What an untrained drafter of this architecture achieves, measured the same way.
+                self.last_eval = self.baseline = self.evaluate()
+                self._queue_report(0, None)
+                self.report_committed(block=True)
             if self.step < self.total_steps:
-                batches = _batches_from(self.source, self.plans, self.position)
-                with contextlib.closing(batches):
-                    for here, batch, position_after in batches:
-                        self.train_step(here, batch)
-                        lr = self.optimizer.param_groups[0]["lr"]
-                        self.scheduler.step()
-                        self.step, self.position = self.step + 1, position_after
-                        if self.step % self.settings.log_every_steps == 0 or self.step == self.total_steps:
-                            self.log(self.progress.report(self.step, here.epoch, self.settings.epochs, lr))
-                        if self.step >= self.total_steps:
-                            break
-                        if self.checkpoints.due(self.step):
-                            self.save_checkpoint()
-                        self.report_committed(block=False)
+                self._train_steps()
             if self.last_saved != self.step:
                 self.save_checkpoint()
             self.report_committed(block=True)
@@ -662,17 +797,53 @@ class DrafterTrainer:
             self.checkpoints.close()
         return self.result()
 
+    def _train_steps(self) -> None:
+        """Steps from `self.position` to `total_steps`; one streamed pass over the data per epoch (a
+        sample appears once per pass, so the streaming cache never holds two copies of it)."""
+        epoch, start = self.position.epoch, self.position.batch_index
+        while self.step < self.total_steps:
+            plan = self.plan(epoch)
+            steps = plan[start : start + self.total_steps - self.step]
+            samples = self.source.iterate([i for ids in steps for i in ids])
+            with contextlib.closing(samples):
+                for index, ids in enumerate(steps, start=start):
+                    here = DataPosition(epoch, index)
+                    self.train_step(here, [next(samples) for _ in ids], [self.source.lengths[i] for i in ids])
+                    lr = self.optimizer.param_groups[0]["lr"]
+                    self.scheduler.step()
+                    self.step += 1
+                    last = index + 1 == len(plan)
+                    self.position = DataPosition(epoch + 1, 0) if last else DataPosition(epoch, index + 1)
+                    if self.step % self.settings.log_every_steps == 0 or self.step == self.total_steps:
+                        self.log(self.progress.report(self.step, epoch, self.epochs_total, lr))
+                    if self.step >= self.total_steps:
+                        return
+                    if self.checkpoints.due(self.step):
+                        self.save_checkpoint()
+                    self.report_committed(block=False)
+            epoch, start = epoch + 1, 0
+
+    @property
+    def epochs_total(self) -> int:
+        return math.ceil(self.total_steps / max(1, self.steps_per_epoch))
+
     def result(self) -> TrainResult:
         window = self.progress.last_window
-        quality = self.last_eval or window or {}
+        evaluation = self.last_eval or {}
+        teacher_forced = evaluation.get("teacher_forced") or window or {}
+        speculative = evaluation.get("speculative") or {}
         return TrainResult(
             steps=self.step,
             total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch,
             resumed_from_step=self.resumed_from,
             final_loss=window.get("loss") if window else None,
-            eval=self.last_eval,
-            per_position_accuracy=quality.get("per_position_accuracy") or [],
-            acceptance_length_tau=quality.get("acceptance_length_tau"),
+            eval=evaluation.get("teacher_forced"),
+            speculative=evaluation.get("speculative"),
+            baseline=self.baseline,
+            per_position_accuracy=teacher_forced.get("per_position_accuracy") or [],
+            acceptance_length_tau=speculative.get("acceptance_length_tau"),
+            teacher_forced_tau=teacher_forced.get("teacher_forced_tau"),
             tokens_per_second=self.progress.tokens_per_second,
             checkpoints=[self.store.uri(ref.prefix) for ref in self.checkpoints.written],
             trained_sample_ranges=_index_ranges([self.source.sample_indices[i] for i in self.train_ids]),
@@ -694,6 +865,7 @@ def train_drafter(
     log: Callable[[str], None] | None = None,
     on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
     uploader: Uploader | None = None,
+    target_verifier: Callable[[], TargetVerifier] | None = None,
 ) -> TrainResult:
     """Train a drafter, resuming from the newest complete checkpoint of `run` in `store` if any.
 
@@ -712,6 +884,7 @@ def train_drafter(
         log=log,
         on_checkpoint=on_checkpoint,
         uploader=uploader,
+        target_verifier=target_verifier,
     )
     trainer.resume()
     return trainer.train()

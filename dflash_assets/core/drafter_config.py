@@ -1,0 +1,383 @@
+"""The drafter's config: its shape presets, the mask token, and the reference `config.json` layout.
+
+A drafter is described by `DrafterConfig`; `to_reference_dict` is the Qwen3-style config the engines
+read (z-lab/dflash `DFlashDraftModel`, SGLang `models/dflash.py`, vLLM `qwen3_dflash.py`), so checkpoints
+and exports carry one format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dflash_assets.core.capture import resolve_target_layer_ids, text_config
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DRAFTER_FORMAT = "dflash-assets.drafter/2"  # our provenance block inside the reference config
+ARCHITECTURE = "DFlashDraftModel"  # what SGLang, vLLM and z-lab/dflash dispatch on
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+MASK_TOKEN_SETTING = "DFLASH_MASK_TOKEN_ID"
+SHAPE_SETTING = "DFLASH_DRAFTER_SHAPE"
+
+# Where the two shared tensors live in a target checkpoint: plain causal LMs, then multimodal wrappers
+# (Qwen3.5/3.6 checkpoints are vision-language models whose text model sits under `language_model`).
+EMBEDDING_KEYS = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "embed_tokens.weight",
+)
+LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterConfig:
+    """Everything needed to rebuild a drafter. Saved as a Qwen3-style `config.json` in the layout the
+    inference engines read (`to_reference_dict`), and read back from it."""
+
+    hidden_size: int  # = the target's hidden size: the drafter shares the target's embedding and LM head
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # rows of the target's embedding matrix
+    mask_token_id: int
+    target_layer_ids: list[int]  # K target decoder layers, 0-based; their raw outputs form the context
+    target_num_hidden_layers: int  # the target's depth N (`num_target_layers` in the reference config)
+    target_model: str = ""  # path or hub id the shared embedding / LM head are read from
+    num_layers: int = 5
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    layer_types: list[str] = field(default_factory=list)  # per layer; empty: all full attention
+    sliding_window: int | None = None  # tokens a sliding layer sees, its own included
+    extra: dict[str, Any] = field(default_factory=dict)  # provenance: tokenizer, run, mask-token source...
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (an anchor plus drafted slots), got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the target's embedding matrix "
+                f"({self.vocab_size} rows); set {MASK_TOKEN_SETTING} to an id below {self.vocab_size}"
+            )
+        if max(self.target_layer_ids) >= self.target_num_hidden_layers:
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} name a layer the {self.target_num_hidden_layers}-"
+                "layer target lacks"
+            )
+        self.layer_types = list(self.layer_types) or [FULL_ATTENTION] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} drafter layers"
+            )
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"unknown drafter layer types {unknown}: use {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}"
+            )
+        if SLIDING_ATTENTION in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+
+    @property
+    def num_context_layers(self) -> int:
+        """K: target layers concatenated into the context feature."""
+        return len(self.target_layer_ids)
+
+    @property
+    def target_hidden_size(self) -> int:
+        """H of each captured target layer; equal to `hidden_size` (the embedding is shared)."""
+        return self.hidden_size
+
+    # -- the reference layout
+
+    def to_reference_dict(self) -> dict[str, Any]:
+        """A Qwen3 `config.json` plus DFlash's fields, as z-lab/dflash, SGLang and vLLM read it."""
+        sliding = SLIDING_ATTENTION in self.layer_types
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            # Both spellings: transformers 5 and vLLM read rope_parameters, older readers rope_theta.
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            # Qwen3Config drops `sliding_window` unless use_sliding_window is true.
+            "use_sliding_window": sliding,
+            "sliding_window": self.sliding_window if sliding else None,
+            "max_window_layers": self.num_layers,
+            "layer_types": list(self.layer_types),
+            "block_size": self.block_size,
+            "num_target_layers": self.target_num_hidden_layers,
+            "target_hidden_size": self.target_hidden_size,
+            "dflash_config": {
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+                "block_size": self.block_size,
+            },
+            "torch_dtype": "bfloat16",
+            "dflash_assets": {"format": DRAFTER_FORMAT, "target_model": self.target_model, **self.extra},
+        }
+
+    @classmethod
+    def from_reference_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
+        if ARCHITECTURE not in (raw.get("architectures") or []):
+            raise ValueError(
+                f"config architectures {raw.get('architectures')!r} are not [{ARCHITECTURE!r}]: not a DFlash "
+                "drafter config"
+            )
+        dflash = raw.get("dflash_config") or {}
+        provenance = dict(raw.get("dflash_assets") or {})
+        provenance.pop("format", None)
+        rope = raw.get("rope_parameters") or {}
+        return cls(
+            hidden_size=int(raw["hidden_size"]),
+            num_heads=int(raw["num_attention_heads"]),
+            num_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            vocab_size=int(raw["vocab_size"]),
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=[int(i) for i in dflash["target_layer_ids"]],
+            target_num_hidden_layers=int(raw["num_target_layers"]),
+            target_model=str(provenance.pop("target_model", "")),
+            num_layers=int(raw["num_hidden_layers"]),
+            block_size=int(dflash.get("block_size", raw.get("block_size", 16))),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            layer_types=list(raw.get("layer_types") or []),
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            extra=provenance,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_reference_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> DrafterConfig:
+        return cls.from_reference_dict(json.loads(text))
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / CONFIG_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> DrafterConfig:
+        return cls.from_json((Path(directory) / CONFIG_NAME).read_text())
+
+    @classmethod
+    def from_target(
+        cls,
+        target_model: str | Path,
+        *,
+        num_layers: int = 5,
+        target_layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        block_size: int = 16,
+        shape: str = "auto",
+    ) -> DrafterConfig:
+        """A drafter for `target_model` (a Hugging Face model directory), shaped by a preset.
+
+        `shape`: a name in `DRAFTER_SHAPES` (`auto` = `dflash`), or `target` for the target's own
+        attention shape. `mask_token_id=None` resolves one with `resolve_mask_token` (the reason goes
+        to `extra["mask_token_source"]`).
+        """
+        target = text_config(json.loads(_target_file(target_model, CONFIG_NAME).read_text()))
+        hidden_size = int(target["hidden_size"])
+        num_target_layers = int(target["num_hidden_layers"])
+        target_layer_ids = resolve_target_layer_ids(target, target_layer_ids, num_layers)
+        vocab_size = int(target["vocab_size"])
+        mask_token_id, mask_source = resolve_mask_token(target_model, mask_token_id, vocab_size)
+        rope = target.get("rope_parameters") or target.get("rope_scaling") or {}
+        return cls(
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=list(target_layer_ids),
+            target_num_hidden_layers=num_target_layers,
+            target_model=str(target_model),
+            num_layers=num_layers,
+            block_size=block_size,
+            rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", target.get("rope_theta", 1_000_000.0))),
+            max_position_embeddings=int(target.get("max_position_embeddings", 32768)),
+            extra={"mask_token_source": mask_source, "shape": shape},
+            **drafter_shape(target, shape, num_layers),
+        )
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """An attention shape and layer pattern taken from a published DFlash drafter config."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None  # None: every layer full attention
+    source: str
+
+
+# The published drafters keep 32 query / 8 KV heads of 128 whatever the target's own attention
+# (Qwen3-8B-DFlash-b16 and Qwen3.5 drafters: all full attention; Qwen3.6-27B-DFlash: four sliding layers
+# with a 2048-token window, then one full layer), and the target's MLP width.
+DRAFTER_SHAPES: dict[str, DrafterShape] = {
+    "dflash": DrafterShape(32, 8, 128, None, "z-lab Qwen3 / Qwen3.5 DFlash drafters"),
+    "dflash-swa": DrafterShape(32, 8, 128, 2048, "z-lab Qwen3.6-27B-DFlash"),
+}
+# Targets narrower than this are toy or test models: the preset's 4096-wide attention would dwarf them,
+# so the same 4:1 grouping is scaled to the target's width (see `drafter_shape`).
+FULL_PRESET_MIN_HIDDEN = 2048
+
+
+def drafter_shape(target: dict[str, Any], shape: str, num_layers: int) -> dict[str, Any]:
+    """Attention and MLP fields of `DrafterConfig` for `target` (its text config) under `shape`."""
+    hidden = int(target["hidden_size"])
+    intermediate = int(target.get("intermediate_size") or 0) or 3 * hidden
+    if shape == "target":
+        heads = int(target["num_attention_heads"])
+        return {
+            "num_heads": heads,
+            "num_kv_heads": int(target.get("num_key_value_heads") or heads),
+            "head_dim": int(target.get("head_dim") or hidden // heads),
+            "intermediate_size": intermediate,
+            "layer_types": [FULL_ATTENTION] * num_layers,
+            "sliding_window": None,
+        }
+    preset = DRAFTER_SHAPES.get("dflash" if shape == "auto" else shape)
+    if preset is None:
+        raise ValueError(
+            f"unknown drafter shape {shape!r} ({SHAPE_SETTING}); choose one of "
+            f"{['auto', *DRAFTER_SHAPES, 'target']}"
+        )
+    heads, kv_heads, head_dim = preset.num_heads, preset.num_kv_heads, preset.head_dim
+    if hidden < FULL_PRESET_MIN_HIDDEN:
+        head_dim = max(8, min(preset.head_dim, hidden // 4) // 2 * 2)
+        heads = max(1, hidden // head_dim)
+        kv_heads = max(1, heads // (preset.num_heads // preset.num_kv_heads))
+        while heads % kv_heads:
+            kv_heads -= 1
+    if preset.sliding_window is None or num_layers == 1:
+        layer_types = [FULL_ATTENTION] * num_layers
+    else:
+        layer_types = [SLIDING_ATTENTION] * (num_layers - 1) + [FULL_ATTENTION]
+    return {
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "layer_types": layer_types,
+        "sliding_window": preset.sliding_window if SLIDING_ATTENTION in layer_types else None,
+    }
+
+
+def _target_file(target_model: str | Path, filename: str) -> Path:
+    """One file of the target checkpoint: from a local directory, else from the Hugging Face hub cache."""
+    local = Path(target_model)
+    if local.is_dir():
+        path = local / filename
+        if not path.exists():
+            raise FileNotFoundError(f"target model directory {local} has no {filename}")
+        return path
+    from huggingface_hub import hf_hub_download  # only for hub ids; local directories never need it
+
+    return Path(hf_hub_download(str(target_model), filename))
+
+
+def resolve_mask_token(
+    target_model: str | Path, explicit: int | None, vocab_size: int
+) -> tuple[int, str]:
+    """The mask token id and why it was chosen: an explicit id, else the tokenizer's `mask_token`, else
+    the first id past the tokenizer's vocabulary that still has a row in the embedding matrix (what the
+    published drafters do: 151669 for Qwen3 is exactly `len(tokenizer)`)."""
+    if explicit is not None:
+        if not 0 <= explicit < vocab_size:
+            raise ValueError(
+                f"{MASK_TOKEN_SETTING}={explicit} is outside the target's embedding matrix "
+                f"({vocab_size} rows, ids 0..{vocab_size - 1})"
+            )
+        return int(explicit), f"explicit setting ({MASK_TOKEN_SETTING} / run config mask_token_id)"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_model))
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id), f"the tokenizer's mask_token {tokenizer.mask_token!r}"
+    named = len(tokenizer)
+    if named < vocab_size:
+        return named, (
+            f"first id past the tokenizer's {named} named tokens, inside the {vocab_size}-row embedding "
+            "matrix (the tokenizer has no mask_token)"
+        )
+    raise ValueError(
+        f"the tokenizer of {target_model} has no mask_token and names all {vocab_size} embedding rows, so "
+        f"no unused id is left for the drafter's mask slots; set {MASK_TOKEN_SETTING} (or run config "
+        "mask_token_id) to an id whose embedding the drafter may use"
+    )
+
+
+def load_target_embeddings(target_model: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the input embedding and LM head of the target, `[V, H]` each, without loading the model.
+
+    Reads the safetensors index to find the shard of each tensor and pulls just those two tensors; a
+    checkpoint without `lm_head.weight` (tied embeddings) reuses the embedding.
+    """
+    try:
+        index = json.loads(_target_file(target_model, "model.safetensors.index.json").read_text())
+        weight_map: dict[str, str] = index["weight_map"]
+    except FileNotFoundError:
+        with safe_open(str(_target_file(target_model, WEIGHTS_NAME)), framework="pt") as handle:
+            weight_map = dict.fromkeys(handle.keys(), WEIGHTS_NAME)  # noqa: SIM118 (not a dict)
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(_target_file(target_model, weight_map[key])), framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    embed_key = next((key for key in EMBEDDING_KEYS if key in weight_map), None)
+    if embed_key is None:
+        raise KeyError(f"no input embedding in {target_model}: looked for {list(EMBEDDING_KEYS)}")
+    embedding = read(embed_key)
+    head_key = next((key for key in LM_HEAD_KEYS if key in weight_map), None)
+    if head_key is not None:
+        return embedding, read(head_key)
+    config = json.loads(_target_file(target_model, CONFIG_NAME).read_text())
+    if not (config.get("tie_word_embeddings") or text_config(config).get("tie_word_embeddings")):
+        raise KeyError(
+            f"no LM head in {target_model}: looked for {list(LM_HEAD_KEYS)} and the config does not tie "
+            "word embeddings"
+        )
+    return embedding, embedding
+
+

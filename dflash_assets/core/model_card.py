@@ -1,0 +1,101 @@
+"""The exported drafter's model card: what it was trained for and on, how well it drafts, how to serve it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from dflash_assets.core.drafter import DrafterConfig, drafter_parameter_count
+
+
+def _number(value: Any, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "not measured"
+
+
+def drafter_model_card(
+    config: DrafterConfig,
+    *,
+    run: str,
+    target_model_name: str,
+    trained_sample_ranges: Sequence[str],
+    partitions: Sequence[str],
+    steps: int,
+    metrics: dict[str, Any],
+) -> str:
+    """Markdown for the export's `README.md`. `metrics`: `acceptance_length_tau` (measured),
+    `baseline_acceptance_length_tau`, `teacher_forced_tau`, `loss`, `per_position_accuracy`."""
+    accuracy = metrics.get("per_position_accuracy") or []
+    accuracy_text = ", ".join(_number(a, 2) for a in accuracy[:8]) + (" ..." if len(accuracy) > 8 else "")
+    ranges = ", ".join(trained_sample_ranges[:6]) + (" ..." if len(trained_sample_ranges) > 6 else "")
+    target = target_model_name or config.target_model
+    window = f" (window {config.sliding_window})" if config.sliding_window else ""
+    about = [
+        ("target", f"`{target}` ({config.target_num_hidden_layers} decoder layers)"),
+        ("target layers read (`dflash_config.target_layer_ids`)", str(config.target_layer_ids)),
+        ("block size", str(config.block_size)),
+        ("mask token id", f"{config.mask_token_id} ({config.extra.get('mask_token_source', 'given')})"),
+        (
+            "drafter",
+            f"{config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} KV heads of "
+            f"{config.head_dim}, MLP {config.intermediate_size}, "
+            f"{drafter_parameter_count(config):,} parameters",
+        ),
+        ("layer types", ", ".join(config.layer_types) + window),
+        (
+            "trained on",
+            f"sample ranges {ranges or 'none'} (partitions {', '.join(partitions) or 'none'}), "
+            f"{steps} optimiser steps",
+        ),
+    ]
+    quality = [
+        (
+            "acceptance length tau, measured (greedy speculative decoding with the target)",
+            _number(metrics.get("acceptance_length_tau")),
+        ),
+        (
+            "the same for this architecture freshly initialised",
+            _number(metrics.get("baseline_acceptance_length_tau")),
+        ),
+        ("tau predicted teacher-forced on held-out labels", _number(metrics.get("teacher_forced_tau"))),
+        ("held-out loss", _number(metrics.get("loss"), 4)),
+        ("accuracy at drafted positions 1..", accuracy_text or "not measured"),
+    ]
+
+    def table(rows: list[tuple[str, str]]) -> str:
+        return "\n".join(["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
+
+    speculative_config = json.dumps(
+        {"method": "dflash", "model": "<this directory>", "num_speculative_tokens": config.block_size - 1}
+    )
+    return f"""# DFlash drafter `{run}` for `{target}`
+
+A block-diffusion speculative-decoding drafter (DFlash) in the z-lab/dflash layout: a Qwen3-style
+`config.json` with `architectures: ["DFlashDraftModel"]`, and bf16 weights named as the published
+drafters name theirs. It shares the target's embedding and LM head, which are not stored here.
+
+{table(about)}
+
+## Quality on held-out prompts
+
+{table(quality)}
+
+## Serve it
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path {target} \\
+    --speculative-algorithm DFLASH --speculative-draft-model-path <this directory> \\
+    --speculative-num-draft-tokens {config.block_size}
+```
+
+vLLM:
+
+```bash
+vllm serve {target} --speculative-config '{speculative_config}'
+```
+
+A drafter with sliding-window layers next to full ones needs vLLM's V2 model runner
+(`VLLM_USE_V2_MODEL_RUNNER=1`).
+"""

@@ -1,0 +1,186 @@
+"""Acceptance measured for real: greedy speculative decoding with the target in the loop.
+
+Each round the drafter proposes a block from the target's hidden states of every position before the
+anchor (the last token the target produced); the target verifies the block in one forward; the leading
+run of drafts equal to the target's own greedy choice is accepted, plus the target's next token. The
+acceptance length of a round is that run + 1, and tau is its mean: what SGLang and vLLM report.
+
+Hybrid targets (gated delta net + attention) keep a recurrent state that cannot be rolled back past a
+rejected draft, so nothing is ever rolled back: the target's cache holds only committed tokens, each
+verification runs on a copy of it, and the accepted tokens are then appended to the committed cache
+(a forward of at most a block). Correctness is checked, not assumed: the tokens decoded this way must
+equal the target's own greedy decoding, token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_assets.core.drafter import DFlashDrafter
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated after the prompt, stop token included when one was produced
+    acceptance_lengths: list[int]  # per verification round: accepted drafts + 1
+
+
+class TargetVerifier:
+    """The target as decoding uses it: `run(ids, cache) -> (greedy next token at each position [n],
+    hidden states of the drafter's layers [n, K, H] in bfloat16)`, appending `ids` to `cache`.
+
+    "Layer i" is Hugging Face `output_hidden_states[i + 1]`, as captured for training. States are
+    rounded to bfloat16 like the stored training data, which is also what a bf16 engine feeds.
+    """
+
+    def __init__(self, model: nn.Module, target_layer_ids: Sequence[int]) -> None:
+        self.model = model.eval()
+        self.target_layer_ids = list(target_layer_ids)
+        # transformers renamed `past_key_values` to `cache`; take whichever this version has.
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def run(self, ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        output = self.model(
+            input_ids=input_ids, output_hidden_states=True, use_cache=True, **{self._cache_argument: cache}
+        )
+        greedy = output.logits[0].argmax(dim=-1).cpu()
+        hidden = torch.stack([output.hidden_states[i + 1][0] for i in self.target_layer_ids], dim=1)
+        return greedy, hidden.to(torch.bfloat16)
+
+
+def greedy_decode(
+    verifier: TargetVerifier, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: set[int]
+) -> list[int]:
+    """The target's own greedy decoding, one token per forward (the reference for equality)."""
+    cache = verifier.new_cache()
+    greedy, _ = verifier.run(prompt, cache)
+    generated = [int(greedy[-1])]
+    while len(generated) < max_new_tokens and generated[-1] not in stop_token_ids:
+        greedy, _ = verifier.run(generated[-1:], cache)
+        generated.append(int(greedy[-1]))
+    return generated
+
+
+def speculative_decode(
+    drafter: DFlashDrafter,
+    verifier: TargetVerifier,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop_token_ids: set[int],
+) -> DecodeResult:
+    """Greedy speculative decoding of up to `max_new_tokens` after `prompt` (stops after a stop token)."""
+    if not prompt:
+        raise ValueError("speculative decoding needs a non-empty prompt")
+    committed = verifier.new_cache()
+    greedy, context = verifier.run(prompt, committed)  # prefill: the first new token is the target's
+    generated = [int(greedy[-1])]
+    lengths: list[int] = []
+    while len(generated) < max_new_tokens and generated[-1] not in stop_token_ids:
+        anchor = generated[-1]
+        drafts = drafter.draft_block(context, anchor).tolist()
+        # greedy[j]: the target's token after anchor + drafts[:j], on a copy of the committed cache
+        greedy, _ = verifier.run([anchor, *drafts], copy.deepcopy(committed))
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == int(greedy[accepted]):
+            accepted += 1
+        new = [*drafts[:accepted], int(greedy[accepted])]
+        lengths.append(len(new))
+        for token in new:
+            generated.append(token)
+            if len(generated) == max_new_tokens or token in stop_token_ids:
+                break
+        # Commit the anchor and the accepted drafts: their states become context for the next block.
+        _, states = verifier.run([anchor, *drafts[:accepted]], committed)
+        context = torch.cat([context, states])
+    return DecodeResult(tokens=generated, acceptance_lengths=lengths)
+
+
+@dataclass
+class SpeculativeEvaluator:
+    """Measured acceptance on fixed held-out prompts, comparable across checkpoints of one run.
+
+    The target's greedy outputs do not depend on the drafter, so they are decoded once and reused.
+    """
+
+    verifier: TargetVerifier
+    prompts: list[list[int]]
+    max_new_tokens: int = 64
+    stop_token_ids: set[int] = field(default_factory=set)
+    _greedy: list[list[int]] | None = field(default=None, init=False, repr=False)
+
+    def evaluate(self, drafter: DFlashDrafter) -> dict[str, Any]:
+        """`{acceptance_length_tau, rounds, tokens, prompts, matches_target_greedy, mismatched_prompts,
+        seconds}`; tau is the mean acceptance length over every round of every prompt."""
+        started = time.monotonic()
+        if self._greedy is None:
+            self._greedy = [
+                greedy_decode(self.verifier, prompt, self.max_new_tokens, self.stop_token_ids)
+                for prompt in self.prompts
+            ]
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            results = [
+                speculative_decode(drafter, self.verifier, prompt, self.max_new_tokens, self.stop_token_ids)
+                for prompt in self.prompts
+            ]
+        finally:
+            drafter.train(was_training)
+        lengths = [n for result in results for n in result.acceptance_lengths]
+        mismatched = [i for i, (r, g) in enumerate(zip(results, self._greedy, strict=True)) if r.tokens != g]
+        return {
+            "acceptance_length_tau": sum(lengths) / len(lengths) if lengths else None,
+            "rounds": len(lengths),
+            "tokens": sum(len(result.tokens) for result in results),
+            "prompts": len(self.prompts),
+            "matches_target_greedy": not mismatched,
+            "mismatched_prompts": mismatched,
+            "seconds": time.monotonic() - started,
+        }
+
+
+def held_out_prompts(
+    input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]], max_prompt_tokens: int
+) -> list[list[int]]:
+    """One prompt per conversation: every token before its last assistant turn (what the target would
+    have been asked), at most `max_prompt_tokens` from the end; conversations without one are skipped."""
+    prompts = []
+    for ids, mask in zip(input_ids, loss_masks, strict=True):
+        mask = [int(m) for m in mask]
+        starts = [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]
+        if not starts:
+            continue
+        prompts.append([int(t) for t in ids[: starts[-1]]][-max_prompt_tokens:])
+    return prompts
+
+
+def stop_token_ids_of(target_model: str) -> set[int]:
+    """End-of-turn ids of the target's tokenizer: its eos token and ChatML's `<|im_end|>` if it has one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_model))
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return ids

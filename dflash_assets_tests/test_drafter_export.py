@@ -1,0 +1,148 @@
+"""The export is the published DFlash layout: an independent reader loads it and drafts what we trained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig, export_drafter, load_drafter
+from dflash_assets_tests.drafter_fixtures import MASK_TOKEN_ID, build_tiny_target, tiny_drafter_config
+from dflash_assets_tests.reference_dflash import ReferenceDrafter
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="module")
+def target(target_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+
+def trained_like(config: DrafterConfig, seed: int = 0) -> DFlashDrafter:
+    """Weights far from initialisation (as after training), so every tensor shapes the drafts."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter.from_target(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(noise * 0.15 + 1.0 if parameter.ndim == 1 else noise * 0.15)
+    return drafter.eval()
+
+
+def reference_names_and_shapes(config_json: dict) -> dict[str, tuple[int, ...]]:
+    """Every weight a reference loader fills, with its shape, from the config alone."""
+    hidden, heads = config_json["hidden_size"], config_json["num_attention_heads"]
+    kv, head_dim = config_json["num_key_value_heads"], config_json["head_dim"]
+    mlp = config_json["intermediate_size"]
+    context = len(config_json["dflash_config"]["target_layer_ids"]) * hidden
+    shapes = {"fc.weight": (hidden, context), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    for i in range(config_json["num_hidden_layers"]):
+        layer = f"layers.{i}"
+        shapes |= {
+            f"{layer}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+            f"{layer}.self_attn.k_proj.weight": (kv * head_dim, hidden),
+            f"{layer}.self_attn.v_proj.weight": (kv * head_dim, hidden),
+            f"{layer}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+            f"{layer}.self_attn.q_norm.weight": (head_dim,),
+            f"{layer}.self_attn.k_norm.weight": (head_dim,),
+            f"{layer}.input_layernorm.weight": (hidden,),
+            f"{layer}.post_attention_layernorm.weight": (hidden,),
+            f"{layer}.mlp.gate_proj.weight": (mlp, hidden),
+            f"{layer}.mlp.up_proj.weight": (mlp, hidden),
+            f"{layer}.mlp.down_proj.weight": (hidden, mlp),
+        }
+    return shapes
+
+
+def test_an_export_holds_every_reference_weight_in_bf16_with_a_config_the_engines_read(
+    target_dir: Path, tmp_path: Path
+) -> None:
+    config = tiny_drafter_config(target_dir)
+    export_drafter(trained_like(config), tmp_path, model_card="# card\n")
+
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"]
+    assert raw["block_size"] == 16 and raw["num_target_layers"] == 8  # the target's depth
+    assert raw["dflash_config"]["target_layer_ids"] == config.target_layer_ids
+    assert raw["dflash_config"]["mask_token_id"] == MASK_TOKEN_ID
+    hf = Qwen3Config.from_pretrained(tmp_path)  # what z-lab/dflash and vLLM build the drafter from
+    assert (hf.num_hidden_layers, hf.head_dim, hf.layer_types) == (2, config.head_dim, config.layer_types)
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        stored = {name: (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
+                  for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    expected = reference_names_and_shapes(raw)
+    assert {name: shape for name, (shape, _) in stored.items()} == expected
+    assert {dtype for _, dtype in stored.values()} == {"BF16"}
+    assert (tmp_path / "README.md").read_text() == "# card\n"
+
+
+def target_context(target: torch.nn.Module, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The target's layers for every position, as an engine captures them ([L, K, H], bf16)."""
+    with torch.no_grad():
+        states = target(input_ids=ids[None], output_hidden_states=True).hidden_states
+    return torch.stack([states[i + 1][0] for i in layer_ids], dim=1).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_the_reference_reader_drafts_what_the_trained_drafter_drafts(
+    target_dir: Path, target: torch.nn.Module, tmp_path: Path, window: int | None
+) -> None:
+    config = tiny_drafter_config(target_dir)
+    if window is not None:  # the Qwen3.6 pattern: sliding layers, then a full one; a window the
+        # 30-token context exceeds, so the window really cuts
+        layer_types = ["sliding_attention", "full_attention"]
+        config = DrafterConfig(**{**config.__dict__, "layer_types": layer_types, "sliding_window": window})
+    drafter = trained_like(config, seed=3)
+    export_drafter(drafter, tmp_path)
+    reference = ReferenceDrafter(tmp_path)
+    reloaded = load_drafter(tmp_path, target_model=target_dir)
+
+    ids = torch.randint(0, MASK_TOKEN_ID, (31,), generator=torch.Generator().manual_seed(5))
+    context, anchor = target_context(target, ids[:-1], config.target_layer_ids), int(ids[-1])
+    expected = reference.draft_logits(context, anchor, target.get_input_embeddings(), target.lm_head)
+
+    def our_logits(model: DFlashDrafter) -> torch.Tensor:
+        size = config.block_size
+        block = torch.full((1, 1, size), config.mask_token_id)
+        block[0, 0, 0] = anchor
+        with torch.no_grad():
+            hidden = model(
+                block, (30 + torch.arange(size)).view(1, 1, size), context[None], torch.arange(30)[None],
+                torch.tensor([[30]]),
+            )  # fmt: skip
+        return model.logits(hidden[0, 0, 1:])
+
+    # The reloaded weights are the trained ones rounded to bf16: the same function, read independently.
+    torch.testing.assert_close(our_logits(reloaded), expected, rtol=1e-4, atol=1e-4)
+    # Against the float32 weights training ended with: only bf16 rounding apart.
+    trained = our_logits(drafter)
+    assert (trained - expected).abs().max() < 0.05 * expected.abs().max()
+    assert (trained.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
+    assert torch.equal(reloaded.draft_block(context, anchor), expected.argmax(-1))
+
+
+def test_the_model_card_names_the_target_layers_metrics_and_how_to_serve(target_dir: Path) -> None:
+    from dflash_assets.core.model_card import drafter_model_card
+
+    config = tiny_drafter_config(target_dir)
+    card = drafter_model_card(
+        config,
+        run="r1",
+        target_model_name="tiny",
+        trained_sample_ranges=["00000000-00000099"],
+        partitions=["00000000-00000099"],
+        steps=12,
+        metrics={"acceptance_length_tau": 2.5, "baseline_acceptance_length_tau": 1.0, "loss": 3.2},
+    )
+    assert "`tiny`" in card and str(config.target_layer_ids) in card and "00000000-00000099" in card
+    assert "2.500" in card and "1.000" in card
+    assert "sglang.launch_server" in card and "vllm serve" in card and '"method": "dflash"' in card

@@ -1,0 +1,51 @@
+"""The mask token: an explicit id, else the tokenizer's mask_token, else the first unused embedding row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from dflash_assets.core.drafter_config import resolve_mask_token
+
+WORDS = ["<eos>", "hello", "world", "again"]
+
+
+def tokenizer_dir(tmp_path: Path, *, mask_token: str | None, embedding_rows: int) -> Path:
+    vocab = {word: i for i, word in enumerate(WORDS + ([mask_token] if mask_token else []))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", mask_token=mask_token)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": embedding_rows}))
+    return tmp_path
+
+
+def test_the_tokenizers_mask_token_is_used_when_it_has_one(tmp_path: Path) -> None:
+    directory = tokenizer_dir(tmp_path, mask_token="<mask>", embedding_rows=8)
+    mask_id, reason = resolve_mask_token(directory, None, 8)
+    assert mask_id == 4 and "mask_token '<mask>'" in reason
+
+
+def test_without_a_mask_token_the_first_id_past_the_vocabulary_is_used(tmp_path: Path) -> None:
+    # As the published Qwen3 drafters do: 151669 = len(tokenizer), a row the tokenizer never names.
+    directory = tokenizer_dir(tmp_path, mask_token=None, embedding_rows=8)
+    mask_id, reason = resolve_mask_token(directory, None, 8)
+    assert mask_id == len(WORDS) and "past the tokenizer's 4 named tokens" in reason
+
+
+def test_an_explicit_id_wins_and_must_have_an_embedding_row(tmp_path: Path) -> None:
+    directory = tokenizer_dir(tmp_path, mask_token="<mask>", embedding_rows=8)
+    mask_id, reason = resolve_mask_token(directory, 7, 8)
+    assert mask_id == 7 and reason.startswith("explicit setting (DFLASH_MASK_TOKEN_ID")
+    with pytest.raises(ValueError, match="DFLASH_MASK_TOKEN_ID=8 is outside the target's embedding matrix"):
+        resolve_mask_token(directory, 8, 8)
+
+
+def test_a_tokenizer_that_names_every_row_and_no_mask_token_asks_for_the_setting(tmp_path: Path) -> None:
+    directory = tokenizer_dir(tmp_path, mask_token=None, embedding_rows=len(WORDS))
+    with pytest.raises(ValueError, match="set DFLASH_MASK_TOKEN_ID"):
+        resolve_mask_token(directory, None, len(WORDS))

@@ -1,0 +1,175 @@
+"""Acceptance measured with the target in the loop: correct decoding, honest tau, and training raises it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig
+from dflash_assets.core.samples import TokenizedSample
+from dflash_assets.core.speculative import (
+    SpeculativeEvaluator,
+    TargetVerifier,
+    greedy_decode,
+    held_out_prompts,
+    speculative_decode,
+)
+from dflash_assets.core.store import open_store
+from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
+from dflash_assets_tests.drafter_fixtures import (
+    CYCLE_START,
+    MASK_TOKEN_ID,
+    build_counting_target,
+    build_tiny_target,
+    load_capture,
+    tiny_drafter_config,
+)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))  # a hybrid: gated delta net + attention
+
+
+@pytest.fixture(scope="module")
+def config(target_dir: Path) -> DrafterConfig:
+    return tiny_drafter_config(target_dir)
+
+
+@pytest.fixture(scope="module")
+def verifier(target_dir: Path, config: DrafterConfig) -> TargetVerifier:
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return TargetVerifier(model, config.target_layer_ids)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 250) for _ in range(rng.randrange(8, 20))] for _ in range(count)]
+
+
+def recomputed_greedy(verifier: TargetVerifier, prompt: list[int], count: int) -> list[int]:
+    """Greedy decoding without any cache: the whole sequence through the target for every token."""
+    ids = list(prompt)
+    for _ in range(count):
+        with torch.no_grad():
+            logits = verifier.model(input_ids=torch.tensor([ids]), use_cache=False).logits
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+class ScriptedDrafter(torch.nn.Module):
+    """Drafts from a script: the target's own continuation (an oracle) or something always wrong."""
+
+    def __init__(
+        self, config: DrafterConfig, prompt_length: int, continuation: list[int], wrong: bool
+    ) -> None:
+        super().__init__()
+        self.config, self.prompt_length = config, prompt_length
+        self.continuation, self.wrong = continuation, wrong
+
+    def draft_block(self, context: torch.Tensor, anchor: int) -> torch.Tensor:
+        # The anchor sits at position len(context); drafts cover the positions after it.
+        start = context.shape[0] - self.prompt_length + 1
+        drafts = self.continuation[start : start + self.config.block_size - 1]
+        drafts += [0] * (self.config.block_size - 1 - len(drafts))
+        return torch.tensor([(t + 1) % MASK_TOKEN_ID if self.wrong else t for t in drafts])
+
+
+def test_the_cached_greedy_decoding_equals_recomputing_the_whole_sequence(verifier: TargetVerifier) -> None:
+    prompt = prompts(1, seed=3)[0]
+    assert greedy_decode(verifier, prompt, 24, set()) == recomputed_greedy(verifier, prompt, 24)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_speculative_decoding_returns_the_target_greedy_output_whatever_the_drafts(
+    verifier: TargetVerifier, config: DrafterConfig, wrong: bool
+) -> None:
+    prompt = prompts(1, seed=4)[0]
+    continuation = greedy_decode(verifier, prompt, 120, set())
+    drafter = ScriptedDrafter(config, len(prompt), continuation, wrong)
+    result = speculative_decode(drafter, verifier, prompt, 50, set())
+
+    assert result.tokens == continuation[:50]
+    if wrong:  # every draft rejected: one token per round, from the target
+        assert result.acceptance_lengths == [1] * 49
+    else:  # every draft accepted: a whole block per round, the last round cut at 50 tokens
+        assert result.acceptance_lengths[:3] == [config.block_size] * 3
+        assert 1 + sum(result.acceptance_lengths) >= 50
+
+
+def test_decoding_stops_after_a_stop_token(verifier: TargetVerifier, config: DrafterConfig) -> None:
+    prompt = prompts(1, seed=5)[0]
+    continuation = greedy_decode(verifier, prompt, 40, set())
+    stop = continuation[7]
+    first = continuation.index(stop)
+    drafter = ScriptedDrafter(config, len(prompt), continuation, wrong=False)
+    assert speculative_decode(drafter, verifier, prompt, 40, {stop}).tokens == continuation[: first + 1]
+    assert greedy_decode(verifier, prompt, 40, {stop}) == continuation[: first + 1]
+
+
+def test_held_out_prompts_end_where_the_last_assistant_turn_begins() -> None:
+    ids = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9]]
+    masks = [[0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 0]]
+    assert held_out_prompts(ids, masks, max_prompt_tokens=100) == [[1, 2, 3, 4, 5, 6]]
+    assert held_out_prompts(ids, masks, max_prompt_tokens=4) == [[3, 4, 5, 6]]
+
+
+def test_training_on_the_targets_own_completions_raises_measured_acceptance(tmp_path: Path) -> None:
+    target_dir = build_counting_target(tmp_path / "counting-target")
+    config = tiny_drafter_config(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    verifier = TargetVerifier(model, config.target_layer_ids)
+    # The product's input: conversations whose assistant turns the target itself generated.
+    samples = []
+    for index, prompt in enumerate(prompts(40, seed=7)):
+        prompt = [*prompt, CYCLE_START + index % 8]  # the target continues the cycle from there
+        completion = greedy_decode(verifier, prompt, 32, set())
+        assert completion[:3] == [CYCLE_START + (index + k) % 8 for k in (1, 2, 3)]
+        mask = [0] * len(prompt) + [1] * len(completion)
+        samples.append(TokenizedSample(index, prompt + completion, mask))
+    settings = TrainSettings(
+        mode="online",
+        epochs=12,
+        global_batch_size=8,
+        lr=3e-3,
+        num_anchors=16,
+        eval_samples=6,
+        spec_eval_prompts=6,
+        spec_eval_max_new_tokens=24,
+        log_every_steps=100,
+        checkpoint_every_minutes=None,
+    )
+    result = train_drafter(
+        config,
+        settings,
+        OnlineData(samples, load_capture(target_dir)),
+        store=open_store(str(tmp_path / "store")),
+        run="own-completions",
+        work_dir=tmp_path / "work",
+        target_verifier=lambda: verifier,
+    )
+    baseline = result.baseline["speculative"]
+    assert baseline["matches_target_greedy"] and result.speculative["matches_target_greedy"]
+    assert result.acceptance_length_tau > baseline["acceptance_length_tau"] + 0.5, (
+        baseline["acceptance_length_tau"],
+        result.acceptance_length_tau,
+    )
+    # Measured on the same prompts as the evaluator reports them.
+    held_out = [
+        s.input_ids[: s.loss_mask.index(1)] for s in samples if s.sample_index in result.eval_sample_indices
+    ]
+    evaluator = SpeculativeEvaluator(verifier, held_out, 24)
+    again = evaluator.evaluate(result.model)
+    assert again["acceptance_length_tau"] == pytest.approx(result.acceptance_length_tau)
+
+
+def test_a_fresh_drafter_is_rarely_accepted(verifier: TargetVerifier, config: DrafterConfig) -> None:
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(config)
+    result = SpeculativeEvaluator(verifier, prompts(3, seed=9), 20).evaluate(drafter)
+    assert result["matches_target_greedy"] and result["rounds"] > 0
+    assert 1.0 <= result["acceptance_length_tau"] < 1.5
