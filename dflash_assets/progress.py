@@ -41,7 +41,8 @@ def human_duration(seconds: float) -> str:
 
 
 def progress_line(progress: ExtractionProgress) -> str:
-    """The short form for the Runs list, e.g. `42% 1,234/2,934 · 23.1 samples/s · ETA 12m05s · cuda:0`."""
+    """The short form the Runs list has room for, e.g. `42% 1,234/2,934 · 23.1/s · ETA 12m05s`
+    (samples done of the range, samples per second)."""
     if progress.fraction_done >= 1.0:
         eta = "done"
     elif progress.eta_s is None:
@@ -50,7 +51,7 @@ def progress_line(progress: ExtractionProgress) -> str:
         eta = f"ETA {human_duration(progress.eta_s)}"
     line = (
         f"{progress.fraction_done:.0%} {progress.samples_done:,}/{progress.samples_total:,} · "
-        f"{progress.samples_per_s:.1f} samples/s · {eta} · {progress.device}"
+        f"{progress.samples_per_s:.1f}/s · {eta}"
     )
     return line + (f" · {progress.reason}" if progress.reason and progress.reason != "done" else "")
 

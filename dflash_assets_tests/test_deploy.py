@@ -294,7 +294,10 @@ def test_the_dockerfile_passes_hadolint_and_pins_a_cuda_torch_build_with_the_ext
 def test_hadolint_here_really_lints():
     hadolint = Path(sys.executable).with_name("hadolint")
     bad = subprocess.run(
-        [str(hadolint), "--no-color", "-"], input="FROM python:latest\nRUN pip install torch\n",
-        capture_output=True, text=True, timeout=120,
+        [str(hadolint), "--no-color", "-"],
+        input="FROM python:latest\nRUN pip install torch\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert bad.returncode != 0 and "DL3007" in bad.stdout

@@ -183,7 +183,7 @@ def test_a_range_stores_one_object_per_sample_equal_to_the_target_and_passes_its
     fractions = [o.asset_observation.metadata["fraction_done"].value for o in reversed(observations)]
     assert fractions == sorted(fractions)  # progress only moves forward
     assert run.tags["dflash/progress"].startswith(f"100% {samples}/{samples} · ")
-    assert run.tags["dflash/progress"].endswith("done · cpu")
+    assert run.tags["dflash/progress"].endswith("/s · done")
 
 
 def metadata_sizes(pipeline) -> list[int]:
