@@ -77,6 +77,25 @@ def _object_digests(store_url: str) -> dict[str, str]:
     }
 
 
+def _assert_matches_reference(pipeline, url: str) -> None:
+    """Same objects as the uninterrupted run, nothing extra. A sample a rerun extracted again sits in
+    a different batch than in the reference run; batched capture equals lone capture only up to
+    bf16 rounding (test_capture), so such an object may differ in its last bits, never in its ids,
+    mask, metadata or beyond that rounding."""
+    digests = _object_digests(url)
+    assert sorted(digests) == sorted(pipeline["reference"])
+    reference_store, store = open_store(pipeline["base"]), open_store(url)
+    for name, digest in digests.items():
+        if digest == pipeline["reference"][name]:
+            continue
+        expected = read_sample(reference_store.get_bytes(f"{HS_PREFIX}/{name}"))
+        got = read_sample(store.get_bytes(f"{HS_PREFIX}/{name}"))
+        assert torch.equal(got.input_ids, expected.input_ids), name
+        assert torch.equal(got.loss_mask, expected.loss_mask), name
+        assert got.metadata == expected.metadata, name
+        torch.testing.assert_close(got.hidden_states, expected.hidden_states, atol=1e-3, rtol=2**-7)
+
+
 def _copy_tokenized(source_url: str, target_url: str) -> None:
     source, target = open_store(source_url), open_store(target_url)
     for info in source.list(TOK_PREFIX + "/"):
@@ -246,7 +265,7 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
         if crash == "mid-upload":  # the whole process group: only the rerun could tell
             assert killed.tags["dflash/superseded_by"] == rerun.run_id
             assert killed.tags["dagster/will_retry"] == "false"  # the rerun was its one re-launch
-    assert _object_digests(url) == pipeline["reference"]  # same names, same bytes, nothing extra
+    _assert_matches_reference(pipeline, url)
     manifest = read_manifest(store, HS_PREFIX)
     assert sorted(manifest["objects"]) == sorted(pipeline["reference"])
     staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
@@ -333,7 +352,7 @@ def test_when_the_store_goes_down_the_run_fails_naming_the_endpoint_and_loses_no
     assert code == 0, output[-4000:]
     assert metadata["reused_from_staging"] == len(staged - uploaded)
     assert metadata["reused_from_store"] == len(uploaded)
-    assert _object_digests(url) == pipeline["reference"]
+    _assert_matches_reference(pipeline, url)
 
 
 def test_a_slow_store_pauses_extraction_instead_of_letting_staging_outgrow_its_budget(pipeline, faulty_proxy):
