@@ -1,4 +1,4 @@
-"""`dflash-assets`: the headless demo, the demo-model builder and the benchmark."""
+"""`dflash-assets`: the headless demo, range registration, the reaper, the demo model, the benchmark."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def run_demo(steps: int | None = None) -> int:
     from dagster import materialize
 
     from dflash_assets.definitions import defs
+    from dflash_assets.partitions import dataset_range_keys, register_sample_ranges
+    from dflash_assets.recovery import RUN_WORKER_TAG, RunWorker
 
     if steps is None and not os.environ.get("DFLASH_TRAIN_MAX_STEPS"):
         steps = DEMO_TRAIN_STEPS
@@ -46,7 +48,10 @@ def run_demo(steps: int | None = None) -> int:
     resources = dict(defs.resources or {})
     by_name = {a.key.to_user_string(): a for a in assets}
     partitioned = [name for name in ("tokenized_completions", "hidden_state_partitions") if name in by_name]
-    partition_keys = by_name["tokenized_completions"].partitions_def.get_partition_keys()
+    partition_keys = dataset_range_keys()
+    register_sample_ranges(instance, partition_keys)
+    # These runs execute in this process: it is their run worker, for the reaper to check on.
+    worker = {RUN_WORKER_TAG: RunWorker.current().tag}
 
     store = resources["store"]
     print(f"store: {store.url}")
@@ -62,6 +67,7 @@ def run_demo(steps: int | None = None) -> int:
                 instance=instance,
                 raise_on_error=False,
                 run_config=quiet,
+                tags=worker,
             )
             status = "ok" if result.success else "FAILED"
             print(f"  {name:26s} {key}  {status}  {time.monotonic() - t0:6.1f}s  run {result.run_id}")
@@ -78,6 +84,7 @@ def run_demo(steps: int | None = None) -> int:
             instance=instance,
             raise_on_error=False,
             run_config={**quiet, "ops": {"drafter_checkpoints": {"config": train_config}}},
+            tags=worker,
         )
         status = "ok" if result.success else "FAILED"
         print(
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "reap", help="mark runs whose worker on this host died as failed and free their pool slots"
     )
+    sub.add_parser("ranges", help="register the sample ranges covering DFLASH_DATASET with the instance")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -145,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
 
         reaped = reap_dead_runs(_instance())
         print(f"{len(reaped)} dead run(s) marked failed")
+        return 0
+    if args.command == "ranges":
+        from dflash_assets.partitions import dataset_range_keys, register_sample_ranges
+
+        keys = dataset_range_keys()
+        new = register_sample_ranges(_instance(), keys)
+        print(f"{len(keys)} sample ranges cover the dataset ({keys[0]} .. {keys[-1]}); {len(new)} new")
         return 0
     if args.command == "bench":
         from dflash_assets.bench import run_bench

@@ -1,19 +1,25 @@
-"""The one Definitions object of the dflash-assets code location."""
+"""The one Definitions object of the dflash-assets code location.
+
+Loading it reads no dataset, no store and no model, and imports no torch: partitions are dynamic
+(`partitions.py`), resources open what they need when a run uses them.
+"""
 
 from dagster import Definitions
 
 from dflash_assets.assets.drafter_checkpoints import drafter_checkpoints
 from dflash_assets.assets.hidden_states import hidden_state_partitions
 from dflash_assets.assets.tokenized_completions import tokenized_completions
+from dflash_assets.executor import code_location_executor
 from dflash_assets.io_manager import StoreIOManager
 from dflash_assets.resources import DatasetResource, DeviceLeaseResource, StoreResource, TargetModelResource
-from dflash_assets.sensors import failed_range_sensor
+from dflash_assets.sensors import failed_range_sensor, sample_range_sensor
 
 store = StoreResource()
 
 defs = Definitions(
     assets=[tokenized_completions, hidden_state_partitions, drafter_checkpoints],
-    sensors=[failed_range_sensor],
+    sensors=[failed_range_sensor, sample_range_sensor],
+    executor=code_location_executor(),
     resources={
         "store": store,
         "store_io_manager": StoreIOManager(store=store),

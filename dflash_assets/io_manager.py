@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dagster import ConfigurableIOManager, InputContext, OutputContext
+from dagster import ConfigurableIOManager, InputContext, MetadataValue, OutputContext
 
 from dflash_assets.core.faults import fault_point
 from dflash_assets.core.manifest import (
@@ -22,6 +22,7 @@ from dflash_assets.core.manifest import (
     read_manifest,
     write_manifest,
 )
+from dflash_assets.partitions import SampleRangePartitions
 from dflash_assets.resources import StoreResource
 
 
@@ -66,7 +67,11 @@ class StoreIOManager(ConfigurableIOManager):
         fault_point("before_manifest")
         write_manifest(store, prefix, manifest)
         context.add_output_metadata(
-            {"uri": store.uri(prefix), "objects": len(objects), "stored_bytes": sum(objects.values())}
+            {
+                "uri": MetadataValue.path(store.uri(prefix)),
+                "objects": len(objects),
+                "stored_bytes": sum(objects.values()),
+            }
         )
 
     def load_input(self, context: InputContext) -> StoredPartition | list[StoredPartition]:
@@ -78,7 +83,11 @@ class StoreIOManager(ConfigurableIOManager):
         if len(keys) == 1 and context.has_partition_key:
             return self._load_one(store, asset_name, keys[0])
         # A whole-asset read (e.g. training over every range): committed partitions only; the
-        # consumer decides whether an empty list is an error for what it does.
+        # consumer decides whether an empty list is an error for what it does. The instance knows
+        # the ranges it registered; the dataset's row count adds those materialised through another
+        # instance (the store, not the instance, is where a range is committed).
+        if isinstance(context.asset_partitions_def, SampleRangePartitions):
+            keys = sorted(set(keys) | set(self._dataset_range_keys(context)))
         committed = []
         for key in keys:
             prefix = partition_prefix(asset_name, key)
@@ -87,6 +96,16 @@ class StoreIOManager(ConfigurableIOManager):
                 committed.append(StoredPartition(store, prefix, manifest))
         context.log.info(f"{asset_name}: {len(committed)} of {len(keys)} ranges are committed in {store.url}")
         return committed
+
+    @staticmethod
+    def _dataset_range_keys(context: InputContext) -> list[str]:
+        from dflash_assets.partitions import dataset_range_keys
+
+        try:
+            return dataset_range_keys()
+        except (OSError, ValueError) as error:
+            context.log.warning(f"cannot list the dataset's ranges ({error}); using the registered ones")
+            return []
 
     def _load_one(self, store, asset_name: str, partition_key: str | None) -> StoredPartition:
         prefix = partition_prefix(asset_name, partition_key)

@@ -1,23 +1,69 @@
-"""The sample-range partitions definition shared by the partitioned assets.
+"""The sample-range partitions shared by the partitioned assets: dynamic, registered at run time.
 
-Keys are fixed-size ranges covering the dataset (see `core/sample_range.py`, the one parser). The
-row count is read when the code location loads; it is cached by file size and mtime so a large
-JSONL is counted once, not on every run-worker start.
+Loading the code location touches no dataset and no store: the partitions definition is a name
+(`sample_ranges`), and its keys live in the Dagster instance. They are registered
+- by `sample_range_sensor` (with the daemon), which counts the dataset's rows and adds the ranges
+  that cover them;
+- by `dflash-assets ranges` (and the demo), the same thing from a shell;
+- on first use: naming a well-formed range of the configured size (`dagster asset materialize
+  --partition 00000000-00009999`, or a run request) registers it, so a fresh instance needs no step
+  before the first materialisation.
+Keys never change when the dataset grows; a grown dataset only adds keys.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+from collections.abc import Sequence
 
-from dagster import StaticPartitionsDefinition
+from dagster import DagsterInstance, DynamicPartitionsDefinition
+from dagster._core.definitions.partitions.context import PartitionLoadingContext
+from dagster._core.errors import DagsterUnknownPartitionError
 
 from dflash_assets import settings
-from dflash_assets.core.sample_range import sample_ranges
+from dflash_assets.core.sample_range import SampleRange, range_containing, sample_ranges
+
+PARTITIONS_NAME = "sample_ranges"
 
 
-def _dataset_uri() -> str:
+class NotASampleRange(DagsterUnknownPartitionError):
+    """A partition key that is not one of this deployment's fixed-size ranges."""
+
+
+def check_sample_range_key(key: str, samples_per_partition: int | None = None) -> SampleRange:
+    """The range `key` names, if it is aligned to the configured partition size; else a clear error."""
+    size = samples_per_partition or settings.samples_per_partition()
+    try:
+        sample_range = SampleRange.parse(key)
+    except ValueError as error:
+        raise NotASampleRange(str(error)) from None
+    expected = range_containing(sample_range.start, size)
+    if sample_range != expected:
+        raise NotASampleRange(
+            f"partition key {key!r} is not a range of {size} samples "
+            f"({settings.SAMPLES_PER_PARTITION.name}={size}): the range holding row {sample_range.start} "
+            f"is {expected.key}"
+        )
+    return sample_range
+
+
+class SampleRangePartitions(DynamicPartitionsDefinition):
+    """Dynamic partitions that accept any well-formed range of the configured size, registering it."""
+
+    def validate_partition_key(self, partition_key: str, context: PartitionLoadingContext) -> None:
+        store = context.dynamic_partitions_store
+        if store is not None and not store.has_dynamic_partition(PARTITIONS_NAME, partition_key):
+            check_sample_range_key(partition_key)
+            if isinstance(store, DagsterInstance):
+                store.add_dynamic_partitions(PARTITIONS_NAME, [partition_key])
+        super().validate_partition_key(partition_key, context)
+
+
+SAMPLE_RANGES = SampleRangePartitions(name=PARTITIONS_NAME)
+
+
+def dataset_uri() -> str:
     from dflash_assets.core.datasets import bundled_dataset_path
 
     value = settings.DATASET.get()
@@ -25,18 +71,13 @@ def _dataset_uri() -> str:
 
 
 def dataset_row_count(uri: str) -> int:
-    from dflash_assets.core.datasets import count_rows
+    """Rows in the dataset, cached by the file's identity so a large file is counted once.
 
-    if uri.startswith("s3://"):
-        return count_rows(uri)
-    path = Path(uri).expanduser()
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"dataset {uri!r} does not exist: set DFLASH_DATASET to a JSONL or Parquet file of chat "
-            "conversations (or `bundled` for the shipped samples)"
-        ) from None
+    An `s3://` dataset is resolved first (a HEAD request; downloaded only when its ETag changed)."""
+    from dflash_assets.core.datasets import count_rows, resolve_dataset
+
+    path = resolve_dataset(uri, cache_dir=settings.cache_dir())
+    stat = path.stat()
     cache = settings.cache_dir() / "row-counts.json"
     stamp = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     try:
@@ -57,10 +98,21 @@ def dataset_row_count(uri: str) -> int:
     return rows
 
 
-def sample_range_partitions() -> StaticPartitionsDefinition:
-    rows = dataset_row_count(_dataset_uri())
-    size = settings.samples_per_partition()
-    keys = [r.key for r in sample_ranges(rows, size)]
-    if not keys:
-        raise ValueError(f"dataset {_dataset_uri()!r} has no rows: check DFLASH_DATASET")
-    return StaticPartitionsDefinition(keys)
+def dataset_range_keys(uri: str | None = None) -> list[str]:
+    """Every range covering the dataset's rows, in order (dataset I/O: never call at import)."""
+    uri = uri or dataset_uri()
+    rows = dataset_row_count(uri)
+    if rows == 0:
+        raise ValueError(f"dataset {uri!r} has no rows: check {settings.DATASET.name}")
+    return [r.key for r in sample_ranges(rows, settings.samples_per_partition())]
+
+
+def register_sample_ranges(instance: DagsterInstance, keys: Sequence[str] | None = None) -> list[str]:
+    """Register `keys` (default: the ranges covering the dataset) with the instance; returns the new ones."""
+    keys = list(keys) if keys is not None else dataset_range_keys()
+    known = set(instance.get_dynamic_partitions(PARTITIONS_NAME))
+    new = [key for key in keys if key not in known]
+    if new:
+        instance.add_dynamic_partitions(PARTITIONS_NAME, new)
+    return new
+

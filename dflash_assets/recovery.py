@@ -1,10 +1,14 @@
-"""Runs whose worker died without telling Dagster (SIGKILL, OOM kill, a lost node).
+"""Runs whose worker died without telling Dagster (SIGKILL of the process group, OOM kill, lost node).
 
-Dagster's default run launcher cannot check a local worker's health, so such a run stays STARTED
-and keeps its `gpu` pool slot: the range could never run again. Each GPU-bound asset records its
-worker as `host:pid` in a run tag; the reaper marks runs whose worker on this host is gone as failed
-and frees their slots. The failed-range sensor calls it on every tick; `dflash-assets reap` runs it
-by hand.
+Such a run stays STARTED: the UI shows it running forever and the run queue counts it against the
+`gpu` pool. Dagster's default run launcher cannot check a local worker's health, so the run worker
+records itself (`dflash/run_worker` = `host:pid:start`, written by the executor in the run worker
+process, see `executor.py`), and the reaper marks runs whose recorded worker on this host is gone as
+failed. `start` is the process's start time in clock ticks since boot, so a recycled pid never makes
+a dead run look alive. Runs without the tag, or whose worker lives on another host, are never touched.
+
+The reaper runs at the start of every run (so a rerun from the shell cleans up after a killed one),
+on every tick of the failed-range sensor, and by hand as `dflash-assets reap`.
 """
 
 from __future__ import annotations
@@ -12,49 +16,123 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from dagster import AssetExecutionContext, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
+from dagster._core.events import JobFailureData, RunFailureReason
+from dagster._core.storage.tags import MAX_RETRIES_TAG, PARTITION_NAME_TAG
 
-WORKER_TAG = "dflash/worker"
+RUN_WORKER_TAG = "dflash/run_worker"
+SUPERSEDED_BY_TAG = "dflash/superseded_by"
+_IN_PROGRESS = [DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 
 
-def record_worker(context: AssetExecutionContext) -> None:
-    context.instance.add_run_tags(context.run_id, {WORKER_TAG: f"{socket.gethostname()}:{os.getpid()}"})
+def _process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat: when the process started, in clock ticks since boot.
 
-
-def _alive(pid: int) -> bool:
+    None where there is no procfs (the pid alone is then the identity) or the process is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:  # a killed process whose parent died too can linger as a zombie until init reaps it
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+            fields = stat.read().rsplit(")", 1)[-1].split()
     except OSError:
-        return True
+        return None
+    # fields[0] is field 3 (state); field 22 is therefore fields[19]. A zombie is not alive.
+    if fields[0] == "Z":
+        return -1
+    return int(fields[19])
 
 
-def reap_dead_runs(instance: DagsterInstance, log: Callable[[str], None] = print) -> list[str]:
-    """Mark in-progress runs whose recorded worker on this host no longer exists as failed; free their
-    pool slots. Workers on other hosts are left alone: only their own host can tell."""
-    host = socket.gethostname()
+@dataclass(frozen=True)
+class RunWorker:
+    """The process that executes a run (the `dagster asset materialize` process, or the
+    `dagster api execute_run` process a launcher started) -- not a step's child process."""
+
+    host: str
+    pid: int
+    start_ticks: int | None
+
+    @classmethod
+    def current(cls) -> RunWorker:
+        return cls(socket.gethostname(), os.getpid(), _process_start_ticks(os.getpid()))
+
+    @classmethod
+    def parse(cls, tag: str) -> RunWorker | None:
+        host, sep, rest = tag.rpartition("@")
+        if not sep:
+            return None
+        pid, _, start = rest.partition(":")
+        if not pid.isdigit() or (start and not start.isdigit()):
+            return None
+        return cls(host, int(pid), int(start) if start else None)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.host}@{self.pid}" + (f":{self.start_ticks}" if self.start_ticks is not None else "")
+
+    def on_this_host(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def is_alive(self) -> bool:
+        """Only meaningful on this host. A pid reused by another process counts as dead."""
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # exists, owned by another user
+        started = _process_start_ticks(self.pid)
+        if started == -1:
+            return False  # zombie: killed, not yet collected by its parent
+        if self.start_ticks is None or started is None:
+            return True
+        return started == self.start_ticks
+
+
+def record_run_worker(instance: DagsterInstance, run_id: str) -> RunWorker:
+    worker = RunWorker.current()
+    instance.add_run_tags(run_id, {RUN_WORKER_TAG: worker.tag})
+    return worker
+
+
+def run_worker_of(run: DagsterRun) -> RunWorker | None:
+    return RunWorker.parse(run.tags.get(RUN_WORKER_TAG, ""))
+
+
+def _same_work(dead: DagsterRun, rerun: DagsterRun | None) -> bool:
+    if rerun is None or dead.tags.get(PARTITION_NAME_TAG) != rerun.tags.get(PARTITION_NAME_TAG):
+        return False
+    return set(dead.asset_selection or ()) <= set(rerun.asset_selection or ())
+
+
+def reap_dead_runs(
+    instance: DagsterInstance,
+    log: Callable[[str], None] = print,
+    rerun: DagsterRun | None = None,
+) -> list[str]:
+    """Mark in-progress runs whose recorded worker on this host is gone as failed (a worker crash,
+    which Dagster's run retries may re-launch) and free any pool slots they held.
+
+    `rerun`: the run doing the reaping. A dead run doing the same range and assets is superseded by
+    it, so it is marked not to be retried: one failure, one re-launch (the rerun itself).
+    """
     reaped = []
-    records = instance.get_run_records(
-        filters=RunsFilter(
-            statuses=[DagsterRunStatus.STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.CANCELING]
-        )
-    )
-    for record in records:
+    for record in instance.get_run_records(filters=RunsFilter(statuses=_IN_PROGRESS)):
         run = record.dagster_run
-        worker = run.tags.get(WORKER_TAG, "")
-        worker_host, _, pid = worker.rpartition(":")
-        if worker_host != host or not pid.isdigit() or _alive(int(pid)):
+        worker = run_worker_of(run)
+        if worker is None or not worker.on_this_host() or worker.is_alive():
             continue
-        message = f"run worker {worker} is gone (killed or its node lost); marking the run failed"
-        instance.report_run_failed(run, message)
+        current = instance.get_run_by_id(run.run_id)  # it may have finished since the listing
+        if current is None or current.status not in _IN_PROGRESS:
+            continue
+        message = f"run worker {worker.tag} is gone (killed, or out of memory); marking the run failed"
+        if _same_work(current, rerun):
+            assert rerun is not None
+            instance.add_run_tags(run.run_id, {MAX_RETRIES_TAG: "0", SUPERSEDED_BY_TAG: rerun.run_id})
+            message += f"; superseded by run {rerun.run_id}"
+        crashed = JobFailureData(error=None, failure_reason=RunFailureReason.UNEXPECTED_TERMINATION)
+        instance.report_run_failed(current, message, crashed)
+        # Op-granularity pools hold slots per step; a dead run must not keep them.
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-        log(f"{run.run_id}: {message}; pool slots freed")
+        log(f"{run.run_id}: {message}")
         reaped.append(run.run_id)
     return reaped

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dagster import ConfigurableResource
@@ -148,9 +148,12 @@ class DeviceLeaseResource(ConfigurableResource):
     lock_dir: str = str(settings.cache_dir() / "device-leases")
 
     @contextlib.contextmanager
-    def lease(self) -> Iterator[str]:
+    def lease(self, holder: str = "", log: Callable[[str], None] | None = None) -> Iterator[str]:
+        """`holder` names the run in the lock file; `log` hears whom a waiting run waits for."""
         from dflash_assets.core.devices import available_devices, lease_device
 
         candidates = [d.strip() for d in self.devices.split(",") if d.strip()] or available_devices()
-        with lease_device(candidates, lock_dir=Path(self.lock_dir).expanduser()) as device:
+        with lease_device(
+            candidates, lock_dir=Path(self.lock_dir).expanduser(), holder=holder, log=log
+        ) as device:
             yield device

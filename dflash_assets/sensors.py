@@ -1,39 +1,49 @@
-"""Re-launch sample ranges whose latest run failed, a bounded number of times.
+"""Sensors: register the dataset's ranges, and re-launch ranges whose assets failed.
 
-Dagster's run retries (dagster.yaml) re-run crashed run workers; this sensor covers the rest (a
-store outage, a preempted node) with a per-range attempt count carried in run tags, and never
-re-launches a range that already has a newer run.
+One re-launch mechanism per kind of failure, so one failure never yields two new runs:
+- the run worker crashed or was lost (killed, OOM, node gone; Dagster's run monitoring or our
+  reaper marks such runs failed with reason UNEXPECTED_TERMINATION, START_TIMEOUT, ...): Dagster's run
+  retries re-launch the run (`run_retries` in the instance, `retry_on_asset_or_op_failure: false`);
+- an asset failed (a store outage, bad data, a preempted device): `failed_range_sensor` re-launches
+  the range with exponential backoff, up to `DFLASH_RETRIGGER_MAX_ATTEMPTS` runs in all. It acts only
+  on runs that failed by a step (`dagster/failure_reason` = STEP_FAILURE) and that Dagster has not
+  marked to retry itself (`dagster/will_retry`), and never on a range that already has a newer run.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime, timezone
 
 from dagster import (
     AssetKey,
     DagsterEventType,
+    DagsterRun,
     DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
     RunsFilter,
     SensorEvaluationContext,
+    SensorResult,
     SkipReason,
     sensor,
 )
+from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_FAILURE_REASON_TAG, WILL_RETRY_TAG
 
 from dflash_assets import settings
 from dflash_assets.assets.hidden_states import hidden_state_partitions
 from dflash_assets.assets.tokenized_completions import tokenized_completions
+from dflash_assets.partitions import PARTITIONS_NAME, SAMPLE_RANGES, dataset_range_keys
 from dflash_assets.recovery import reap_dead_runs
 
 ATTEMPT_TAG = "dflash/attempt"
 RETRIGGER_OF_TAG = "dflash/retrigger_of"
-PARTITION_TAG = "dagster/partition"
 WATCHED_ASSETS = {AssetKey("tokenized_completions"), AssetKey("hidden_state_partitions")}
+STEP_FAILURE = "STEP_FAILURE"
 
 
-def _run_assets(context: SensorEvaluationContext, run) -> frozenset[AssetKey]:
+def _run_assets(context: SensorEvaluationContext, run: DagsterRun) -> frozenset[AssetKey]:
     """The assets a run set out to materialise (a run of a whole-graph job has no explicit selection)."""
     if run.asset_selection:
         return frozenset(run.asset_selection)
@@ -43,12 +53,40 @@ def _run_assets(context: SensorEvaluationContext, run) -> frozenset[AssetKey]:
     return frozenset(r.event_log_entry.dagster_event.asset_key for r in records)
 
 
-def _retrigger_requests(
-    context: SensorEvaluationContext, max_attempts: int
-) -> tuple[list[RunRequest], float]:
+def backoff_s(attempt: int) -> float:
+    """Seconds to wait before re-launching a range whose `attempt`-th run failed."""
+    return settings.RETRIGGER_BACKOFF_S.get_float() * 2 ** max(0, attempt - 1)
+
+
+def _is_ours(run: DagsterRun) -> bool:
+    """Failed by an asset, and not about to be retried by Dagster's run retries."""
+    return run.tags.get(RUN_FAILURE_REASON_TAG) == STEP_FAILURE and run.tags.get(WILL_RETRY_TAG) != "true"
+
+
+def _superseded(context: SensorEvaluationContext, run: DagsterRun, created: float, selection) -> bool:
+    later = context.instance.get_run_records(
+        filters=RunsFilter(
+            tags={PARTITION_NAME_TAG: run.tags[PARTITION_NAME_TAG]},
+            created_after=datetime.fromtimestamp(created, tz=timezone.utc),
+        ),
+        limit=50,
+    )
+    return any(
+        r.dagster_run.run_id != run.run_id and _run_assets(context, r.dagster_run) & selection for r in later
+    )
+
+
+def retrigger_requests(context: SensorEvaluationContext, now: float | None = None) -> list[RunRequest]:
+    """The run requests for failed ranges whose backoff has passed; updates the sensor's cursor.
+
+    Cursor: `updated_after` (failures seen so far) and `waiting` (run id -> when its backoff ends)."""
+    now = time.time() if now is None else now
+    max_attempts = settings.RETRIGGER_MAX_ATTEMPTS.get_int()
     cursor = json.loads(context.cursor) if context.cursor else {}
     since = cursor.get("updated_after", 0.0)
-    failed = context.instance.get_run_records(
+    waiting: dict[str, float] = dict(cursor.get("waiting", {}))
+
+    newly_failed = context.instance.get_run_records(
         filters=RunsFilter(
             statuses=[DagsterRunStatus.FAILURE],
             updated_after=datetime.fromtimestamp(since, tz=timezone.utc) if since else None,
@@ -57,52 +95,71 @@ def _retrigger_requests(
         ascending=True,
         limit=200,
     )
-    newest = since
-    requests: list[RunRequest] = []
-    for record in failed:
-        newest = max(newest, record.update_timestamp.timestamp())
+    for record in newly_failed:
+        since = max(since, record.update_timestamp.timestamp())
         run = record.dagster_run
-        partition = run.tags.get(PARTITION_TAG)
-        selection = _run_assets(context, run) & WATCHED_ASSETS
-        if not partition or not selection:
+        if not run.tags.get(PARTITION_NAME_TAG) or not _is_ours(run) or run.run_id in waiting:
+            continue
+        if not _run_assets(context, run) & WATCHED_ASSETS:
             continue
         attempt = int(run.tags.get(ATTEMPT_TAG, "1"))
         if attempt >= max_attempts:
             context.log.warning(
-                f"range {partition} failed {attempt} time(s) (last run {run.run_id}); not re-launching. "
-                "Fix the cause and materialise it again."
+                f"range {run.tags[PARTITION_NAME_TAG]} failed {attempt} time(s) (last run {run.run_id}); "
+                "not re-launching. Fix the cause and materialise it again."
             )
             continue
-        later = context.instance.get_run_records(
-            filters=RunsFilter(tags={PARTITION_TAG: partition}, created_after=record.create_timestamp),
-            limit=50,
-        )
-        if any(
-            r.dagster_run.run_id != run.run_id and _run_assets(context, r.dagster_run) & selection
-            for r in later
-        ):
-            continue  # already re-run (by Dagster's run retries, a user, or this sensor)
+        waiting[run.run_id] = record.update_timestamp.timestamp() + backoff_s(attempt)
+
+    requests: list[RunRequest] = []
+    for run_id, due in sorted(waiting.items(), key=lambda item: item[1]):
+        if due > now:
+            continue
+        del waiting[run_id]
+        record = context.instance.get_run_record_by_id(run_id)
+        if record is None:
+            continue
+        run = record.dagster_run
+        selection = _run_assets(context, run) & WATCHED_ASSETS
+        if _superseded(context, run, record.create_timestamp.timestamp(), selection):
+            continue  # already run again (by a user, a retry or this sensor)
+        attempt = int(run.tags.get(ATTEMPT_TAG, "1"))
         requests.append(
             RunRequest(
                 run_key=f"retrigger-{run.run_id}",
                 asset_selection=sorted(selection, key=lambda key: key.to_user_string()),
-                partition_key=partition,
+                partition_key=run.tags[PARTITION_NAME_TAG],
                 tags={ATTEMPT_TAG: str(attempt + 1), RETRIGGER_OF_TAG: run.run_id},
             )
         )
-    return requests, newest
+    context.update_cursor(json.dumps({"updated_after": since, "waiting": waiting}))
+    return requests
 
 
 @sensor(
     target=[tokenized_completions, hidden_state_partitions],
     minimum_interval_seconds=60,
     default_status=DefaultSensorStatus.RUNNING,
-    description="Re-launches sample ranges whose latest run failed, up to DFLASH_RETRIGGER_MAX_ATTEMPTS.",
+    description="Marks runs whose worker died as failed; re-launches ranges whose assets failed, with "
+    "exponential backoff (DFLASH_RETRIGGER_BACKOFF_S), up to DFLASH_RETRIGGER_MAX_ATTEMPTS runs.",
 )
 def failed_range_sensor(context: SensorEvaluationContext):
-    reap_dead_runs(context.instance, context.log.warning)  # so killed runs count as failed ranges
-    requests, newest = _retrigger_requests(context, settings.RETRIGGER_MAX_ATTEMPTS.get_int())
-    context.update_cursor(json.dumps({"updated_after": newest}))
-    if not requests:
-        return SkipReason("no failed ranges to re-launch")
-    return requests
+    reap_dead_runs(context.instance, context.log.warning)  # for run retries to see them as crashed
+    requests = retrigger_requests(context)
+    return requests or SkipReason("no failed range is due for a re-launch")
+
+
+@sensor(
+    minimum_interval_seconds=300,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Registers the sample ranges that cover the dataset (DFLASH_DATASET), so new rows show "
+    "up as new partitions. Counts rows once per version of the file.",
+)
+def sample_range_sensor(context: SensorEvaluationContext):
+    keys = dataset_range_keys()
+    known = set(context.instance.get_dynamic_partitions(PARTITIONS_NAME))
+    new = [key for key in keys if key not in known]
+    if not new:
+        return SkipReason(f"all {len(keys)} ranges of the dataset are registered")
+    context.log.info(f"registering {len(new)} new sample range(s): {new[0]} .. {new[-1]}")
+    return SensorResult(dynamic_partitions_requests=[SAMPLE_RANGES.build_add_request(new)])

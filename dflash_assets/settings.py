@@ -136,6 +136,35 @@ RUN_NAME = Setting("DFLASH_RUN_NAME", "drafter", "Training run name: `checkpoint
 RETRIGGER_MAX_ATTEMPTS = Setting(
     "DFLASH_RETRIGGER_MAX_ATTEMPTS", "3", "Times the sensor re-launches a failed range before giving up."
 )
+RETRIGGER_BACKOFF_S = Setting(
+    "DFLASH_RETRIGGER_BACKOFF_S",
+    "300",
+    "Seconds the failed-range sensor waits after a range's first failure before re-launching it; doubles "
+    "with each further attempt.",
+)
+EXECUTOR = Setting(
+    "DFLASH_EXECUTOR",
+    "local",
+    "`local` (steps as processes of the run worker) or `k8s` (one Kubernetes Job per step). Read when the "
+    "code location loads.",
+)
+K8S_NODE_SELECTOR = Setting(
+    "DFLASH_K8S_NODE_SELECTOR",
+    "nvidia.com/gpu.present=true",
+    "Node labels GPU steps are scheduled on, `key=value[,key=value]`. Read when the code location loads.",
+)
+K8S_STAGING_SIZE = Setting(
+    "DFLASH_K8S_STAGING_SIZE",
+    "100Gi",
+    "Ephemeral storage for a GPU step's local staging (an emptyDir volume with this size limit; keep it "
+    "above DFLASH_STAGING_MAX_BYTES). Read when the code location loads.",
+)
+K8S_TRAIN_GPUS = Setting(
+    "DFLASH_K8S_TRAIN_GPUS",
+    "1",
+    "GPUs a training step's pod requests (online mode with 7 target replicas: 8). Read when the code "
+    "location loads.",
+)
 
 ALL_SETTINGS = [value for value in list(globals().values()) if isinstance(value, Setting)]
 

@@ -1,26 +1,128 @@
-"""The code location loads: a broken import fails here in seconds."""
+"""The code location loads: a broken import fails here in seconds, and loading touches nothing outside.
 
-from dagster import AssetKey
+Loading must not read the dataset or the store, nor import torch: every process (webserver, daemon,
+each run worker, each pod) loads it, and an unreachable store must not take the UI down with it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dagster import AssetKey, DagsterInstance
 
 from dflash_assets.definitions import defs
+from dflash_assets.partitions import PARTITIONS_NAME, NotASampleRange, check_sample_range_key
+from dflash_assets_tests.s3_server import free_port
 
 
-def test_the_definitions_load_with_the_three_assets_the_sensor_and_the_resources():
+def test_the_definitions_load_with_the_three_assets_the_sensors_and_the_resources():
     repository = defs.get_repository_def()
     keys = {key.to_user_string() for key in repository.asset_graph.get_all_asset_keys()}
     assert keys == {"tokenized_completions", "hidden_state_partitions", "drafter_checkpoints"}
-    assert {s.name for s in repository.sensor_defs} == {"failed_range_sensor"}
+    assert {s.name for s in repository.sensor_defs} == {"failed_range_sensor", "sample_range_sensor"}
     assert set(defs.resources) >= {"store", "store_io_manager", "dataset", "target_model", "devices"}
 
 
-def test_the_gpu_bound_assets_share_the_gpu_pool_and_ranges_share_one_partitioning():
+def test_the_gpu_bound_assets_share_the_gpu_pool_and_ranges_share_one_dynamic_partitioning():
     graph = defs.get_repository_def().asset_graph
     tokenized = graph.get(AssetKey("tokenized_completions"))
     hidden = graph.get(AssetKey("hidden_state_partitions"))
     assert hidden.partitions_def == tokenized.partitions_def
-    keys = tokenized.partitions_def.get_partition_keys()
-    assert keys[0] == "00000000-00000099" and len(keys) == 5  # 500 bundled conversations, 100 per range
+    assert tokenized.partitions_def.name == PARTITIONS_NAME
     assets = {a.key.to_user_string(): a for a in defs.assets}
     assert assets["hidden_state_partitions"].op.pool == "gpu"
     assert assets["drafter_checkpoints"].op.pool == "gpu"
     assert assets["tokenized_completions"].op.pool is None
+
+
+def _unreachable_environment(tmp_path: Path) -> dict[str, str]:
+    """A store and a dataset on an S3 endpoint nobody listens on."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    return {
+        **os.environ,
+        "DAGSTER_HOME": str(tmp_path / "dagster-home"),
+        "DFLASH_HOME": str(tmp_path / "home"),
+        "DFLASH_STORE_URL": "s3://unreachable-bucket/dflash",
+        "DFLASH_DATASET": "s3://unreachable-bucket/conversations.jsonl",
+        "AWS_ENDPOINT_URL_S3": dead,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+def test_loading_imports_no_torch_and_reads_neither_store_nor_dataset(tmp_path):
+    env = _unreachable_environment(tmp_path)
+    probe = (
+        "import json, sys\n"
+        "import dflash_assets.definitions as d\n"
+        "d.defs.get_repository_def()\n"
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'boto3')}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert imported == {"torch": False, "transformers": False, "boto3": False}, imported
+    assert not (tmp_path / "home").exists()  # not even a cache directory was created
+
+
+def test_the_code_location_loads_through_dagster_with_the_store_unreachable(tmp_path):
+    env = _unreachable_environment(tmp_path)
+    (tmp_path / "dagster-home").mkdir()
+    dagster = Path(sys.executable).with_name("dagster")
+    # The timeout only catches a hang (e.g. retrying a dead endpoint); it is not a speed target.
+    done = subprocess.run(
+        [str(dagster), "definitions", "validate", "-m", "dflash_assets.definitions"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "unreachable-bucket" not in done.stdout + done.stderr
+
+
+@pytest.fixture
+def instance(tmp_path):
+    with DagsterInstance.ephemeral() as instance:
+        yield instance
+
+
+def _validate(instance, key: str) -> None:
+    from dagster._core.definitions.partitions.context import partition_loading_context
+
+    selection = [AssetKey("tokenized_completions")]
+    job = defs.get_repository_def().get_implicit_job_def_for_assets(selection)
+    with partition_loading_context(dynamic_partitions_store=instance) as context:
+        job.validate_partition_key(key, selected_asset_keys=selection, context=context)
+
+
+def test_naming_a_well_formed_range_registers_it_so_a_fresh_instance_needs_no_step_first(
+    instance, monkeypatch
+):
+    monkeypatch.setenv("DFLASH_SAMPLES_PER_PARTITION", "24")
+    assert instance.get_dynamic_partitions(PARTITIONS_NAME) == []
+    _validate(instance, "00000048-00000071")
+    assert instance.get_dynamic_partitions(PARTITIONS_NAME) == ["00000048-00000071"]
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("00000010-00000033", "the range holding row 10 is 00000000-00000023"),
+        ("00000000-00000099", "not a range of 24 samples"),
+        ("0-23", "zero-padded to 8 digits"),
+    ],
+)
+def test_a_key_that_is_not_a_range_of_the_configured_size_is_refused_naming_the_setting(
+    instance, monkeypatch, key, message
+):
+    monkeypatch.setenv("DFLASH_SAMPLES_PER_PARTITION", "24")
+    with pytest.raises(NotASampleRange, match=message):
+        _validate(instance, key)
+    assert instance.get_dynamic_partitions(PARTITIONS_NAME) == []
+    if "digits" not in message:
+        with pytest.raises(NotASampleRange, match="DFLASH_SAMPLES_PER_PARTITION=24"):
+            check_sample_range_key(key)

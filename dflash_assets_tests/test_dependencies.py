@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, requires, version
 import pytest
 from packaging.requirements import Requirement
 
-INTEGRATIONS = ["dagster-webserver", "dagster-aws", "dagster-postgres"]
+INTEGRATIONS = ["dagster-webserver", "dagster-aws", "dagster-postgres", "dagster-k8s"]
 
 
 @pytest.mark.parametrize("integration", INTEGRATIONS)
@@ -25,3 +25,12 @@ def test_each_dagster_integration_requires_exactly_the_installed_core(integratio
 def test_the_core_is_the_release_line_the_project_pins():
     assert version("dagster") == "1.13.27"
     assert version("dagster-aws") == "0.29.27"
+
+
+def test_the_k8s_extra_pins_dagster_k8s_on_the_release_line_and_is_what_is_installed():
+    extra = [Requirement(r) for r in requires("dflash-assets") or [] if "extra == \"k8s\"" in r]
+    assert [str(r.specifier) for r in extra if r.name == "dagster-k8s"] == ["==0.29.27"]
+    assert version("dagster-k8s") == "0.29.27"
+    import dagster_k8s  # the extra resolves to an importable package on this core
+
+    assert dagster_k8s.k8s_job_executor.name == "k8s"

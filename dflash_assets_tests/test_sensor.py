@@ -1,16 +1,31 @@
-"""The failed-range sensor on a real Dagster instance: re-launch a failed range, with bounded attempts."""
+"""Re-launching failed ranges on a real Dagster instance (the repo's dagster.yaml, run retries on):
+one failure gives exactly one re-launch, whichever kind it is; the sensor backs off and gives up."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 from dagster import (
     AssetKey,
-    DagsterInstance,
+    DagsterEvent,
+    DagsterEventType,
+    DagsterRunStatus,
+    Definitions,
     StaticPartitionsDefinition,
     asset,
     build_sensor_context,
     materialize,
 )
+from dagster._core.storage.tags import RUN_FAILURE_REASON_TAG
+from dagster._daemon.auto_run_reexecution.auto_run_reexecution import should_retry
 
-from dflash_assets.sensors import ATTEMPT_TAG, RETRIGGER_OF_TAG, failed_range_sensor
+from dflash_assets.recovery import RUN_WORKER_TAG, RunWorker, _process_start_ticks, reap_dead_runs
+from dflash_assets.sensors import ATTEMPT_TAG, RETRIGGER_OF_TAG, failed_range_sensor, retrigger_requests
+from dflash_assets_tests.conftest import make_dagster_home, open_instance
 
 PARTS = StaticPartitionsDefinition(["00000000-00000099", "00000100-00000199"])
 
@@ -21,12 +36,13 @@ def failing_range(context):
 
 
 @pytest.fixture
-def instance():
-    with DagsterInstance.ephemeral() as instance:
+def instance(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_RETRIGGER_BACKOFF_S", "0")
+    with open_instance(make_dagster_home(tmp_path / "dagster-home")) as instance:
         yield instance
 
 
-def _fail(instance, partition: str, attempt: int | None = None):
+def _fail(instance, partition: str, attempt: int | None = None) -> str:
     tags = {ATTEMPT_TAG: str(attempt)} if attempt else None
     result = materialize(
         [failing_range], partition_key=partition, instance=instance, tags=tags, raise_on_error=False
@@ -35,27 +51,103 @@ def _fail(instance, partition: str, attempt: int | None = None):
     return result.run_id
 
 
+def _dead_worker() -> RunWorker:
+    """The identity of a process that really ran on this host and is gone now."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        worker = RunWorker(socket.gethostname(), process.pid, _process_start_ticks(process.pid))
+        assert worker.is_alive()
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert not worker.is_alive()
+    return worker
+
+
+def _run_of_the_range(instance, partition: str, **tags: str):
+    """A run of `hidden_state_partitions` for `partition`, created and started as a launcher would."""
+    job_def = Definitions(assets=[failing_range]).resolve_implicit_global_asset_job_def()
+    run = instance.create_run_for_job(
+        job_def=job_def,
+        run_config={},
+        tags={"dagster/partition": partition, **tags},
+        asset_selection=frozenset({AssetKey("hidden_state_partitions")}),
+    )
+    instance.handle_run_event(
+        run.run_id, DagsterEvent(DagsterEventType.RUN_START.value, job_name=run.job_name)
+    )
+    return instance.get_run_by_id(run.run_id)
+
+
+def _started_run_whose_worker_died(instance, partition: str) -> str:
+    """A run left STARTED by a worker killed with its process group: what the reaper finds."""
+    run = _run_of_the_range(instance, partition, **{RUN_WORKER_TAG: _dead_worker().tag})
+    assert run.status == DagsterRunStatus.STARTED
+    return run.run_id
+
+
 def _evaluate(instance, cursor=None):
     context = build_sensor_context(instance=instance, cursor=cursor)
     result = failed_range_sensor(context)
     return (result if isinstance(result, list) else []), context.cursor
 
 
-def test_a_failed_range_is_relaunched_for_the_same_partition_and_assets_with_the_attempt_counted(instance):
+def _relaunches(instance, run_id: str, requests) -> int:
+    """New runs one failure leads to: the sensor's requests for it plus Dagster's own run retry."""
+    ours = sum(1 for r in requests if r.tags[RETRIGGER_OF_TAG] == run_id)
+    return ours + int(should_retry(instance.get_run_by_id(run_id), instance))
+
+
+def test_an_asset_failure_is_relaunched_once_by_the_sensor_and_not_by_run_retries(instance):
     run_id = _fail(instance, "00000100-00000199")
-    requests, _ = _evaluate(instance)
-    assert len(requests) == 1
+    assert instance.get_run_by_id(run_id).tags[RUN_FAILURE_REASON_TAG] == "STEP_FAILURE"
+    requests, cursor = _evaluate(instance)
+    assert _relaunches(instance, run_id, requests) == 1
     request = requests[0]
     assert request.partition_key == "00000100-00000199"
     assert list(request.asset_selection) == [AssetKey("hidden_state_partitions")]
-    assert request.tags[ATTEMPT_TAG] == "2" and request.tags[RETRIGGER_OF_TAG] == run_id
-
-
-def test_the_cursor_means_a_failure_is_relaunched_once(instance):
-    _fail(instance, "00000000-00000099")
-    first, cursor = _evaluate(instance)
+    assert request.tags[ATTEMPT_TAG] == "2"
     again, _ = _evaluate(instance, cursor)
-    assert len(first) == 1 and again == []
+    assert again == []  # the cursor remembers it
+
+
+def test_a_run_whose_worker_died_is_relaunched_once_by_run_retries_and_not_by_the_sensor(instance):
+    run_id = _started_run_whose_worker_died(instance, "00000000-00000099")
+    requests, _ = _evaluate(instance)  # the sensor reaps it first, then looks for failed ranges
+    run = instance.get_run_by_id(run_id)
+    assert run.is_failure and run.tags[RUN_FAILURE_REASON_TAG] == "UNEXPECTED_TERMINATION"
+    assert _relaunches(instance, run_id, requests) == 1
+    assert requests == []
+
+
+def test_a_dead_run_reaped_by_a_rerun_of_the_same_range_is_not_retried_again(instance):
+    run_id = _started_run_whose_worker_died(instance, "00000000-00000099")
+    rerun = _run_of_the_range(instance, "00000000-00000099")  # the same command again
+    reaped = reap_dead_runs(instance, log=lambda _: None, rerun=rerun)
+    assert reaped == [run_id]
+    requests, _ = _evaluate(instance)
+    # The rerun is the one re-launch: neither Dagster's retries nor the sensor add another.
+    assert _relaunches(instance, run_id, requests) == 0
+
+
+def test_the_sensor_backs_off_exponentially_before_relaunching(instance, monkeypatch):
+    monkeypatch.setenv("DFLASH_RETRIGGER_BACKOFF_S", "100")
+    first = _fail(instance, "00000000-00000099")
+    second = _fail(instance, "00000100-00000199", attempt=2)
+    failed_at = {r: instance.get_run_record_by_id(r).update_timestamp.timestamp() for r in (first, second)}
+
+    context = build_sensor_context(instance=instance)
+    assert retrigger_requests(context, now=time.time()) == []  # both still backing off
+    waiting = json.loads(context.cursor)["waiting"]
+    assert waiting[first] == pytest.approx(failed_at[first] + 100)
+    assert waiting[second] == pytest.approx(failed_at[second] + 200)  # doubled for the second attempt
+
+    later = build_sensor_context(instance=instance, cursor=context.cursor)
+    due = retrigger_requests(later, now=failed_at[first] + 150)
+    assert [r.tags[RETRIGGER_OF_TAG] for r in due] == [first]
+    last = build_sensor_context(instance=instance, cursor=later.cursor)
+    due = retrigger_requests(last, now=failed_at[second] + 201)
+    assert [r.tags[RETRIGGER_OF_TAG] for r in due] == [second]
 
 
 def test_a_range_that_keeps_failing_is_given_up_after_the_attempt_limit(instance, monkeypatch):
@@ -66,8 +158,9 @@ def test_a_range_that_keeps_failing_is_given_up_after_the_attempt_limit(instance
 
 
 def test_a_range_that_was_already_run_again_is_not_relaunched(instance):
-    _fail(instance, "00000000-00000099")
-    _fail(instance, "00000000-00000099")  # e.g. a user re-ran it by hand (and it failed again)
+    older = _fail(instance, "00000000-00000099")
+    newer = _fail(instance, "00000000-00000099")  # e.g. a user re-ran it by hand (and it failed again)
     requests, _ = _evaluate(instance)
     # only the newest failure is acted on; the older one already has a newer run
-    assert len(requests) == 1
+    assert [r.tags[RETRIGGER_OF_TAG] for r in requests] == [newer]
+    assert older != newer

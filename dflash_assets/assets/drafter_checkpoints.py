@@ -10,9 +10,8 @@ from pydantic import Field
 from dflash_assets import settings
 from dflash_assets.assets.hidden_states import load_tokenized
 from dflash_assets.core.manifest import StoredPartition
-from dflash_assets.core.sample_format import parse_sample_object_name
 from dflash_assets.io_manager import PartitionOutput
-from dflash_assets.recovery import record_worker
+from dflash_assets.k8s import gpu_step_tags
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 
 
@@ -85,6 +84,7 @@ def _tau(evaluation: dict | None) -> float | None:
 
 
 def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, budget: int):
+    from dflash_assets.core.sample_format import parse_sample_object_name  # imports torch
     from dflash_assets.core.train import OfflineData
 
     if not hidden_states:
@@ -110,6 +110,7 @@ def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, 
     io_manager_key="store_io_manager",
     group_name="dflash",
     pool="gpu",
+    op_tags=gpu_step_tags(gpus=settings.K8S_TRAIN_GPUS.get_int()),
     kinds={"pytorch", "s3"},
     description="DFlash drafter trained on the materialised ranges; resumable checkpoints; exported model.",
 )
@@ -128,7 +129,6 @@ def drafter_checkpoints(
     from dflash_assets.core.speculative import TargetVerifier
     from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
 
-    record_worker(context)
     object_store = store.check()
     model_dir = target_model.model_dir()
     layer_ids = target_model.layer_ids()

@@ -16,13 +16,14 @@ from dagster import (
 from pydantic import Field
 
 from dflash_assets import settings
-from dflash_assets.assets.tokenized_completions import SAMPLE_RANGES, SHARD_NAME
+from dflash_assets.assets.tokenized_completions import SHARD_NAME
 from dflash_assets.core.manifest import StoredPartition, partition_prefix
 from dflash_assets.core.sample_range import SampleRange
 from dflash_assets.core.tokenize import read_shard
-from dflash_assets.core.verify import verify_hidden_state_partition
 from dflash_assets.io_manager import PartitionOutput
-from dflash_assets.recovery import record_worker
+from dflash_assets.k8s import gpu_step_tags
+from dflash_assets.partitions import SAMPLE_RANGES
+from dflash_assets.progress import RangeProgressReporter, human_duration
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 
 
@@ -32,7 +33,12 @@ class ExtractConfig(Config):
         description="Token budget per forward pass, padding included.",
     )
     max_batch_size: int = Field(default=64, description="Most samples in one forward pass.")
-    progress_every_s: float = Field(default=5.0, description="Seconds between progress log lines.")
+    progress_every_s: float = Field(
+        default=15.0, description="Seconds between progress snapshots (run tag, compute-log line)."
+    )
+    observe_every_s: float = Field(
+        default=60.0, description="Seconds between progress observations of the range (and one at the end)."
+    )
     check_decode_samples: int = Field(default=8, description="Objects the asset check decodes fully.")
 
 
@@ -49,6 +55,7 @@ def load_tokenized(partition: StoredPartition, cache_dir: Path):
     io_manager_key="store_io_manager",
     group_name="dflash",
     pool="gpu",
+    op_tags=gpu_step_tags(),
     kinds={"pytorch", "safetensors", "s3"},
     check_specs=[AssetCheckSpec("range_complete", asset="hidden_state_partitions", blocking=True)],
     description="Raw outputs of the target's chosen decoder layers, one safetensors object per sample.",
@@ -63,9 +70,10 @@ def hidden_state_partitions(
 ):
     from dflash_assets.core.capture import load_target_model
     from dflash_assets.core.extract import extract_range
+    from dflash_assets.core.verify import verify_hidden_state_partition
 
-    record_worker(context)
     sample_range = SampleRange.parse(context.partition_key)
+    progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
     object_store = store.check()
     layer_ids = target_model.layer_ids()  # validated before anything touches a device
     samples = load_tokenized(tokenized, Path(target_model.cache_dir).expanduser() / "read-cache")
@@ -76,8 +84,14 @@ def hidden_state_partitions(
         )
     prefix = partition_prefix("hidden_state_partitions", sample_range.key)
 
-    with devices.lease() as device:
+    def waiting_for_device(message: str) -> None:
+        context.log.info(f"{sample_range.key}: {message}")
+        progress.set_status(message)
+
+    progress.set_status("waiting for a device")
+    with devices.lease(holder=f"run {context.run_id}", log=waiting_for_device) as device:
         context.log.info(f"{sample_range.key}: leased device {device}; target layers {layer_ids}")
+        progress.set_status(f"loading the target model on {device}")
         model = load_target_model(target_model.model_dir(), device)
         with store.uploader() as uploader:
             result = extract_range(
@@ -92,10 +106,17 @@ def hidden_state_partitions(
                 device=device,
                 max_tokens_per_batch=config.max_tokens_per_batch,
                 max_batch_size=config.max_batch_size,
-                log=context.log.info,
+                log=progress.log_line,
+                warn=context.log.warning,
                 progress_every_s=config.progress_every_s,
+                on_progress=progress,
             )
 
+    context.log.info(
+        f"{sample_range.key}: {result.samples} samples on {device} in {human_duration(result.duration_s)} "
+        f"({result.extracted_now} extracted now, {result.reused_from_store} already in the store, "
+        f"{result.reused_from_staging} recovered from local staging)"
+    )
     yield Output(
         PartitionOutput(
             stored_objects=result.objects,
@@ -115,6 +136,7 @@ def hidden_state_partitions(
             "reused_from_store": result.reused_from_store,
             "reused_from_staging": result.reused_from_staging,
             "duration_s": MetadataValue.float(result.duration_s),
+            "duration": MetadataValue.text(human_duration(result.duration_s)),
             "samples_per_s": MetadataValue.float(result.samples_per_s),
             "tokens_per_s": MetadataValue.float(result.tokens_per_s),
             "peak_staging_bytes": result.peak_staging_bytes,

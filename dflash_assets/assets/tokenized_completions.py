@@ -8,12 +8,10 @@ from dflash_assets.core.manifest import partition_prefix
 from dflash_assets.core.sample_range import SampleRange
 from dflash_assets.core.tokenize import tokenize_range, write_shard
 from dflash_assets.io_manager import PartitionOutput
-from dflash_assets.partitions import sample_range_partitions
-from dflash_assets.recovery import record_worker
+from dflash_assets.partitions import SAMPLE_RANGES
 from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
 
 SHARD_NAME = "shard.parquet"
-SAMPLE_RANGES = sample_range_partitions()
 
 
 class TokenizeConfig(Config):
@@ -38,7 +36,6 @@ def tokenized_completions(
     dataset: DatasetResource,
     target_model: TargetModelResource,
 ) -> PartitionOutput:
-    record_worker(context)
     sample_range = SampleRange.parse(context.partition_key)
     store.check()
     tokenizer = target_model.load_tokenizer()
@@ -51,6 +48,14 @@ def tokenized_completions(
         overlong=config.overlong,
         max_bad_fraction=config.max_bad_fraction,
     )
+    if result.rows == 0:
+        # Keys are validated by shape, not against the dataset (that would read it when the code
+        # location loads); an empty range must not be committed as if it were done.
+        raise ValueError(
+            f"sample range {sample_range.key} has no rows in {dataset.uri()}: the dataset ends before row "
+            f"{sample_range.start}. Check {settings.DATASET.name} and {settings.SAMPLES_PER_PARTITION.name}, "
+            "or materialise this range once the dataset has grown."
+        )
     shard_path = store.staging_path(partition_prefix("tokenized_completions", sample_range.key)) / SHARD_NAME
     write_shard(result.samples, shard_path)
 

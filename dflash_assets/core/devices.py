@@ -112,17 +112,23 @@ def lease_device(
     timeout_s: float | None = None,
     poll_s: float = 0.5,
     log: Callable[[str], None] | None = None,
+    holder: str = "",
+    remind_every_s: float = 300.0,
 ) -> Iterator[str]:
     """Hold one free device from `devices` (default `available_devices()`) for the `with` block.
 
-    Tries every device without blocking, then polls until one frees up; `timeout_s=None` waits forever.
+    Tries every device without blocking, then sleeps and tries again until one frees up;
+    `timeout_s=None` waits forever. `holder` (e.g. `run <id>`) is written into the lock file so a
+    waiting run can say whom it waits for; `log` hears that when the wait starts and every
+    `remind_every_s` after.
     """
     # torch is imported only to detect devices, so a lease costs little when they are given.
     candidates = [check_device_name(d) for d in devices] if devices else available_devices()
     directory = Path(lock_dir).expanduser() if lock_dir is not None else default_lock_dir()
     directory.mkdir(parents=True, exist_ok=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    waiting_logged = False
+    waiting_since = time.monotonic()
+    next_reminder = waiting_since
     while True:
         for device in candidates:
             path = _lock_path(directory, device)
@@ -132,8 +138,11 @@ def lease_device(
             try:
                 # Diagnostics only: who holds it. The lock itself is the flock, not this text.
                 os.ftruncate(fd, 0)
+                who = f"{holder} " if holder else ""
                 os.pwrite(
-                    fd, f"pid={os.getpid()} host={socket.gethostname()} since={time.time():.0f}\n".encode(), 0
+                    fd,
+                    f"{who}pid={os.getpid()} host={socket.gethostname()} since={time.time():.0f}\n".encode(),
+                    0,
                 )
                 yield device
             finally:
@@ -148,8 +157,12 @@ def lease_device(
                 f"no free device after {timeout_s:.0f} s among {candidates} (locks in {directory}; "
                 f"{holders}). Wait for a run to finish, or add devices via {DEVICES_ENV}."
             )
-        if log is not None and not waiting_logged:
+        if log is not None and time.monotonic() >= next_reminder:
             holders = "; ".join(f"{d}: {_holder(_lock_path(directory, d))}" for d in candidates)
-            log(f"all devices busy ({holders}); waiting for one to free up")
-            waiting_logged = True
+            waited = time.monotonic() - waiting_since
+            log(
+                f"waiting for a device ({len(candidates)} busy, {waited:.0f} s so far): {holders}. "
+                f"More devices: {DEVICES_ENV}."
+            )
+            next_reminder = time.monotonic() + remind_every_s
         time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))

@@ -1,0 +1,78 @@
+"""The code location's executor: Dagster's own, wrapped so the run worker records who it is.
+
+A step cannot tell which process is its run worker (with the multiprocess executor each step runs
+in a child process that exits when the step ends), so the record is made where the run is
+orchestrated: `Executor.execute` runs in the run worker, before any step. It then reaps runs on
+this host whose worker died, so rerunning a killed range from the shell needs no daemon.
+
+`DFLASH_EXECUTOR` (read when the code location loads) chooses the engine: `local` (default; steps
+as processes of the run worker, or in it with `execution: {config: {in_process: {}}}`) or `k8s`
+(`dagster_k8s.k8s_job_executor`: one Kubernetes Job per step, with the `dagster-k8s/config` op tags
+of `k8s.py`; needs the `k8s` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from dagster import DagsterEvent, ExecutorDefinition, InitExecutorContext, multi_or_in_process_executor
+from dagster._core.execution.context.system import PlanOrchestrationContext
+from dagster._core.execution.plan.plan import ExecutionPlan
+from dagster._core.execution.retries import RetryMode
+from dagster._core.execution.step_dependency_config import StepDependencyConfig
+from dagster._core.executor.base import Executor
+
+from dflash_assets import settings
+from dflash_assets.recovery import reap_dead_runs, record_run_worker
+
+
+class RunWorkerRecordingExecutor(Executor):
+    """Delegates every step to `inner`; first tags the run with its worker and reaps dead runs."""
+
+    def __init__(self, inner: Executor):
+        self._inner = inner
+
+    @property
+    def retries(self) -> RetryMode:
+        return self._inner.retries
+
+    @property
+    def step_dependency_config(self) -> StepDependencyConfig:
+        return self._inner.step_dependency_config
+
+    def execute(
+        self, plan_context: PlanOrchestrationContext, execution_plan: ExecutionPlan
+    ) -> Iterator[DagsterEvent]:
+        instance, run = plan_context.instance, plan_context.dagster_run
+        worker = record_run_worker(instance, run.run_id)
+        plan_context.log.debug(f"run worker {worker.tag}")
+        reap_dead_runs(instance, plan_context.log.warning, rerun=run)
+        yield from self._inner.execute(plan_context, execution_plan)
+
+
+def recording(inner: ExecutorDefinition) -> ExecutorDefinition:
+    """`inner` with the same name, config schema and requirements, recording its run worker."""
+    creation_fn = inner.executor_creation_fn
+    assert creation_fn is not None, f"executor {inner.name} has no creation function"
+
+    def create(init_context: InitExecutorContext) -> Executor:
+        return RunWorkerRecordingExecutor(creation_fn(init_context))
+
+    return ExecutorDefinition(
+        name=inner.name,
+        config_schema=inner.config_schema,
+        requirements=inner.get_requirements,
+        executor_creation_fn=create,
+        description=inner.description,
+    )
+
+
+def code_location_executor() -> ExecutorDefinition:
+    kind = settings.EXECUTOR.get()
+    if kind == "k8s":
+        from dagster_k8s import k8s_job_executor
+
+        return recording(k8s_job_executor)
+    if kind != "local":
+        raise ValueError(f"{settings.EXECUTOR.name}={kind!r}: expected `local` or `k8s`")
+    return recording(multi_or_in_process_executor)

@@ -1,0 +1,117 @@
+"""A running range's progress where the Dagster UI shows it at a glance.
+
+- An `AssetObservation` of the range's partition (fraction done, samples, rate, ETA, staging bytes,
+  uploads in flight, device) every `observe_every_s` and once at the end: the asset's page lists
+  them per partition, and their numbers plot across a run.
+- A `dflash/progress` tag on the run, rewritten at every snapshot: the Runs list shows it while the
+  run goes on, and it keeps the final figures after.
+The detailed progress lines go to the step's stderr (the run's compute logs), not to the event log:
+a long range would otherwise write thousands of log events.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from dagster import AssetExecutionContext, AssetObservation, MetadataValue
+
+if TYPE_CHECKING:
+    from dflash_assets.core.extract import ExtractionProgress
+
+PROGRESS_TAG = "dflash/progress"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def progress_line(progress: ExtractionProgress) -> str:
+    """The short form the Runs list has room for, e.g. `42% 1,234/2,934 · 23.1/s · ETA 12m05s`
+    (samples done of the range, samples per second)."""
+    if progress.fraction_done >= 1.0:
+        eta = "done"
+    elif progress.eta_s is None:
+        eta = "ETA unknown"
+    else:
+        eta = f"ETA {human_duration(progress.eta_s)}"
+    line = (
+        f"{progress.fraction_done:.0%} {progress.samples_done:,}/{progress.samples_total:,} · "
+        f"{progress.samples_per_s:.1f}/s · {eta}"
+    )
+    return line + (f" · {progress.reason}" if progress.reason and progress.reason != "done" else "")
+
+
+def progress_metadata(progress: ExtractionProgress, run_id: str) -> dict[str, MetadataValue]:
+    metadata: dict[str, MetadataValue] = {
+        "fraction_done": MetadataValue.float(round(progress.fraction_done, 4)),
+        "samples_done": MetadataValue.int(progress.samples_done),
+        "samples_total": MetadataValue.int(progress.samples_total),
+        "extracted_this_run": MetadataValue.int(progress.extracted_this_run),
+        "uploaded_this_run": MetadataValue.int(progress.uploaded_this_run),
+        "samples_per_s": MetadataValue.float(round(progress.samples_per_s, 3)),
+        "tokens_per_s": MetadataValue.float(round(progress.tokens_per_s, 1)),
+        "eta_s": MetadataValue.float(round(progress.eta_s, 1))
+        if progress.eta_s is not None
+        else MetadataValue.null(),
+        "staging_bytes": MetadataValue.int(progress.staging_bytes),
+        "staging_budget_bytes": MetadataValue.int(progress.staging_budget_bytes),
+        "staging": MetadataValue.text(
+            f"{human_bytes(progress.staging_bytes)} of {human_bytes(progress.staging_budget_bytes)}"
+        ),
+        "uploads_in_flight": MetadataValue.int(progress.uploads_in_flight),
+        "uploaded_bytes": MetadataValue.int(progress.uploaded_bytes),
+        "device": MetadataValue.text(progress.device),
+        "status": MetadataValue.text(progress.reason or "extracting"),
+        "progress": MetadataValue.text(progress_line(progress)),
+        "run": MetadataValue.dagster_run(run_id),
+    }
+    if progress.eta_s is not None and progress.fraction_done < 1.0:
+        # A timestamp the UI renders as a local date and time: when the range should be done.
+        metadata["expected_done_at"] = MetadataValue.timestamp(time.time() + progress.eta_s)
+    return metadata
+
+
+class RangeProgressReporter:
+    """The `on_progress` callback of one range's extraction (see the module docstring)."""
+
+    def __init__(self, context: AssetExecutionContext, partition_key: str, observe_every_s: float):
+        self._context = context
+        self._partition_key = partition_key
+        self._observe_every_s = observe_every_s
+        self._last_observed: float | None = None
+
+    def set_status(self, text: str) -> None:
+        """The run's progress tag, for states before any snapshot (loading, waiting for a device)."""
+        self._context.instance.add_run_tags(self._context.run_id, {PROGRESS_TAG: text[:200]})
+
+    def log_line(self, line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def __call__(self, progress: ExtractionProgress) -> None:
+        self.set_status(progress_line(progress))
+        now = time.monotonic()
+        final = progress.reason == "done"
+        if final or self._last_observed is None or now - self._last_observed >= self._observe_every_s:
+            self._last_observed = now
+            self._context.log_event(
+                AssetObservation(
+                    asset_key=self._context.asset_key,
+                    partition=self._partition_key,
+                    metadata=progress_metadata(progress, self._context.run_id),
+                )
+            )

@@ -1,0 +1,189 @@
+"""The Dagster UI as a person sees it: a real `dagster-webserver` on a demo instance with one range
+extracted, opened in headless Chromium (Debian's package; scripts/test.sh installs it). The asset's
+partitions, the latest range's progress figures and the run's progress tag must be on the page.
+Screenshots are kept in test-artifacts/ (or $DFLASH_TEST_ARTIFACTS)."""
+
+import contextlib
+import html
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from dagster import AssetKey
+
+from dflash_assets_tests.conftest import REPO, open_instance
+from dflash_assets_tests.s3_server import free_port
+
+KEY = "00000000-00000023"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(os.environ.get("DFLASH_TEST_ARTIFACTS", REPO / "test-artifacts"))
+
+if CHROMIUM is None and os.environ.get("CI"):
+    raise RuntimeError("chromium is missing: scripts/test.sh installs it (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium: run scripts/test.sh, which installs it"
+)
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory, demo_model_dir):
+    root = tmp_path_factory.mktemp("ui")
+    dagster_home = root / "dagster-home"
+    dagster_home.mkdir()
+    # The repo's instance, without the first-visit newsletter dialog that would cover the page.
+    (dagster_home / "dagster.yaml").write_text(
+        (REPO / "dagster.yaml").read_text() + "\nnux:\n  enabled: false\n"
+    )
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(dagster_home),
+        "DFLASH_HOME": str(root / "home"),
+        "DFLASH_CACHE_DIR": str(demo_model_dir.parent),
+        "DFLASH_SAMPLES_PER_PARTITION": "24",
+        "OMP_NUM_THREADS": "1",
+    }
+    ranges = subprocess.run(
+        [_bin("dflash-assets"), "ranges"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert ranges.returncode == 0, ranges.stderr[-3000:]
+    config = {
+        "ops": {"hidden_state_partitions": {"config": {"progress_every_s": 0.2, "observe_every_s": 0.2}}}
+    }
+    materialize = subprocess.run(
+        [
+            _bin("dagster"),
+            "asset",
+            "materialize",
+            "-m",
+            "dflash_assets.definitions",
+            "--select",
+            "tokenized_completions,hidden_state_partitions",
+            "--partition",
+            KEY,
+            "--config-json",
+            json.dumps(config),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert materialize.returncode == 0, materialize.stderr[-4000:]
+
+    port = free_port()
+    server = subprocess.Popen(
+        [_bin("dagster-webserver"), "-m", "dflash_assets.definitions", "-h", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"{url}/server_info", timeout=5).status == 200:
+                    break
+            assert server.poll() is None, "dagster-webserver exited"
+            assert time.monotonic() < deadline, "dagster-webserver did not come up"
+            time.sleep(1)
+        yield {"url": url, "env": env, "ranges": ranges.stdout}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _chromium(*args: str) -> str:
+    done = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--window-size=1920,1200",
+            "--virtual-time-budget=30000",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _page_text(url: str, expected: list[str], tries: int = 3) -> str:
+    """The visible text of the page once the UI has fetched its data (it renders asynchronously)."""
+    for _ in range(tries):
+        dom = _chromium("--dump-dom", url)
+        dom = re.sub(r"<(script|style)[^>]*>.*?</\1>", " ", dom, flags=re.S)
+        text = html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom)))
+        if all(item in text for item in expected):
+            return text
+    return text
+
+
+def _screenshot(url: str, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    path.unlink(missing_ok=True)
+    _chromium(f"--screenshot={path}", url)
+    assert path.stat().st_size > 10_000  # a rendered page, not a blank one
+    return path
+
+
+def test_the_asset_page_lists_the_ranges_with_the_extracted_one_materialised(ui):
+    registered = int(ui["ranges"].split()[0])
+    url = f"{ui['url']}/assets/hidden_state_partitions?view=partitions&partition={KEY}"
+    expected = [KEY, "Materialized (1)", f"Missing ({registered - 1})", "samples_per_s", "reused_from_store"]
+    text = _page_text(url, expected)
+    for item in expected:
+        assert item in text, f"{item!r} is not on the partitions page"
+    _screenshot(url, "ui-partitions.png")
+
+
+def test_the_latest_range_progress_observation_shows_its_figures(ui):
+    with open_instance(ui["env"]["DAGSTER_HOME"]) as instance:
+        latest = instance.fetch_observations(AssetKey("hidden_state_partitions"), limit=1).records[0]
+    # `time` selects that event in the asset's event list, as clicking it would.
+    event_time = int(latest.timestamp * 1000)
+    url = f"{ui['url']}/assets/hidden_state_partitions?view=events&partition={KEY}&time={event_time}"
+    figures = [
+        "fraction_done",
+        "samples_per_s",
+        "eta_s",
+        "staging",
+        "uploads_in_flight",
+        "device",
+        "100% 24/24",
+    ]
+    text = _page_text(url, figures)
+    for figure in figures:
+        assert figure in text, f"{figure!r} is not shown for the range's latest progress observation"
+    _screenshot(url, "ui-range-progress.png")
+
+
+def test_the_runs_list_shows_the_runs_progress_tag(ui):
+    url = f"{ui['url']}/runs"
+    text = _page_text(url, ["dflash/progress: 100% 24/24"])
+    assert "dflash/progress: 100% 24/24" in text
+    _screenshot(url, "ui-runs.png")
