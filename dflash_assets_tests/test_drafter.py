@@ -408,3 +408,54 @@ def test_a_sliding_layer_is_causal_inside_the_block_and_sees_only_its_window_of_
     earlier[0, 0, 9] = 7  # slot 9's input: slots before it must not see it
     after = first_layer((earlier, *inputs[1:]))
     torch.testing.assert_close(after[0, 0, :9], base[0, 0, :9], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_flex_attention_computes_the_same_blocks_as_the_materialised_attention(
+    config: DrafterConfig, window: int | None
+) -> None:
+    # flex attention has no CPU backward and runs uncompiled here (scores materialised by flex itself),
+    # so on a CPU this checks the forward: the mask rule written for flex equals the tensors' rule.
+    if window is not None:
+        config = sliding_config(config, window)
+    torch.manual_seed(0)
+    drafter = randomised(DFlashDrafter.from_target(config), seed=5).float()
+    batch = random_batch(config, [48, 30, 21], seed=3)
+    batch.loss_mask[2] = False
+    batch.loss_mask[2, 10:13] = True  # a row with dropped blocks
+    anchors = sample_anchors(batch.loss_mask, 9, anchor_generator(0, 0, 0))
+    inputs = block_inputs(drafter, batch, anchors)
+    assert drafter.attention_backend == "materialised"  # the CPU default
+    with torch.no_grad():
+        expected = drafter(*inputs)
+        flex = drafter.set_attention_backend("flex")(*inputs)
+    torch.testing.assert_close(flex, expected, rtol=1e-4, atol=1e-4)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex attention's kernels)")
+
+
+@cuda
+@pytest.mark.parametrize("window", [None, 24])
+def test_on_cuda_flex_attention_gives_the_materialised_loss_and_gradients_under_bf16_autocast(
+    config: DrafterConfig, window: int | None
+) -> None:
+    if window is not None:
+        config = sliding_config(config, window)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(config).cuda()
+    batch = random_batch(config, [120, 77, 40], seed=6)
+    anchors = sample_anchors(batch.loss_mask, 32, [anchor_generator(0, 0, i) for i in range(3)])
+    results = {}
+    for backend in ("materialised", "flex"):
+        drafter.zero_grad()
+        drafter.set_attention_backend(backend)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            output = dflash_loss(drafter, batch, anchors, gamma=7.0)
+        output.loss.backward()
+        results[backend] = (output.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()})
+    assert torch.isfinite(results["flex"][0])
+    torch.testing.assert_close(results["flex"][0], results["materialised"][0], rtol=2e-2, atol=2e-2)
+    for name, grad in results["materialised"][1].items():
+        scale = float(grad.abs().max()) + 1e-6
+        torch.testing.assert_close(results["flex"][1][name], grad, rtol=0.1, atol=0.05 * scale, msg=name)

@@ -292,3 +292,68 @@ def test_the_default_recipe_is_specforges_dflash_recipe() -> None:
 def test_unknown_train_mode_is_rejected_naming_the_setting() -> None:
     with pytest.raises(ValueError, match="DFLASH_TRAIN_MODE"):
         TrainSettings(mode="hybrid")
+
+
+def test_running_out_of_memory_halves_the_micro_batch_budget_and_redoes_the_same_step(
+    config: DrafterConfig,
+    capture: HiddenStateCapture,
+    samples: list[TokenizedSample],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dflash_assets.core.train as train_module
+
+    lengths = [s.num_tokens for s in samples]
+    one = estimate_step_bytes(config, 1, max(lengths), 8)
+    real_loss = train_module.dflash_loss
+    failures = []
+
+    def loss_that_fits_one_sequence(model, batch, anchors, gamma):
+        if len(batch.sample_indices) > 1:  # "out of memory" for anything bigger than one sequence
+            failures.append(len(batch.sample_indices))
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return real_loss(model, batch, anchors, gamma)
+
+    def run(name: str) -> tuple[TrainResult, list[str]]:
+        lines: list[str] = []
+        result = train_drafter(
+            config,
+            quick_settings(max_steps=2, eval_samples=0, micro_batch_bytes=4 * one),
+            OnlineData(samples, capture),
+            store=open_store(str(tmp_path / "store")),
+            run=name,
+            work_dir=tmp_path / name,
+            log=lines.append,
+        )
+        return result, lines
+
+    unconstrained, _ = run("fits")
+    monkeypatch.setattr(train_module, "dflash_loss", loss_that_fits_one_sequence)
+    constrained, lines = run("out-of-memory")
+    assert failures and sum("out of memory at step 1" in line for line in lines) >= 1
+    assert "4.0 sequences/step in 4.0 micro-batches" in lines[-1]
+    for name, weight in unconstrained.model.state_dict().items():
+        torch.testing.assert_close(constrained.model.state_dict()[name], weight, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_training_steps_run_with_flex_attention_under_bf16_autocast(
+    config: DrafterConfig, samples: list[TokenizedSample], target_dir: Path, tmp_path: Path
+) -> None:
+    capture = HiddenStateCapture(
+        __import__("transformers").AutoModelForCausalLM.from_pretrained(target_dir).cuda().eval(),
+        config.target_layer_ids,
+    )
+    lines: list[str] = []
+    result = train_drafter(
+        config,
+        quick_settings(max_steps=3, eval_samples=0, device="cuda"),
+        OnlineData(samples, capture),
+        store=open_store(str(tmp_path / "store")),
+        run="cuda",
+        work_dir=tmp_path / "work",
+        log=lines.append,
+    )
+    assert "flex attention on cuda" in lines[0]
+    assert result.steps == 3 and result.final_loss is not None and result.skipped_nonfinite_steps == 0
+    assert all(p.dtype == torch.float32 for p in result.model.parameters())  # master weights stay fp32

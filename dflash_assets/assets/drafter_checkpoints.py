@@ -266,7 +266,7 @@ def drafter_checkpoints(
             "trained_partitions": MetadataValue.json(result.partitions),
             "checkpoints_written": len(result.checkpoints),
             "spec_matches_target_greedy": bool(speculative.get("matches_target_greedy", False)),
-            **_block_metadata("", {k: v for k, v in metrics.items() if k != "loss"}),
+            **_block_metadata("", {**metrics, "loss": result.final_loss}),  # loss: the last training window
             **_block_metadata("baseline_", (result.baseline or {}).get("speculative")),
             **_block_metadata("eval_", result.eval),
         }

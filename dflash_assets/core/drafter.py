@@ -28,7 +28,7 @@ export needs no renaming table that could drift.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +115,90 @@ def block_masks(
     )
 
 
+FLEX_TILE = 128  # flex attention's tile: lengths are padded to a multiple of it
+_compiled_flex_attention: Any = None
+
+
+def _flex_attention() -> Any:
+    """flex attention, compiled on first use (the fused kernel; uncompiled it materialises the scores).
+
+    Compiled with automatic dynamic shapes: the first shape compiles a static kernel, the second a
+    dynamic one that serves every later length, so a run compiles twice, not once per batch shape."""
+    global _compiled_flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention
+
+
+def flex_attention_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:  # torch < 2.5
+        return False
+    return True
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class FlexMask:
+    """The attention rule as flex-attention block masks over queries [every slot of every block] and
+    keys [context ; every slot of every block], one mask per layer type, built once per forward.
+
+    Query q is slot `q % S` of block `q // S`; it sees context key c when c < its block's anchor (and,
+    on a sliding layer, its position minus c is inside the window), and block key j when j is in its
+    own block (on a sliding layer: at or before it, inside the window). Context positions are 0..C-1.
+    """
+
+    def __init__(
+        self,
+        context_end: torch.Tensor,  # [B, N]
+        block_positions: torch.Tensor,  # [B, N, S]
+        context_length: int,
+        windows: set[int | None],
+        *,
+        compiled: bool,
+    ) -> None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        batch, num_blocks, size = block_positions.shape
+        queries = num_blocks * size
+        self.query_length = _round_up(queries, FLEX_TILE)
+        self.key_length = _round_up(context_length + queries, FLEX_TILE)
+        self._attention = _flex_attention() if compiled else flex_attention
+        last_block = num_blocks - 1
+        ends = context_end.contiguous()
+        positions = F.pad(block_positions.reshape(batch, queries), (0, self.query_length - queries))
+
+        def make(window: int | None) -> Callable:
+            def mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                block = torch.clamp(q // size, max=last_block)  # padded queries: any valid index
+                in_context = (kv < context_length) & (kv < ends[b, block])
+                key_slot = kv - context_length
+                own_block = (kv >= context_length) & (key_slot // size == q // size)
+                if window is None:
+                    return in_context | own_block
+                in_context = in_context & (positions[b, q] - kv < window)
+                behind = q % size - key_slot % size
+                return in_context | (own_block & (behind >= 0) & (behind < window))
+
+            return mask
+
+        self.masks = {
+            window: create_block_mask(
+                make(window), batch, None, self.query_length, self.key_length,
+                device=block_positions.device, _compile=compiled,
+            )  # fmt: skip
+            for window in windows
+        }
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
+        return self._attention(q, k, v, block_mask=self.masks[window], enable_gqa=True)
+
+
 class DrafterAttention(nn.Module):
     """Block slots query [context ; own block]; the context feature is projected by THIS layer's k/v.
 
@@ -154,11 +238,28 @@ class DrafterAttention(nn.Module):
         block_rope: Rope,  # cos/sin [B, N, S, head_dim]
         context_rope: Rope,  # cos/sin [B, C, head_dim]
         masks: BlockMasks,  # for this layer's type
+        flex: FlexMask | None = None,  # set: the fused flex-attention kernel instead of materialised scores
     ) -> torch.Tensor:
         batch, num_blocks, block_size, _ = x.shape
-        context_length = context.shape[1]
         q = self.q_norm(self.q_proj(x).view(batch, num_blocks, block_size, self.num_heads, self.head_dim))
-        q = apply_rotary(q, block_rope).movedim(-2, 1) * self.head_dim**-0.5  # [B, h, N, S, hd]
+        q = apply_rotary(q, block_rope).movedim(-2, 1)  # [B, h, N, S, hd]
+        if flex is not None:
+            out = self._flex(q, x, context, block_rope, context_rope, flex)
+        else:
+            out = self._materialised(q * self.head_dim**-0.5, x, context, block_rope, context_rope, masks)
+        return self.o_proj(out.movedim(1, -2).flatten(-2))  # [B, N, S, h*hd] -> [B, N, S, D]
+
+    def _materialised(
+        self,
+        q: torch.Tensor,  # [B, h, N, S, hd], pre-scaled
+        x: torch.Tensor,
+        context: torch.Tensor,
+        block_rope: Rope,
+        context_rope: Rope,
+        masks: BlockMasks,
+    ) -> torch.Tensor:
+        batch, _, num_blocks, block_size, _ = q.shape
+        context_length = context.shape[1]
         k_block, v_block = self._keys_values(x, block_rope)  # [B, h, N, S, hd]
         k_context, v_context = self._keys_values(context, context_rope)  # [B, h, C, hd]
 
@@ -173,8 +274,33 @@ class DrafterAttention(nn.Module):
         # One softmax over [context ; own block]. A slot always sees itself: no row is all -inf.
         probs = torch.cat([context_scores, block_scores], dim=-1).softmax(dim=-1)  # [B, h, N, S, C+S]
         context_probs, block_probs = probs.split([context_length, block_size], dim=-1)
-        out = (context_probs.flatten(2, 3) @ v_context).view_as(q) + block_probs @ v_block  # [B, h, N, S, hd]
-        return self.o_proj(out.movedim(1, -2).flatten(-2))  # [B, N, S, h*hd] -> [B, N, S, D]
+        out = (context_probs.flatten(2, 3) @ v_context).view_as(q)  # [B, h, N, S, hd]
+        return out + block_probs @ v_block
+
+    def _flex(
+        self,
+        q: torch.Tensor,  # [B, h, N, S, hd]
+        x: torch.Tensor,
+        context: torch.Tensor,
+        block_rope: Rope,
+        context_rope: Rope,
+        flex: FlexMask,
+    ) -> torch.Tensor:
+        """Every slot of every block as one query sequence over keys [context ; all blocks], under a
+        block-sparse mask: no score matrix is ever materialised (flex attention's fused kernel)."""
+        batch, heads, num_blocks, block_size, head_dim = q.shape
+        shape = (batch, -1, self.num_kv_heads, self.head_dim)
+        keys_in = torch.cat([context, x.flatten(1, 2)], dim=1)  # [B, C + N*S, D]
+        cos = torch.cat([context_rope[0], block_rope[0].flatten(1, 2)], dim=1)
+        sin = torch.cat([context_rope[1], block_rope[1].flatten(1, 2)], dim=1)
+        k = apply_rotary(self.k_norm(self.k_proj(keys_in).view(shape)), (cos, sin)).transpose(1, 2)
+        v = self.v_proj(keys_in).view(shape).transpose(1, 2)  # [B, kv_h, C + N*S, hd]
+        queries = q.flatten(2, 3)  # [B, h, N*S, hd]
+        pad_q, pad_kv = flex.query_length - queries.shape[2], flex.key_length - k.shape[2]
+        queries = F.pad(queries, (0, 0, 0, pad_q))
+        k, v = F.pad(k, (0, 0, 0, pad_kv)), F.pad(v, (0, 0, 0, pad_kv))
+        out = flex.attend(queries, k, v, self.sliding_window)[:, :, : num_blocks * block_size]
+        return out.reshape(batch, heads, num_blocks, block_size, head_dim)
 
 
 class SwiGLU(nn.Module):
@@ -202,9 +328,10 @@ class DrafterLayer(nn.Module):
         context: torch.Tensor,  # [B, C, D]
         block_rope: Rope,
         context_rope: Rope,
-        masks: BlockMasks,
+        masks: BlockMasks | None,
+        flex: FlexMask | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, masks)
+        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, masks, flex)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -235,6 +362,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = "auto"  # see `attention_backend`
         self.apply(self._init_weights)
 
     @staticmethod
@@ -251,6 +379,20 @@ class DFlashDrafter(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
+
+    @property
+    def attention_backend(self) -> str:
+        """`flex` (fused kernel, block-sparse mask: CUDA) or `materialised` (scores as tensors: the CPU
+        path, and the reference the flex path is tested against). `auto`: flex on CUDA."""
+        if self.attention != "auto":
+            return self.attention
+        return "flex" if self.device.type == "cuda" and flex_attention_available() else "materialised"
+
+    def set_attention_backend(self, name: str) -> DFlashDrafter:
+        if name not in ("auto", "flex", "materialised"):
+            raise ValueError(f"attention backend {name!r} is not 'auto', 'flex' or 'materialised'")
+        self.attention = name
+        return self
 
     def forward(
         self,
@@ -273,12 +415,20 @@ class DFlashDrafter(nn.Module):
         head_dim, theta = self.config.head_dim, self.config.rope_theta
         block_rope = rotary_cos_sin(block_position_ids, head_dim, theta)  # [B, N, S, hd]
         context_rope = rotary_cos_sin(context_position_ids, head_dim, theta)  # [B, C, hd]
-        masks: dict[int | None, BlockMasks] = {}
+        windows = {layer.self_attn.sliding_window for layer in self.layers}
+        flex = None
+        if self.attention_backend == "flex":
+            flex = FlexMask(
+                context_end, block_position_ids, context_length, windows, compiled=self.device.type == "cuda"
+            )
+            masks = dict.fromkeys(windows)
+        else:
+            masks = {
+                window: block_masks(context_end, block_position_ids, context_position_ids, window)
+                for window in windows
+            }
         for layer in self.layers:
-            window = layer.self_attn.sliding_window
-            if window not in masks:
-                masks[window] = block_masks(context_end, block_position_ids, context_position_ids, window)
-            x = layer(x, context, block_rope, context_rope, masks[window])
+            x = layer(x, context, block_rope, context_rope, masks[layer.self_attn.sliding_window], flex)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

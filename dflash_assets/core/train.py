@@ -101,6 +101,7 @@ class TrainSettings:
     spec_eval_prompts: int = 8  # held-out prompts decoded speculatively with the target (0: off)
     spec_eval_max_new_tokens: int = 64
     device: str = "cpu"  # the drafter's device; online targets may live elsewhere
+    attention: str = "auto"  # drafter attention: "flex" (CUDA's fused kernel), "materialised", "auto"
     bf16_autocast: bool = True  # CUDA only: float32 master weights, bf16 matmuls
     max_consecutive_nonfinite: int = 10  # skipped non-finite steps in a row before giving up
 
@@ -528,6 +529,7 @@ class DrafterTrainer:
         torch.manual_seed(settings.seed)
         random.seed(settings.seed)
         self.model = DFlashDrafter.from_target(config).to(self.device).train()
+        self.model.set_attention_backend(settings.attention)
         self.optimizer = build_optimizer(self.model, settings)
         total = self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -561,7 +563,7 @@ class DrafterTrainer:
             f"{config.mask_token_id} ({config.extra.get('mask_token_source', 'given')}); "
             f"{len(self.train_ids)} training samples, {len(self.eval_ids)} held out; "
             f"{self.steps_per_epoch} steps per epoch of up to {settings.global_batch_size} sequences; "
-            f"{self.total_steps} steps in total"
+            f"{self.total_steps} steps in total; {self.model.attention_backend} attention on {self.device}"
         )
 
     def plan(self, epoch: int) -> list[list[int]]:
@@ -616,7 +618,9 @@ class DrafterTrainer:
         """Forward and backward over micro-batches of `samples`, gradients summed (not averaged)."""
         outputs = []
         ids = list(range(len(samples)))
-        for micro in micro_batches(ids, lengths, self.config, self.settings, self.micro_batch_bytes):
+        plan = micro_batches(ids, lengths, self.config, self.settings, self.micro_batch_bytes)
+        self._largest_micro_batch = max(len(micro) for micro in plan)
+        for micro in plan:
             batch = self.source.collate([samples[i] for i in micro])
             with self._autocast():
                 output = dflash_loss(self.model, batch, self._anchors(batch, epoch), self.settings.gamma)
@@ -634,12 +638,15 @@ class DrafterTrainer:
             try:
                 outputs = self._accumulate(samples, lengths, here.epoch)
                 break
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as error:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-                if self.micro_batch_bytes <= GIB // 64:
-                    raise
+                if self._largest_micro_batch == 1:
+                    raise torch.OutOfMemoryError(
+                        f"one sequence of up to {max(lengths)} tokens does not fit on {self.device} (step "
+                        f"{self.step + 1}); lower max_length or num_anchors, or use a larger device"
+                    ) from error
                 self.micro_batch_bytes //= 2
                 self.log(
                     f"WARNING: out of memory at step {self.step + 1}; micro-batch budget lowered to "
