@@ -1,0 +1,206 @@
+"""The drafter's training step at a real shape: flex attention vs the materialised scores, side by side.
+
+One step = forward, backward and AdamW update of a DFlash drafter under bf16 autocast, on random
+weights and random target hidden states (nothing downloaded): 512 anchors of a 16-token block per
+sequence of 3072 tokens, as the recipe trains. Reports seconds per step, tokens/s, peak memory above the
+weights and optimiser state, and MFU from an analytic FLOP count. On a CPU (tiny shapes) only the
+materialised path runs: flex attention has no CPU backward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_assets.core.drafter import (
+    DFlashDrafter,
+    DrafterBatch,
+    DrafterConfig,
+    anchor_generator,
+    block_labels,
+    drafter_parameter_count,
+    sample_anchors,
+)
+from dflash_assets.core.drafter_config import drafter_shape
+
+
+@dataclass(frozen=True)
+class DrafterShapeCase:
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    sequence_length: int
+    num_anchors: int
+
+
+QWEN3_8B = DrafterShapeCase("Qwen3-8B drafter", 4096, 12288, 151936, 36, 3072, 512)
+TINY = DrafterShapeCase("tiny drafter", 64, 176, 1536, 12, 256, 32)
+
+
+def build_drafter(case: DrafterShapeCase, device: torch.device) -> DFlashDrafter:
+    """The `dflash` preset for a target of this width, with random shared embedding and LM head."""
+    from dflash_assets.core.capture import dflash_target_layer_ids
+
+    target = {"hidden_size": case.hidden_size, "intermediate_size": case.intermediate_size}
+    config = DrafterConfig(
+        hidden_size=case.hidden_size,
+        vocab_size=case.vocab_size,
+        mask_token_id=case.vocab_size - 1,
+        target_layer_ids=dflash_target_layer_ids(case.num_target_layers, 5),
+        target_num_hidden_layers=case.num_target_layers,
+        **drafter_shape(target, "dflash", 5),
+    )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embedding = torch.randn(case.vocab_size, case.hidden_size, device=device, dtype=dtype) * 0.02
+    lm_head = torch.randn(case.vocab_size, case.hidden_size, device=device, dtype=dtype) * 0.02
+    torch.manual_seed(0)
+    with torch.device(device):
+        return DFlashDrafter(config, embedding, lm_head)
+
+
+def random_batch(case: DrafterShapeCase, batch_size: int, device: torch.device) -> DrafterBatch:
+    length, layers = case.sequence_length, 5
+    input_ids = torch.randint(0, case.vocab_size - 1, (batch_size, length))
+    loss_mask = torch.ones(batch_size, length, dtype=torch.bool)
+    loss_mask[:, :64] = False  # a prompt, as real samples have
+    hidden = torch.randn(batch_size, length, layers, case.hidden_size, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((batch_size,), length)
+    return DrafterBatch(input_ids, loss_mask, hidden, lengths, list(range(batch_size)))
+
+
+def step_flops(model: DFlashDrafter, batch: DrafterBatch, num_blocks: int, labels: int) -> float:
+    """Matmul FLOPs of one forward + backward (x3): linear layers over every block slot, the context
+    projection and k/v over the context, attention over the visible context (on average half of it,
+    anchors being uniform) plus the block, and the LM head over the labelled slots."""
+    config = model.config
+    batch_size, length = batch.input_ids.shape
+    slots = batch_size * num_blocks * config.block_size
+    params = drafter_parameter_count(config)
+    context_params = config.num_context_layers * config.hidden_size * config.hidden_size
+    kv = 2 * config.hidden_size * config.num_kv_heads * config.head_dim * config.num_layers
+    width = config.num_heads * config.head_dim
+    attention = 2 * 2 * slots * (length / 2 + config.block_size) * width * config.num_layers
+    forward = (
+        2 * slots * (params - context_params)
+        + 2 * batch_size * length * (context_params + kv)
+        + attention
+        + 2 * labels * config.vocab_size * config.hidden_size
+    )
+    return 3 * forward
+
+
+def time_steps(
+    model: DFlashDrafter,
+    batch: DrafterBatch,
+    num_anchors: int,
+    backend: str,
+    steps: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Seconds per step (median of `steps` after a warm-up step), peak memory above the idle state."""
+    from dflash_assets.core.drafter import dflash_loss
+
+    model.set_attention_backend(backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    anchors = sample_anchors(
+        batch.loss_mask, num_anchors, [anchor_generator(0, 0, i) for i in batch.sample_indices]
+    )
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nothing()
+
+    def one_step() -> float:
+        with autocast:
+            output = dflash_loss(model, batch, anchors, gamma=7.0)
+        output.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(output.loss.detach())
+
+    one_step()  # compile, allocate optimiser state
+    _synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        idle = torch.cuda.memory_allocated(device)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        loss = one_step()
+        _synchronize(device)
+        times.append(time.perf_counter() - started)
+    _, _, labels = block_labels(batch, anchors, model.config.block_size)
+    seconds = sorted(times)[len(times) // 2]
+    return {
+        "seconds": seconds,
+        "tokens_per_s": batch.num_tokens / seconds,
+        "peak_bytes": torch.cuda.max_memory_allocated(device) - idle if device.type == "cuda" else None,
+        "flops": step_flops(model, batch, anchors.positions.shape[1], int(labels.sum())),
+        "loss": loss,
+    }
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drafter_step_lines(
+    device: torch.device, *, tiny: bool, peak_flops: Callable[[torch.device], float | None], steps: int = 3
+) -> list[str]:
+    """The section's lines: per backend and batch size, step time, tokens/s, peak memory, MFU, and the
+    flex ÷ materialised ratios the issue's goals name (>= 1.5x speed, <= 0.5x memory at 1 x 3072)."""
+    case = TINY if tiny or device.type != "cuda" else QWEN3_8B
+    backends = ["materialised", "flex"] if device.type == "cuda" else ["materialised"]
+    peak = peak_flops(device)
+    lines = [
+        f"\ndrafter training step, {case.name}: hidden {case.hidden_size}, vocab {case.vocab_size:,}, "
+        f"{case.num_anchors} anchors x 16 per sequence of {case.sequence_length} tokens, bf16 autocast on "
+        f"{device}" + ("" if device.type == "cuda" else " (flex attention needs CUDA: materialised only)")
+    ]
+    model = build_drafter(case, device)
+    lines.append(f"  drafter parameters: {drafter_parameter_count(model.config) / 1e9:.2f} B")
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+    for batch_size in (1, 2):
+        batch = random_batch(case, batch_size, device)
+        for backend in backends:
+            try:
+                result = time_steps(model, batch, case.num_anchors, backend, steps, device)
+            except torch.OutOfMemoryError:
+                lines.append(f"  {backend:12s} {batch_size} x {case.sequence_length}: out of memory")
+                torch.cuda.empty_cache()
+                continue
+            results[(backend, batch_size)] = result
+            mfu = result["flops"] / result["seconds"] / peak if peak else None
+            peak_bytes = result["peak_bytes"]
+            memory = f"{peak_bytes / 2**30:6.1f} GiB" if peak_bytes is not None else "   n/a"
+            lines.append(
+                f"  {backend:12s} {batch_size} x {case.sequence_length}: {result['seconds']:7.3f} s/step "
+                f"{result['tokens_per_s']:9,.0f} tok/s  peak {memory}  MFU "
+                + (f"{mfu:.0%}" if mfu is not None else "n/a")
+                + f"  loss {result['loss']:.3f}"
+            )
+    for batch_size in (1, 2):
+        flex, dense = results.get(("flex", batch_size)), results.get(("materialised", batch_size))
+        if flex and dense:
+            memory = (
+                f", memory {flex['peak_bytes'] / dense['peak_bytes']:.2f}x (target <= 0.5)"
+                if dense["peak_bytes"]
+                else ""
+            )
+            lines.append(
+                f"  flex / materialised at {batch_size} x {case.sequence_length}: speed "
+                f"{dense['seconds'] / flex['seconds']:.2f}x (target >= 1.5){memory}"
+            )
+    return lines
