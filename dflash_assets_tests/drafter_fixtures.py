@@ -19,11 +19,10 @@ TARGET_LAYER_IDS = [1, 2, 3, 4, 5]  # DFlash's rule for 8 decoder layers and 5 d
 CYCLE_START = 260  # assistant turns count through tokens 260..267
 
 
-def build_tiny_target(directory: Path) -> Path:
-    """A Qwen3.5-family (gated-delta-net + full attention) causal LM, saved with `save_pretrained`."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+def _tiny_target_config(initializer_range: float):
+    from transformers import Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(
+    return Qwen3_5TextConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
@@ -36,10 +35,17 @@ def build_tiny_target(directory: Path) -> Path:
         linear_key_head_dim=16,
         linear_value_head_dim=16,
         max_position_embeddings=1024,
-        # Wider than the default 0.02 so the frozen LM head can express confident predictions: a trained
-        # target has that range, a freshly initialised one would cap what a few drafter steps can reach.
-        initializer_range=0.2,
+        initializer_range=initializer_range,
     )
+
+
+def build_tiny_target(directory: Path) -> Path:
+    """A Qwen3.5-family (gated-delta-net + full attention) causal LM, saved with `save_pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    # Wider than the default 0.02 so the frozen LM head can express confident predictions: a trained
+    # target has that range, a freshly initialised one would cap what a few drafter steps can reach.
+    config = _tiny_target_config(initializer_range=0.2)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
@@ -54,23 +60,9 @@ def build_counting_target(directory: Path) -> Path:
     it generates is then learnable by a drafter in a few dozen steps, which is what a test of measured
     acceptance needs (a random target's continuations are not learnable from a few samples).
     """
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3_5TextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        max_position_embeddings=1024,
-        initializer_range=0.02,
-    )
+    config = _tiny_target_config(initializer_range=0.02)
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

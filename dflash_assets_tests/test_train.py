@@ -71,6 +71,28 @@ def quick_settings(**overrides: object) -> TrainSettings:
     return TrainSettings(**{**fields, **overrides})
 
 
+def train_logged(
+    config: DrafterConfig,
+    capture: HiddenStateCapture,
+    samples: list[TokenizedSample],
+    tmp_path: Path,
+    run: str,
+    **settings: object,
+) -> tuple[TrainResult, list[str]]:
+    """A short online run without evaluation; its result and log lines."""
+    lines: list[str] = []
+    result = train_drafter(
+        config,
+        quick_settings(eval_samples=0, **settings),
+        OnlineData(samples, capture),
+        store=open_store(str(tmp_path / "store")),
+        run=run,
+        work_dir=tmp_path / run,
+        log=lines.append,
+    )
+    return result, lines
+
+
 def logged_losses(lines: list[str]) -> list[float]:
     return [float(m.group(1)) for line in lines if (m := re.search(r" loss (\S+) ", line))]
 
@@ -241,17 +263,7 @@ def test_micro_batches_fit_the_memory_budget_and_never_change_the_update(
     ]
 
     def run(name: str, budget: int) -> tuple[TrainResult, list[str]]:
-        lines: list[str] = []
-        result = train_drafter(
-            config,
-            quick_settings(max_steps=3, eval_samples=0, micro_batch_bytes=budget),
-            OnlineData(samples, capture),
-            store=open_store(str(tmp_path / "store")),
-            run=name,
-            work_dir=tmp_path / name,
-            log=lines.append,
-        )
-        return result, lines
+        return train_logged(config, capture, samples, tmp_path, name, max_steps=3, micro_batch_bytes=budget)
 
     whole, whole_lines = run("whole", 10 * one)
     per_sample, per_sample_lines = run("per-sample", one)
@@ -315,17 +327,7 @@ def test_running_out_of_memory_halves_the_micro_batch_budget_and_redoes_the_same
         return real_loss(model, batch, anchors, gamma)
 
     def run(name: str) -> tuple[TrainResult, list[str]]:
-        lines: list[str] = []
-        result = train_drafter(
-            config,
-            quick_settings(max_steps=2, eval_samples=0, micro_batch_bytes=4 * one),
-            OnlineData(samples, capture),
-            store=open_store(str(tmp_path / "store")),
-            run=name,
-            work_dir=tmp_path / name,
-            log=lines.append,
-        )
-        return result, lines
+        return train_logged(config, capture, samples, tmp_path, name, max_steps=2, micro_batch_bytes=4 * one)
 
     unconstrained, _ = run("fits")
     monkeypatch.setattr(train_module, "dflash_loss", loss_that_fits_one_sequence)
