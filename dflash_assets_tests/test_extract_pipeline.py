@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,11 +11,12 @@ import torch
 
 from dflash_assets.core.capture import load_target_model
 from dflash_assets.core.host_transfer import HostTransfer
-from dflash_assets.core.sample_format import read_sample, sample_object_name
+from dflash_assets.core.sample_format import estimate_sample_nbytes, read_sample, sample_object_name
 from dflash_assets.core.samples import TokenizedSample
 from dflash_assets.core.staging import BOOT_MARKER_NAME, FINGERPRINT_NAME, StagingDirectory, current_boot_id
 from dflash_assets.core.store import LocalStore, source_will_be_deleted
 from dflash_assets_tests.test_capture import save_tiny_target
+from dflash_assets_tests.test_extract import DEFAULT_LAYERS as LAYERS
 from dflash_assets_tests.test_extract import PREFIX, Extraction, make_samples, stored_objects
 
 
@@ -80,8 +82,10 @@ def test_a_batch_that_runs_out_of_memory_is_halved_until_it_fits_and_every_sampl
     expected = stored_objects(reference.store)
     for name, data in stored_objects(extraction.store).items():
         torch.testing.assert_close(
-            read_sample(data).hidden_states.float(), read_sample(expected[name]).hidden_states.float(),
-            atol=1e-2, rtol=2**-7,
+            read_sample(data).hidden_states.float(),
+            read_sample(expected[name]).hidden_states.float(),
+            atol=1e-2,
+            rtol=2**-7,
         )
 
 
@@ -163,3 +167,25 @@ def test_a_local_store_links_a_file_the_caller_deletes_and_copies_any_other(tmp_
     assert os.stat(tmp_path / "store" / "a" / "copied").st_ino != os.stat(source).st_ino
     assert store.get_bytes("a/linked") == store.get_bytes("a/copied") == b"x" * 1000
     assert [info.key for info in store.list("a/")] == ["a/copied", "a/linked"]
+
+
+def test_a_staging_budget_smaller_than_one_batch_still_lets_the_batch_through(target, tmp_path):
+    # Six equal samples in one batch, and room for one at a time: each file must start writing (and so
+    # uploading) before the next waits for room, or the batch would wait on its own reservations.
+    samples = [TokenizedSample(s.sample_index, s.input_ids[:3] * 10, [1] * 30) for s in make_samples(6)]
+    one_sample = estimate_sample_nbytes(30, len(LAYERS), 64, len("tiny-qwen3_5"))
+    extraction = Extraction(
+        LocalStore(tmp_path / "store"), tmp_path / "staging", staging_budget_bytes=one_sample
+    )
+    outcome: list[object] = []
+    runner = threading.Thread(
+        target=lambda: outcome.append(
+            extraction.run(target, samples, layer_ids=LAYERS, max_tokens_per_batch=4096)
+        ),
+        daemon=True,
+    )
+    runner.start()
+    runner.join(timeout=120)
+    assert not runner.is_alive(), "extraction stalled on its own staging reservations"
+    result = outcome[0]
+    assert len(result.objects) == 6 and result.peak_staging_bytes <= one_sample

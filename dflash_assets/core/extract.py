@@ -22,7 +22,7 @@ import torch
 from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
 from dflash_assets.core.capture import HiddenStateCapture
 from dflash_assets.core.faults import fault_point
-from dflash_assets.core.host_transfer import HostBatch, HostTransfer
+from dflash_assets.core.host_transfer import HostBatch, HostTransfer, PendingHostBatch
 from dflash_assets.core.kernels import report_kernel_paths
 from dflash_assets.core.manifest import delete_partition
 from dflash_assets.core.sample_format import (
@@ -454,7 +454,7 @@ class _GapExtraction:
 
     def run(self, missing: Sequence[TokenizedSample], batches: list[list[int]]) -> None:
         self.progress.start(len(missing))
-        previous: tuple[list[TokenizedSample], Any] | None = None
+        previous: tuple[list[TokenizedSample], PendingHostBatch] | None = None
         try:
             for batch in batches:
                 for part, captured in self._forward([missing[i] for i in batch]):
@@ -571,39 +571,43 @@ class _SampleWrites:
         self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="hs-writer")
 
     def submit(self, items: Sequence[tuple[TokenizedSample, torch.Tensor]]) -> None:
-        """Write `(sample, hidden [T, K, H] bf16 on the host)` pairs, in chunks of `_CHUNK_BYTES`."""
-        chunk: list[tuple[TokenizedSample, torch.Tensor]] = []
-        chunk_bytes = 0
-        for sample, hidden in items:
-            chunk.append((sample, hidden))
-            chunk_bytes += hidden.numel() * hidden.element_size()
-            if chunk_bytes >= _CHUNK_BYTES:
-                self._submit_chunk(chunk)
-                chunk, chunk_bytes = [], 0
-        if chunk:
-            self._submit_chunk(chunk)
+        """Write `(sample, hidden [T, K, H] bf16 on the host)` pairs, in chunks of up to `_CHUNK_BYTES`.
 
-    def _submit_chunk(self, chunk: list[tuple[TokenizedSample, torch.Tensor]]) -> None:
-        self.drain(keep=2 * self.threads - 1)
+        A chunk starts as soon as the next sample's space cannot be reserved: its own reservations may
+        be what fills the budget, and only its written, uploaded files can free it."""
+        chunk: list[tuple[TokenizedSample, torch.Tensor]] = []
         reserved: list[int] = []
+        chunk_bytes = 0
         try:
-            for sample, _ in chunk:
+            for sample, hidden in items:
                 nbytes = estimate_sample_nbytes(
                     sample.num_tokens,
                     self.partition.num_layers,
                     self.partition.hidden_size,
                     self.partition.metadata_nbytes,
                 )
-                stats = self.uploader.stats
-                if stats.staging_bytes and stats.staging_bytes + nbytes > stats.staging_budget_bytes:
+                if not self.uploader.try_reserve(nbytes):
+                    if chunk:
+                        self._start(chunk, reserved)
+                        chunk, reserved, chunk_bytes = [], [], 0
                     self.progress.maybe_report(reason="staging full, waiting for uploads")
-                self.uploader.reserve(nbytes)
+                    self.uploader.reserve(nbytes)  # backpressure: wait for uploads to free space
+                chunk.append((sample, hidden))
                 reserved.append(nbytes)
-            future = self.executor.submit(self._write_and_submit, chunk, reserved)
+                chunk_bytes += hidden.numel() * hidden.element_size()
+                if chunk_bytes >= _CHUNK_BYTES:
+                    self._start(chunk, reserved)
+                    chunk, reserved, chunk_bytes = [], [], 0
+            if chunk:
+                self._start(chunk, reserved)
         except BaseException:
-            self.uploader.release(sum(reserved))
+            self.uploader.release(sum(reserved))  # reserved for a chunk that never started
             raise
-        self.pending.append(_PendingWrite(future, reserved))
+
+    def _start(self, chunk: list[tuple[TokenizedSample, torch.Tensor]], reserved: list[int]) -> None:
+        self.drain(keep=2 * self.threads - 1)
+        future = self.executor.submit(self._write_and_submit, list(chunk), list(reserved))
+        self.pending.append(_PendingWrite(future, list(reserved)))
 
     def _write_and_submit(
         self, chunk: list[tuple[TokenizedSample, torch.Tensor]], reserved: list[int]

@@ -123,6 +123,17 @@ class Uploader:
                 self._cond.wait()
             self._add_staged(nbytes)
 
+    def try_reserve(self, nbytes: int) -> bool:
+        """`reserve` without waiting: count `nbytes` as staged and return True if they fit now."""
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve a negative number of bytes ({nbytes})")
+        with self._cond:
+            self._raise_if_unusable()
+            if self._staging_bytes and self._staging_bytes + nbytes > self.staging_budget_bytes:
+                return False
+            self._add_staged(nbytes)
+            return True
+
     def release(self, nbytes: int) -> None:
         """Give back a reservation whose file was never written (or was removed by the caller)."""
         with self._cond:
