@@ -166,6 +166,11 @@ def test_a_local_store_links_a_file_the_caller_deletes_and_copies_any_other(tmp_
     assert os.stat(tmp_path / "store" / "a" / "linked").st_ino == os.stat(source).st_ino
     assert os.stat(tmp_path / "store" / "a" / "copied").st_ino != os.stat(source).st_ino
     assert store.get_bytes("a/linked") == store.get_bytes("a/copied") == b"x" * 1000
+    replacement = tmp_path / "staged-again.bin"
+    replacement.write_bytes(b"y" * 10)
+    with source_will_be_deleted():
+        store.put_file("a/linked", replacement)  # an existing object is replaced whole
+    assert store.get_bytes("a/linked") == b"y" * 10 and source.read_bytes() == b"x" * 1000
     assert [info.key for info in store.list("a/")] == ["a/copied", "a/linked"]
 
 

@@ -258,6 +258,9 @@ class LocalStore(ObjectStore):
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser().resolve()
         self.url = str(self.root)
+        # Directories links have gone into; saves a mkdir per object. Sets are safe across threads here
+        # (single add/discard/contains calls under the GIL).
+        self._known_directories: set[Path] = set()
 
     @property
     def description(self) -> str:
@@ -307,18 +310,27 @@ class LocalStore(ObjectStore):
             size = os.fstat(fd).st_size
         finally:
             os.close(fd)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = _partial_path(target)
+        if target.parent not in self._known_directories:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._known_directories.add(target.parent)
         try:
-            os.link(source, partial)
+            # A new name for a complete inode appears atomically: no temporary name is needed...
+            os.link(source, target)
+        except FileExistsError:
+            # ...unless an older object is there, which a rename replaces in one step.
+            partial = _partial_path(target)
+            try:
+                os.link(source, partial)
+                os.replace(partial, target)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
+        except FileNotFoundError:
+            self._known_directories.discard(target.parent)  # deleted meanwhile (delete_prefix prunes)
+            raise TransientStoreError(f"{target.parent} disappeared while linking {source} into it") from None
         except OSError as err:
             if err.errno in _NO_LINK_ERRNOS:
                 return None
-            raise
-        try:
-            os.replace(partial, target)
-        except BaseException:
-            partial.unlink(missing_ok=True)
             raise
         # The directory is not fsynced per object: the bytes are already durable, so a rename lost to a
         # power cut leaves the object absent (recomputed), never torn; `sync` makes the names durable
