@@ -138,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
     bench.add_argument("--only", choices=["extraction", "training"], default=None)
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
+    bench.add_argument(
+        "--gpu",
+        action="store_true",
+        help="capture/extraction at real target shapes (random weights, built on the GPU; no download)",
+    )
+    bench.add_argument("--tiny", action="store_true", help="with --gpu: tiny shapes, runs on the CPU too")
+    bench.add_argument("--tokens", type=int, default=None, help="with --gpu: tokens per variant and target")
+    bench.add_argument("--rounds", type=int, default=None, help="with --gpu: interleaved rounds")
     sub.add_parser(
         "reap", help="mark runs whose worker on this host died as failed and free their pool slots"
     )
@@ -170,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(keys)} sample ranges cover the dataset ({keys[0]} .. {keys[-1]}); {len(new)} new")
         return 0
     if args.command == "bench":
+        if args.gpu:
+            from dflash_assets.bench_gpu import run_gpu_bench
+
+            run_gpu_bench(tiny=args.tiny, tokens=args.tokens, rounds=args.rounds)
+            return 0
+        if args.tiny or args.tokens or args.rounds:
+            parser.error("--tiny, --tokens and --rounds go with --gpu")
         from dflash_assets.bench import run_bench
 
         return run_bench(quick=args.quick, only=args.only, threads=args.threads)

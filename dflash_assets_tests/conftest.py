@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from dflash_assets_tests.s3_server import FaultyProxy, MotoServer, start_moto_server
+from dflash_assets.core.moto_server import MotoServer, start_moto_server
+from dflash_assets_tests.s3_server import FaultyProxy
 
 # Dummy credentials moto accepts; tests assert this secret never shows up in messages.
 TEST_ACCESS_KEY_ID = "testing"

@@ -10,6 +10,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from dflash_assets.core.moto_server import free_port, start_moto_server
 from dflash_assets.core.store import (
     PARTIAL_SUFFIX,
     LocalStore,
@@ -24,7 +25,6 @@ from dflash_assets.core.store import (
     open_store,
 )
 from dflash_assets_tests.conftest import TEST_REGION, TEST_SECRET_ACCESS_KEY, create_bucket
-from dflash_assets_tests.s3_server import free_port, start_moto_server
 
 
 def assert_no_secret(err: BaseException) -> None:

@@ -184,7 +184,7 @@ def test_a_bucket_that_does_not_exist_fails_before_any_work_naming_the_bucket(
 def test_an_unreachable_endpoint_fails_before_any_work_naming_the_endpoint(
     tmp_path, demo_model_dir, aws_test_env, monkeypatch
 ):
-    from dflash_assets_tests.s3_server import free_port
+    from dflash_assets.core.moto_server import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)

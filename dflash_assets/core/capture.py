@@ -232,8 +232,8 @@ class HiddenStateCapture:
         try:
             with torch.inference_mode():
                 self.base_model(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
+                    input_ids=_to_device(input_ids, device),
+                    attention_mask=_to_device(attention_mask, device),
                     use_cache=False,
                 )
         except _StopForward:
@@ -247,6 +247,14 @@ class HiddenStateCapture:
                 "its decoder layers in order"
             )
         return captured
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # A plain copy from pageable host memory makes the host wait for the device's queue to drain, which
+    # would stall the overlap of this forward with the previous batch's copy back; pinned memory doesn't.
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 class ReplicatedCapture:

@@ -7,8 +7,6 @@ everything else is recomputed. A fingerprint of what produced the objects keeps 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import threading
@@ -20,39 +18,56 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
 from dflash_assets.core.capture import HiddenStateCapture
 from dflash_assets.core.faults import fault_point
+from dflash_assets.core.host_transfer import HostBatch, HostTransfer, PendingHostBatch
+from dflash_assets.core.kernels import report_kernel_paths
 from dflash_assets.core.manifest import delete_partition
 from dflash_assets.core.sample_format import (
     SAMPLE_FORMAT,
-    CorruptSampleError,
     NonFiniteHiddenStates,
     estimate_sample_nbytes,
     parse_sample_object_name,
-    read_sample_metadata,
     sample_object_name,
     write_sample,
 )
 from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.store import ObjectNotFound, ObjectStore, StoreError
+from dflash_assets.core.staging import (
+    FINGERPRINT_NAME,
+    PartitionBusy,
+    StagingDirectory,
+    staged_file_problem,
+    staging_lock,
+)
+from dflash_assets.core.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
 from dflash_assets.core.uploader import Uploader
 
-FINGERPRINT_NAME = "_fingerprint.json"
-_LOCK_NAME = ".extract.lock"
-# Files being written at once in the background; bounds host memory held by finished batches.
-_WRITER_THREADS = 2
-_MAX_PENDING_WRITES = 8
+__all__ = [
+    "FINGERPRINT_NAME",
+    "ExtractionIncomplete",
+    "ExtractionProgress",
+    "ExtractionResult",
+    "PartitionBusy",
+    "extract_range",
+    "extraction_fingerprint",
+]
+
+# Samples go to a writer thread in chunks of about this many bytes; at most two chunks per writer thread
+# wait, which bounds the host memory that finished batches hold.
+_CHUNK_BYTES = 32 * 2**20
+
+
+def writer_threads() -> int:
+    """Threads writing sample files. Each file is one `writev` from host memory into the page cache
+    (the GIL is released meanwhile), so a few threads keep up with an H200 (~1 GB/s at the 8B shape);
+    on a small machine one leaves the other cores to the forward and the uploads."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 class ExtractionIncomplete(StoreError):
     """After the uploads finished, the store still lacks objects this range needs."""
-
-
-class PartitionBusy(RuntimeError):
-    """Another process on this host is extracting the same range into the same staging directory."""
 
 
 @dataclass
@@ -141,56 +156,62 @@ def extract_range(
     fails the run, naming it; with `drop_non_finite` it is left out and reported in `result.dropped`.
     `log` gets progress lines, `warn` (default: `log` with a "WARNING: " prefix) what needs attention,
     `on_progress` the same progress as an `ExtractionProgress` (e.g. for asset observations).
+
+    The steps, in order: (1) one listing of the prefix, deleting objects another producer made;
+    (2) what the store already holds; (3) finished files in staging, uploaded as they are; (4) the
+    gaps, batched by length, captured, moved to the host a batch at a time and written one file per
+    sample while the next batch runs; (5) wait for the uploads and check the store has every object.
     """
     started = time.monotonic()
-    base = prefix.strip("/") + "/"
+    warn = warn or (lambda message: log(f"WARNING: {message}"))
     by_index = _index_samples(samples)
     capture = HiddenStateCapture(model, target_layer_ids)
     staging_dir = Path(staging_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = extraction_fingerprint(target_model_name, capture.target_layer_ids, capture.hidden_size)
-    run = _Run(
-        store=store,
-        base=base,
-        staging_dir=staging_dir,
-        uploader=uploader,
-        capture=capture,
-        fingerprint=fingerprint,
-        target_model_name=target_model_name,
-        by_index=by_index,
-        device=str(device),
-        log=log,
-        warn=warn or (lambda message: log(f"WARNING: {message}")),
-        progress_every_s=progress_every_s,
-        drop_non_finite=drop_non_finite,
-        on_progress=on_progress,
-    )
-    with _staging_lock(staging_dir):
-        listed = run.reconcile_fingerprint()
-        run.reconcile_staging_fingerprint()
-        in_store = run.objects_already_stored(listed)
-        from_staging = run.resubmit_staged(in_store)
+    partition = _StoredPartition(store, prefix, fingerprint, by_index, capture, target_model_name, warn)
+    staging = StagingDirectory(staging_dir, fingerprint)
+    uploads = _UploadRecord(partition.base)
+    progress = _Progress(str(device), len(by_index), uploader, uploads, log, progress_every_s, on_progress)
+
+    with staging_lock(staging_dir):
+        listed = partition.reconcile_fingerprint()  # step 1
+        staging.reconcile(warn)
+        in_store = partition.objects_already_stored(listed)  # step 2
+        from_staging = _resubmit_staged(staging, partition, uploader, uploads, in_store, log, warn)  # step 3
         missing = [
             s for s in samples if s.sample_index not in in_store and s.sample_index not in from_staging
         ]
         log(
-            f"{run.where}: {len(samples)} samples; {len(in_store)} already stored, "
+            f"{partition.where}: {len(samples)} samples; {len(in_store)} already stored, "
             f"{len(from_staging)} finished in staging (uploading), {len(missing)} to extract on {device} "
             f"(layers {capture.target_layer_ids})"
         )
+        if missing:
+            report_kernel_paths(model, capture.device, log=log, warn=warn)
         if capture.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(capture.device)
         extract_started = time.monotonic()
         batches = plan_batches([s.num_tokens for s in missing], max_tokens_per_batch, max_batch_size)
-        run.extract(missing, batches)
-        run.wait_for_uploads()
+        gaps = _GapExtraction(
+            capture=capture,
+            partition=partition,
+            staging=staging,
+            uploader=uploader,
+            uploads=uploads,
+            progress=progress,
+            warn=warn,
+            drop_non_finite=drop_non_finite,
+        )
+        gaps.run(missing, batches)  # step 4
+        _wait_for_uploads(uploader, progress)  # step 5
         extract_seconds = time.monotonic() - extract_started
-        objects = run.verify_store()
-        run.report_progress("done")
+        objects = partition.verify_store(uploads.sizes(), dropped=gaps.dropped)
+        progress.report("done")
 
     stats = uploader.stats
-    tokens_now = sum(s.num_tokens for s in missing if s.sample_index not in run.dropped)
-    extracted_now = len(missing) - len(run.dropped)
+    tokens_now = sum(s.num_tokens for s in missing if s.sample_index not in gaps.dropped)
+    extracted_now = len(missing) - len(gaps.dropped)
     result = ExtractionResult(
         objects=objects,
         samples=len(objects),
@@ -199,7 +220,7 @@ def extract_range(
         extracted_now=extracted_now,
         reused_from_store=len(in_store),
         reused_from_staging=len(from_staging),
-        computed_tokens=run.computed_tokens,
+        computed_tokens=gaps.computed_tokens,
         padding_fraction=padding_fraction(batches, [s.num_tokens for s in missing]),
         duration_s=time.monotonic() - started,
         samples_per_s=extracted_now / extract_seconds if extracted_now else 0.0,
@@ -207,13 +228,13 @@ def extract_range(
         peak_staging_bytes=stats.peak_staging_bytes,
         device=str(device),
         fingerprint=fingerprint,
-        dropped=dict(run.dropped),
+        dropped=dict(gaps.dropped),
         peak_device_memory_bytes=(
             torch.cuda.max_memory_allocated(capture.device) if capture.device.type == "cuda" else None
         ),
     )
     log(
-        f"{run.where}: done: {result.samples} objects ({_human_bytes(result.bytes_stored)}), "
+        f"{partition.where}: done: {result.samples} objects ({_human_bytes(result.bytes_stored)}), "
         f"{result.extracted_now} extracted now, {result.reused_from_store} reused from the store, "
         f"{result.reused_from_staging} uploaded from staging; {result.samples_per_s:.1f} samples/s, "
         f"{result.tokens_per_s:,.0f} tokens/s, padding {result.padding_fraction:.1%}, "
@@ -235,45 +256,6 @@ def _index_samples(samples: Sequence[TokenizedSample]) -> dict[int, TokenizedSam
     return by_index
 
 
-@contextlib.contextmanager
-def _staging_lock(staging_dir: Path) -> Iterator[None]:
-    """Two processes extracting one range into one staging directory would race on its files.
-
-    On success the staging directory is removed (it is empty by then); after a failure it stays, with
-    whatever finished files the next run will upload.
-    """
-    path = staging_dir / _LOCK_NAME
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise PartitionBusy(
-                f"{staging_dir} is in use by {holder}: this range is already being extracted on this host; "
-                "wait for that run to finish (or stop it) before starting another"
-            ) from None
-        # A finishing run unlinks the lock file; a lock on the unlinked file would guard nothing.
-        try:
-            same_file = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same_file = False
-        if same_file:
-            break
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
-        yield
-        (staging_dir / FINGERPRINT_NAME).unlink(missing_ok=True)
-        path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # not empty: leave it
-            staging_dir.rmdir()
-    finally:
-        os.close(fd)  # closing drops the flock
-
-
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -282,68 +264,52 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _size_bounds(num_tokens: int, num_layers: int, hidden_size: int, metadata_nbytes: int) -> tuple[int, int]:
-    tensor_bytes = num_tokens * num_layers * hidden_size * 2 + num_tokens * 5
-    return tensor_bytes + 8, estimate_sample_nbytes(num_tokens, num_layers, hidden_size, metadata_nbytes)
+class _UploadRecord:
+    """Sizes the store confirmed for this run's uploads; fed from uploader threads."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}
+
+    def __call__(self, info: ObjectInfo) -> None:
+        with self._lock:
+            self._sizes[info.key[len(self.base) :]] = info.size
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._sizes)
 
 
-@dataclass
-class _PendingWrite:
-    future: Future
-    nbytes: int
+# ------------------------------------------------------------------------------ steps 1, 2, 5: the store
 
 
-class _Run:
-    """The state of one `extract_range` call; each method is one step of the docstring above."""
+class _StoredPartition:
+    """The range's prefix in the store: who made its objects, which are complete, and the final check."""
 
     def __init__(
         self,
-        *,
         store: ObjectStore,
-        base: str,
-        staging_dir: Path,
-        uploader: Uploader,
-        capture: HiddenStateCapture,
+        prefix: str,
         fingerprint: dict[str, Any],
-        target_model_name: str,
         by_index: dict[int, TokenizedSample],
-        device: str,
-        log: Callable[[str], None],
+        capture: HiddenStateCapture,
+        target_model_name: str,
         warn: Callable[[str], None],
-        progress_every_s: float,
-        drop_non_finite: bool,
-        on_progress: Callable[[ExtractionProgress], None] | None = None,
     ) -> None:
         self.store = store
-        self.base = base
-        self.staging_dir = staging_dir
-        self.uploader = uploader
-        self.capture = capture
+        self.base = prefix.strip("/") + "/"
+        self.where = store.uri(self.base.rstrip("/"))
         self.fingerprint = fingerprint
-        self.target_model_name = target_model_name
         self.by_index = by_index
-        self.device = device
-        self.log = log
-        self.warn = warn
-        self.progress_every_s = progress_every_s
-        self.drop_non_finite = drop_non_finite
-        self.on_progress = on_progress
         self.num_layers = len(capture.target_layer_ids)
         self.hidden_size = capture.hidden_size
         self.metadata_nbytes = len(target_model_name.encode())
-        self.where = store.uri(base.rstrip("/"))
-        self.uploaded_sizes: dict[str, int] = {}
-        self._uploaded_lock = threading.Lock()
-        self.dropped: dict[int, str] = {}
-        self.computed_tokens = 0
-        self.extracted = 0
-        self.extracted_tokens = 0
-        self.total_to_extract = 0
-        self.already_done = 0
-        self._extract_started = time.monotonic()
-        self._last_progress = time.monotonic()
-
-    # -- step 1: fingerprint
+        self.warn = warn
 
     def reconcile_fingerprint(self) -> dict[str, int]:
         """One listing of the prefix; objects made under another fingerprint (or none) are deleted."""
@@ -369,44 +335,13 @@ class _Run:
         self.store.put_bytes(self.base + FINGERPRINT_NAME, json.dumps(self.fingerprint, indent=1).encode())
         return listed
 
-    def reconcile_staging_fingerprint(self) -> None:
-        path = self.staging_dir / FINGERPRINT_NAME
-        try:
-            stored = json.loads(path.read_text())
-        except FileNotFoundError:
-            stored = None
-        except (OSError, ValueError):
-            stored = {"unreadable": True}
-        if stored == self.fingerprint:
-            return
-        leftovers = [p for p in self.staging_dir.iterdir() if p.is_file() and p.name not in (_LOCK_NAME,)]
-        if leftovers and stored is not None:
-            self.warn(
-                f"staging {self.staging_dir} holds {len(leftovers)} files made by "
-                f"{json.dumps(stored)}; deleting them"
-            )
-        elif leftovers:
-            self.warn(
-                f"staging {self.staging_dir} holds {len(leftovers)} files without a fingerprint; "
-                "deleting them"
-            )
-        for leftover in leftovers:
-            leftover.unlink(missing_ok=True)
-        temp = path.with_name(f".{FINGERPRINT_NAME}.tmp-{os.getpid()}")
-        temp.write_text(json.dumps(self.fingerprint, indent=1))
-        os.replace(temp, path)
-
-    # -- step 2: what the store already has
-
     def objects_already_stored(self, listed: dict[str, int]) -> set[int]:
         done: set[int] = set()
         for name, size in listed.items():
             index = parse_sample_object_name(name)
             if index is None or index not in self.by_index:
                 continue
-            low, high = _size_bounds(
-                self.by_index[index].num_tokens, self.num_layers, self.hidden_size, self.metadata_nbytes
-            )
+            low, high = self._size_bounds(self.by_index[index].num_tokens)
             if low <= size <= high:
                 done.add(index)
             else:  # cannot be a complete object for this sample: recompute and overwrite it
@@ -415,213 +350,16 @@ class _Run:
                 )
         return done
 
-    # -- step 3: files finished by an earlier run that never got uploaded
-
-    def resubmit_staged(self, in_store: set[int]) -> set[int]:
-        resubmitted: set[int] = set()
-        removed: list[str] = []
-        for path in sorted(self.staging_dir.iterdir()):
-            if not path.is_file() or path.name in (FINGERPRINT_NAME, _LOCK_NAME):
-                continue
-            index = parse_sample_object_name(path.name)
-            if index is None or index not in self.by_index or index in in_store:
-                # Temp files of a killed writer, strays, or files uploaded just before a crash.
-                path.unlink(missing_ok=True)
-                removed.append(path.name)
-                continue
-            problem = self._staged_file_problem(path, index)
-            if problem is not None:
-                self.warn(f"staged {path.name} is unusable ({problem}); recomputing sample {index}")
-                path.unlink(missing_ok=True)
-                continue
-            self.uploader.submit(path, self.base + path.name, on_uploaded=self._record_upload)
-            resubmitted.add(index)
-        if removed:
-            self.log(
-                f"staging: removed {len(removed)} leftover files that need no upload (e.g. {removed[0]})"
-            )
-        return resubmitted
-
-    def _staged_file_problem(self, path: Path, index: int) -> str | None:
-        try:
-            metadata = read_sample_metadata(path)
-        except (CorruptSampleError, OSError) as error:
-            return str(error)
-        sample = self.by_index[index]
-        if metadata.get("sample_index") != str(index):
-            return f"its metadata says sample {metadata.get('sample_index')}"
-        made_by = {
-            "format": metadata.get("format"),
-            "target_model": metadata.get("target_model"),
-            "target_layer_ids": json.loads(metadata.get("target_layer_ids", "null")),
-            "hidden_size": int(metadata.get("hidden_size", -1)),
-        }
-        if made_by != self.fingerprint:
-            return f"made by {made_by}"
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                input_ids = handle.get_tensor("input_ids").tolist()
-                loss_mask = handle.get_tensor("loss_mask").tolist()
-                shape = list(handle.get_slice("hidden_states").get_shape())
-        except Exception as error:  # safetensors raises its own error types for damaged files
-            return f"unreadable ({error})"
-        if input_ids != list(sample.input_ids) or loss_mask != list(sample.loss_mask):
-            return "its tokens differ from the tokenized sample (the tokenized range changed)"
-        if shape != [sample.num_tokens, self.num_layers, self.hidden_size]:
-            return f"hidden_states shape {shape}"
-        return None
-
-    def _record_upload(self, info: Any) -> None:
-        # Called from uploader worker threads.
-        with self._uploaded_lock:
-            self.uploaded_sizes[info.key[len(self.base) :]] = info.size
-
-    # -- step 4: extract the gaps
-
-    def extract(self, missing: Sequence[TokenizedSample], batches: list[list[int]]) -> None:
-        self.total_to_extract = len(missing)
-        self.already_done = len(self.by_index) - len(missing)
-        self._extract_started = time.monotonic()
-        pad_id = _pad_token_id(self.capture.model)
-        pending: list[_PendingWrite] = []
-        executor = ThreadPoolExecutor(max_workers=_WRITER_THREADS, thread_name_prefix="hs-writer")
-        try:
-            for batch in batches:
-                for sample, hidden in self._capture_batch([missing[i] for i in batch], pad_id):
-                    if hidden is None:
-                        continue
-                    self._drain(pending, keep=_MAX_PENDING_WRITES - 1)
-                    pending.append(self._write_in_background(executor, sample, hidden))
-                    self.extracted += 1
-                    self.extracted_tokens += sample.num_tokens
-                self._maybe_log_progress()
-            self._drain(pending, keep=0)
-        finally:
-            # On an error, files already being written finish (they are complete and get uploaded next
-            # run); writes not started yet are cancelled and give their reservation back.
-            for write in pending:
-                if write.future.cancel():
-                    self.uploader.release(write.nbytes)
-            executor.shutdown(wait=True)
-
-    def _capture_batch(
-        self, batch: list[TokenizedSample], pad_id: int
-    ) -> Iterator[tuple[TokenizedSample, torch.Tensor | None]]:
-        """(sample, bf16 CPU hidden states [T, K, H]) per sample; halves the batch on out-of-memory."""
-        input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id)
-        fault_point("extract_forward")  # crash tests: die here, mid-range, with earlier batches staged
-        try:
-            captured = self.capture(input_ids, attention_mask)
-        except torch.cuda.OutOfMemoryError:
-            if len(batch) == 1:
-                raise torch.cuda.OutOfMemoryError(
-                    f"sample {batch[0].sample_index} ({batch[0].num_tokens} tokens) does not fit on "
-                    f"{self.device} even alone; lower the maximum sample length when tokenizing or use a "
-                    "larger device"
-                ) from None
-            torch.cuda.empty_cache()
-            self.warn(
-                f"out of memory on {self.device} for {len(batch)} samples x {input_ids.shape[1]} "
-                "tokens; splitting the batch (lower max_tokens_per_batch to avoid the retry)"
-            )
-            half = len(batch) // 2
-            yield from self._capture_batch(batch[:half], pad_id)
-            yield from self._capture_batch(batch[half:], pad_id)
-            return
-        self.computed_tokens += input_ids.numel()
-        for row, sample in enumerate(batch):
-            hidden = captured[row, : sample.num_tokens]
-            if not bool(torch.isfinite(hidden).all()):
-                hidden = self._retry_non_finite(sample, alone=len(batch) == 1, hidden=hidden)
-                if hidden is None:
-                    continue
-            # Cast on the device first: half the bytes cross to the host.
-            yield sample, hidden.to(dtype=torch.bfloat16).cpu()
-        del captured
-
-    def _retry_non_finite(
-        self, sample: TokenizedSample, alone: bool, hidden: torch.Tensor
-    ) -> torch.Tensor | None:
-        if not alone:
-            input_ids, attention_mask = pad_batch([sample.input_ids], 0)
-            hidden = self.capture(input_ids, attention_mask)[0]
-            self.computed_tokens += input_ids.numel()
-            if bool(torch.isfinite(hidden).all()):
-                self.warn(f"sample {sample.sample_index} was non-finite in a batch but finite alone")
-                return hidden
-        bad = int((~torch.isfinite(hidden)).sum())
-        reason = f"{bad} non-finite hidden-state values (NaN/inf) even when run alone"
-        if not self.drop_non_finite:
-            raise NonFiniteHiddenStates(
-                sample.sample_index,
-                f"sample {sample.sample_index} of {self.where}: {reason}; nothing "
-                "was written for it. Check the target model's dtype and this sample's tokens.",
-            )
-        self.warn(f"dropping sample {sample.sample_index}: {reason}")
-        self.dropped[sample.sample_index] = reason
-        return None
-
-    def _write_in_background(
-        self, executor: ThreadPoolExecutor, sample: TokenizedSample, hidden: torch.Tensor
-    ) -> _PendingWrite:
-        nbytes = estimate_sample_nbytes(
-            sample.num_tokens, self.num_layers, self.hidden_size, self.metadata_nbytes
+    def _size_bounds(self, num_tokens: int) -> tuple[int, int]:
+        tensor_bytes = num_tokens * self.num_layers * self.hidden_size * 2 + num_tokens * 5
+        return tensor_bytes + 8, estimate_sample_nbytes(
+            num_tokens, self.num_layers, self.hidden_size, self.metadata_nbytes
         )
-        stats = self.uploader.stats
-        if stats.staging_bytes and stats.staging_bytes + nbytes > stats.staging_budget_bytes:
-            self._maybe_log_progress(reason="staging full, waiting for uploads")
-        # Reserved before writing, so staged bytes on disk never exceed the budget (backpressure).
-        self.uploader.reserve(nbytes)
-        return _PendingWrite(executor.submit(self._write_and_submit, sample, hidden, nbytes), nbytes)
 
-    def _write_and_submit(self, sample: TokenizedSample, hidden: torch.Tensor, nbytes: int) -> None:
-        name = sample_object_name(sample.sample_index)
-        path = self.staging_dir / name
-        try:
-            write_sample(
-                path,
-                sample_index=sample.sample_index,
-                input_ids=sample.input_ids,
-                loss_mask=sample.loss_mask,
-                hidden_states=hidden,
-                target_layer_ids=self.capture.target_layer_ids,
-                target_model=self.target_model_name,
-            )
-        except BaseException:
-            self.uploader.release(nbytes)
-            raise
-        self.uploader.submit(path, self.base + name, reserved=nbytes, on_uploaded=self._record_upload)
-
-    def _drain(self, pending: list[_PendingWrite], keep: int) -> None:
-        """Wait until at most `keep` writes are pending; re-raise the first failed one."""
-        while pending:
-            finished = [write for write in pending if write.future.done()]
-            for write in finished:
-                pending.remove(write)
-                write.future.result()
-            if len(pending) <= keep:
-                return
-            wait(
-                [write.future for write in pending],
-                timeout=max(self.progress_every_s, 0.05),
-                return_when=FIRST_COMPLETED,
-            )
-            self._maybe_log_progress()
-
-    # -- step 5: wait and verify
-
-    def wait_for_uploads(self) -> None:
-        while True:
-            stats = self.uploader.stats
-            if stats.queued + stats.in_flight == 0 or stats.failures:
-                break
-            time.sleep(0.1)
-            self._maybe_log_progress(reason="waiting for uploads")
-        self.uploader.flush()
-
-    def verify_store(self) -> dict[str, int]:
+    def verify_store(self, uploaded_sizes: dict[str, int], dropped: dict[int, str]) -> dict[str, int]:
+        self.store.sync(self.base)  # before the manifest can be written: every object's name is durable
         listed = {info.key[len(self.base) :]: info.size for info in self.store.list(self.base)}
-        expected = sorted(sample_object_name(i) for i in self.by_index if i not in self.dropped)
+        expected = sorted(sample_object_name(i) for i in self.by_index if i not in dropped)
         missing = [name for name in expected if name not in listed]
         if missing:
             raise ExtractionIncomplete(
@@ -630,7 +368,7 @@ class _Run:
                 "finished objects are kept and only the gaps are redone"
             )
         for name in expected:
-            uploaded = self.uploaded_sizes.get(name)
+            uploaded = uploaded_sizes.get(name)
             if uploaded is not None and listed[name] != uploaded:
                 raise ExtractionIncomplete(
                     f"{self.store.uri(self.base + name)} has {listed[name]} bytes but {uploaded} were "
@@ -638,21 +376,355 @@ class _Run:
                 )
         return {name: listed[name] for name in expected}
 
-    # -- progress
 
-    def progress(self, reason: str | None = None) -> ExtractionProgress:
-        elapsed = max(time.monotonic() - self._extract_started, 1e-9)
+# ------------------------------------------------------------------ step 3: finished files in staging
+
+
+def _resubmit_staged(
+    staging: StagingDirectory,
+    partition: _StoredPartition,
+    uploader: Uploader,
+    uploads: _UploadRecord,
+    in_store: set[int],
+    log: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> set[int]:
+    """Upload the complete files an earlier run left behind; delete everything else in staging."""
+    resubmitted: set[int] = set()
+    removed: list[str] = []
+    for path in staging.sample_files():
+        index = parse_sample_object_name(path.name)
+        if index is None or index not in partition.by_index or index in in_store:
+            # Temp files of a killed writer, strays, or files uploaded just before a crash.
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+            continue
+        problem = staged_file_problem(
+            path,
+            partition.by_index[index],
+            partition.fingerprint,
+            partition.num_layers,
+            partition.hidden_size,
+        )
+        if problem is not None:
+            warn(f"staged {path.name} is unusable ({problem}); recomputing sample {index}")
+            path.unlink(missing_ok=True)
+            continue
+        uploader.submit(path, partition.base + path.name, on_uploaded=uploads)
+        resubmitted.add(index)
+    if removed:
+        log(f"staging: removed {len(removed)} leftover files that need no upload (e.g. {removed[0]})")
+    return resubmitted
+
+
+# ------------------------------------------------------------------------------ step 4: the gaps
+
+
+class _GapExtraction:
+    """Forward passes over the missing samples, one batch ahead of the writes.
+
+    Batch N+1's forward is queued before batch N's host copy is waited for, so on a GPU the copy and
+    the file writes of N overlap the forward of N+1; the host waits for the device once per batch.
+    """
+
+    def __init__(
+        self,
+        *,
+        capture: HiddenStateCapture,
+        partition: _StoredPartition,
+        staging: StagingDirectory,
+        uploader: Uploader,
+        uploads: _UploadRecord,
+        progress: _Progress,
+        warn: Callable[[str], None],
+        drop_non_finite: bool,
+    ) -> None:
+        self.capture = capture
+        self.partition = partition
+        self.progress = progress
+        self.warn = warn
+        self.drop_non_finite = drop_non_finite
+        self.transfer = HostTransfer(capture.device)
+        self.writes = _SampleWrites(
+            staging=staging, partition=partition, uploader=uploader, uploads=uploads, progress=progress
+        )
+        self.pad_id = _pad_token_id(capture.model)
+        self.dropped: dict[int, str] = {}
+        self.computed_tokens = 0
+
+    def run(self, missing: Sequence[TokenizedSample], batches: list[list[int]]) -> None:
+        self.progress.start(len(missing))
+        previous: tuple[list[TokenizedSample], PendingHostBatch] | None = None
+        try:
+            for batch in batches:
+                for part, captured in self._forward([missing[i] for i in batch]):
+                    pending = self.transfer.start(captured, [s.num_tokens for s in part])
+                    del captured  # the transfer holds it until the copy is done
+                    if previous is not None:
+                        self._store(previous[0], previous[1].wait())
+                    previous = (part, pending)
+                self.progress.maybe_report()
+            if previous is not None:
+                self._store(previous[0], previous[1].wait())
+            self.writes.drain(keep=0)
+        finally:
+            self.writes.close()
+
+    def _forward(self, batch: list[TokenizedSample]) -> Iterator[tuple[list[TokenizedSample], torch.Tensor]]:
+        """(samples, captured [B, T, K, H]) for the batch, or for its halves after an out-of-memory."""
+        input_ids, attention_mask = pad_batch([s.input_ids for s in batch], self.pad_id)
+        fault_point("extract_forward")  # crash tests: die here, mid-range, with earlier batches staged
+        try:
+            captured = self.capture(input_ids, attention_mask)
+        except torch.cuda.OutOfMemoryError:
+            if len(batch) == 1:
+                raise torch.cuda.OutOfMemoryError(
+                    f"sample {batch[0].sample_index} ({batch[0].num_tokens} tokens) does not fit on "
+                    f"{self.progress.device} even alone; lower the maximum sample length when tokenizing or "
+                    "use a larger device"
+                ) from None
+            torch.cuda.empty_cache()
+            self.warn(
+                f"out of memory on {self.progress.device} for {len(batch)} samples x {input_ids.shape[1]} "
+                "tokens; splitting the batch (lower max_tokens_per_batch to avoid the retry)"
+            )
+            half = len(batch) // 2
+            yield from self._forward(batch[:half])
+            yield from self._forward(batch[half:])
+            return
+        self.computed_tokens += input_ids.numel()
+        yield batch, captured
+
+    def _store(self, part: list[TokenizedSample], host: HostBatch) -> None:
+        ready: list[tuple[TokenizedSample, torch.Tensor]] = []
+        for row, sample in enumerate(part):
+            hidden: torch.Tensor | None = host.sample(row)
+            if host.suspect[row]:
+                hidden = self._settle_suspect(sample, host, row, alone=len(part) == 1)
+                if hidden is None:
+                    continue
+            ready.append((sample, hidden))
+        self.writes.submit(ready)
+        self.progress.extracted += len(ready)
+        self.progress.extracted_tokens += sum(sample.num_tokens for sample, _ in ready)
+
+    def _settle_suspect(
+        self, sample: TokenizedSample, host: HostBatch, row: int, alone: bool
+    ) -> torch.Tensor | None:
+        """A row the batch-wide check flagged: count exactly, retry alone, then fail or drop it."""
+        bad = host.non_finite_count(row)
+        if bad == 0:  # the cheap check over-reports only for values near float32's limit
+            return host.sample(row)
+        if not alone:
+            input_ids, attention_mask = pad_batch([sample.input_ids], 0)
+            captured = self.capture(input_ids, attention_mask)
+            self.computed_tokens += input_ids.numel()
+            single = self.transfer.start(captured, [sample.num_tokens]).wait()
+            bad = single.non_finite_count(0)
+            if bad == 0:
+                self.warn(f"sample {sample.sample_index} was non-finite in a batch but finite alone")
+                return single.sample(0)
+        reason = f"{bad} non-finite hidden-state values (NaN/inf) even when run alone"
+        if not self.drop_non_finite:
+            raise NonFiniteHiddenStates(
+                sample.sample_index,
+                f"sample {sample.sample_index} of {self.partition.where}: {reason}; nothing "
+                "was written for it. Check the target model's dtype and this sample's tokens.",
+            )
+        self.warn(f"dropping sample {sample.sample_index}: {reason}")
+        self.dropped[sample.sample_index] = reason
+        return None
+
+
+@dataclass
+class _PendingWrite:
+    future: Future
+    nbytes: list[int]  # reserved staging bytes per sample of the chunk
+
+
+class _SampleWrites:
+    """Sample files written in the background into staging, each handed to the uploader when complete.
+
+    Staging space is reserved before a write starts, so staged bytes never exceed the budget
+    (backpressure: the forward waits while the store is slower than the device). Samples go to the
+    writer threads in chunks, not one by one: on a small machine the hand-offs between threads cost
+    more CPU than writing a small file does."""
+
+    def __init__(
+        self,
+        *,
+        staging: StagingDirectory,
+        partition: _StoredPartition,
+        uploader: Uploader,
+        uploads: _UploadRecord,
+        progress: _Progress,
+    ) -> None:
+        self.staging = staging
+        self.partition = partition
+        self.uploader = uploader
+        self.uploads = uploads
+        self.progress = progress
+        self.target_layer_ids = list(partition.fingerprint["target_layer_ids"])
+        self.target_model = partition.fingerprint["target_model"]
+        self.threads = writer_threads()
+        self.pending: list[_PendingWrite] = []
+        self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="hs-writer")
+
+    def submit(self, items: Sequence[tuple[TokenizedSample, torch.Tensor]]) -> None:
+        """Write `(sample, hidden [T, K, H] bf16 on the host)` pairs, in chunks of up to `_CHUNK_BYTES`.
+
+        A chunk starts as soon as the next sample's space cannot be reserved: its own reservations may
+        be what fills the budget, and only its written, uploaded files can free it."""
+        chunk: list[tuple[TokenizedSample, torch.Tensor]] = []
+        reserved: list[int] = []
+        chunk_bytes = 0
+        try:
+            for sample, hidden in items:
+                nbytes = estimate_sample_nbytes(
+                    sample.num_tokens,
+                    self.partition.num_layers,
+                    self.partition.hidden_size,
+                    self.partition.metadata_nbytes,
+                )
+                if not self.uploader.try_reserve(nbytes):
+                    if chunk:
+                        self._start(chunk, reserved)
+                        chunk, reserved, chunk_bytes = [], [], 0
+                    self.progress.maybe_report(reason="staging full, waiting for uploads")
+                    self.uploader.reserve(nbytes)  # backpressure: wait for uploads to free space
+                chunk.append((sample, hidden))
+                reserved.append(nbytes)
+                chunk_bytes += hidden.numel() * hidden.element_size()
+                if chunk_bytes >= _CHUNK_BYTES:
+                    self._start(chunk, reserved)
+                    chunk, reserved, chunk_bytes = [], [], 0
+            if chunk:
+                self._start(chunk, reserved)
+        except BaseException:
+            self.uploader.release(sum(reserved))  # reserved for a chunk that never started
+            raise
+
+    def _start(self, chunk: list[tuple[TokenizedSample, torch.Tensor]], reserved: list[int]) -> None:
+        self.drain(keep=2 * self.threads - 1)
+        future = self.executor.submit(self._write_and_submit, list(chunk), list(reserved))
+        self.pending.append(_PendingWrite(future, list(reserved)))
+
+    def _write_and_submit(
+        self, chunk: list[tuple[TokenizedSample, torch.Tensor]], reserved: list[int]
+    ) -> None:
+        for position, ((sample, hidden), nbytes) in enumerate(zip(chunk, reserved, strict=True)):
+            name = sample_object_name(sample.sample_index)
+            path = self.staging.directory / name
+            try:
+                write_sample(
+                    path,
+                    sample_index=sample.sample_index,
+                    input_ids=sample.input_ids,
+                    loss_mask=sample.loss_mask,
+                    hidden_states=hidden,
+                    target_layer_ids=self.target_layer_ids,
+                    target_model=self.target_model,
+                    check_finite=False,  # the whole batch was checked on the device
+                    durable=self.staging.files_need_fsync,  # staging.py: the store holds the durable copy
+                )
+            except BaseException:
+                self.uploader.release(sum(reserved[position:]))  # this sample and those never started
+                raise
+            try:
+                self.uploader.submit(
+                    path, self.partition.base + name, reserved=nbytes, on_uploaded=self.uploads
+                )
+            except BaseException:
+                self.uploader.release(sum(reserved[position + 1 :]))  # submit gave back this one's
+                raise
+
+    def drain(self, keep: int) -> None:
+        """Wait until at most `keep` chunks are pending; re-raise the first failed one."""
+        while self.pending:
+            finished = [write for write in self.pending if write.future.done()]
+            for write in finished:
+                self.pending.remove(write)
+                write.future.result()
+            if len(self.pending) <= keep:
+                return
+            wait(
+                [write.future for write in self.pending],
+                timeout=max(self.progress.every_s, 0.05),
+                return_when=FIRST_COMPLETED,
+            )
+            self.progress.maybe_report()
+
+    def close(self) -> None:
+        # On an error, files already being written finish (they are complete and get uploaded next run);
+        # chunks not started yet are cancelled and give their reservations back.
+        for write in self.pending:
+            if write.future.cancel():
+                self.uploader.release(sum(write.nbytes))
+        self.executor.shutdown(wait=True)
+
+
+def _pad_token_id(model: torch.nn.Module) -> int:
+    # Pads are masked and sit after every real token, so any valid id works; prefer the model's own.
+    config = getattr(model, "config", None)
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        text = getattr(config, "text_config", None)
+        pad = getattr(text, "pad_token_id", None)
+    return pad if isinstance(pad, int) and pad >= 0 else 0
+
+
+def _wait_for_uploads(uploader: Uploader, progress: _Progress) -> None:
+    while not uploader.wait_idle(timeout_s=max(progress.every_s, 0.05)):
+        progress.maybe_report(reason="waiting for uploads")
+    uploader.flush()  # raises if an upload failed for good
+
+
+# ------------------------------------------------------------------------------------------ progress
+
+
+class _Progress:
+    """Counters of one run, reported as a log line and an `ExtractionProgress` every `every_s` seconds."""
+
+    def __init__(
+        self,
+        device: str,
+        samples_total: int,
+        uploader: Uploader,
+        uploads: _UploadRecord,
+        log: Callable[[str], None],
+        every_s: float,
+        on_progress: Callable[[ExtractionProgress], None] | None,
+    ) -> None:
+        self.device = device
+        self.samples_total = samples_total
+        self.uploader = uploader
+        self.uploads = uploads
+        self.log = log
+        self.every_s = every_s
+        self.on_progress = on_progress
+        self.extracted = 0
+        self.extracted_tokens = 0
+        self.total_to_extract = 0
+        self.already_done = 0
+        self._started = time.monotonic()
+        self._last = time.monotonic()
+
+    def start(self, to_extract: int) -> None:
+        self.total_to_extract = to_extract
+        self.already_done = self.samples_total - to_extract
+        self._started = time.monotonic()
+
+    def snapshot(self, reason: str | None = None) -> ExtractionProgress:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
         rate = self.extracted / elapsed
         remaining = self.total_to_extract - self.extracted
         stats = self.uploader.stats
-        with self._uploaded_lock:
-            uploaded = len(self.uploaded_sizes)
         return ExtractionProgress(
             device=self.device,
-            samples_total=len(self.by_index),
+            samples_total=self.samples_total,
             samples_done=self.already_done + self.extracted,
             extracted_this_run=self.extracted,
-            uploaded_this_run=uploaded,
+            uploaded_this_run=self.uploads.count(),
             samples_per_s=rate,
             tokens_per_s=self.extracted_tokens / elapsed,
             eta_s=remaining / rate if rate > 0 else (0.0 if remaining == 0 else None),
@@ -663,10 +735,10 @@ class _Run:
             reason=reason,
         )
 
-    def report_progress(self, reason: str | None = None) -> None:
+    def report(self, reason: str | None = None) -> None:
         """One progress line (and `on_progress` snapshot) now, whatever the interval."""
-        self._last_progress = time.monotonic()
-        progress = self.progress(reason)
+        self._last = time.monotonic()
+        progress = self.snapshot(reason)
         eta = f"{progress.eta_s:,.0f} s" if progress.eta_s is not None else "unknown"
         self.log(
             f"{self.device}: {progress.samples_done}/{progress.samples_total} samples extracted "
@@ -679,16 +751,6 @@ class _Run:
         if self.on_progress is not None:
             self.on_progress(progress)
 
-    def _maybe_log_progress(self, reason: str | None = None) -> None:
-        if time.monotonic() - self._last_progress >= self.progress_every_s:
-            self.report_progress(reason)
-
-
-def _pad_token_id(model: torch.nn.Module) -> int:
-    # Pads are masked and sit after every real token, so any valid id works; prefer the model's own.
-    config = getattr(model, "config", None)
-    pad = getattr(config, "pad_token_id", None)
-    if pad is None:
-        text = getattr(config, "text_config", None)
-        pad = getattr(text, "pad_token_id", None)
-    return pad if isinstance(pad, int) and pad >= 0 else 0
+    def maybe_report(self, reason: str | None = None) -> None:
+        if time.monotonic() - self._last >= self.every_s:
+            self.report(reason)

@@ -16,8 +16,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors_bytes
@@ -105,19 +106,26 @@ def write_sample(
     target_layer_ids: Sequence[int],
     target_model: str,
     extra_metadata: Mapping[str, str] | None = None,
+    check_finite: bool = True,
+    durable: bool = True,
 ) -> int:
-    """Write one sample atomically (temp name in the same directory, fsync, rename); returns its size.
+    """Write one sample atomically (temp name in the same directory, then rename); returns its size.
 
     A reader never sees a half-written file under the final name, so "the file exists" means "done".
+    `check_finite=False` is for callers that already checked the values where they were computed
+    (extraction checks a whole batch on the device). `durable=False` skips the fsyncs: the file then
+    survives a killed process (the page cache keeps it) but not a power loss, which suits a staging
+    copy whose durable home is the store (see `staging.py` for how such files are distrusted after a
+    reboot).
     """
     path = Path(path)
-    ids = torch.as_tensor(input_ids).to(torch.int32).reshape(-1).contiguous()
-    mask = torch.as_tensor(loss_mask).reshape(-1)
     if hidden_states.ndim != 3:
         raise ValueError(
             f"sample {sample_index}: hidden_states must be [T, K, H], got shape {tuple(hidden_states.shape)}"
         )
     num_tokens, num_layers, hidden_size = hidden_states.shape
+    ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64).reshape(-1), dtype="<i4")
+    mask = np.asarray(loss_mask).reshape(-1)
     if ids.shape[0] != num_tokens or mask.shape[0] != num_tokens:
         raise ValueError(
             f"sample {sample_index}: {ids.shape[0]} input ids and {mask.shape[0]} loss-mask entries "
@@ -128,7 +136,7 @@ def write_sample(
             f"sample {sample_index}: hidden states hold {num_layers} layers but target_layer_ids "
             f"names {len(target_layer_ids)}: {list(target_layer_ids)}"
         )
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+    if mask.size and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError(f"sample {sample_index}: loss mask must hold only 0 and 1")
     extra = dict(extra_metadata or {})
     clash = RESERVED_METADATA_KEYS & extra.keys()
@@ -137,8 +145,10 @@ def write_sample(
     if not all(isinstance(key, str) and isinstance(value, str) for key, value in extra.items()):
         raise TypeError("extra_metadata must map str to str (safetensors metadata is text)")
 
+    # No-ops (no copy) for what extraction passes: a contiguous bf16 view of a host batch buffer.
     states = hidden_states.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
-    _check_finite(sample_index, states, target_layer_ids)
+    if check_finite:
+        _check_finite(sample_index, states, target_layer_ids)
 
     metadata = {
         **extra,
@@ -151,29 +161,40 @@ def write_sample(
     }
     # Widest alignment first, so every tensor starts aligned to its element size.
     tensors = [
-        ("input_ids", ids, "I32"),
-        ("hidden_states", states, "BF16"),
-        ("loss_mask", mask.to(torch.uint8).contiguous(), "U8"),
+        ("input_ids", "I32", [num_tokens], memoryview(ids).cast("B")),
+        ("hidden_states", "BF16", list(states.shape), _bytes_of(states)),
+        ("loss_mask", "U8", [num_tokens], memoryview(np.ascontiguousarray(mask, dtype=np.uint8)).cast("B")),
     ]
 
     temp = path.with_name(f".{path.name}{_TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with temp.open("wb") as handle:
-            _write_safetensors(handle, tensors, metadata)
-            handle.flush()
-            os.fsync(handle.fileno())
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            size = _write_all(fd, _safetensors_buffers(tensors, metadata))
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
-    return path.stat().st_size
+    if durable:
+        _fsync_directory(path.parent)
+    return size
 
 
-def _write_safetensors(
-    handle: BinaryIO, tensors: list[tuple[str, torch.Tensor, str]], metadata: dict
-) -> None:
-    """The safetensors layout, written directly so the bytes are deterministic.
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying them (pinned memory included)."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _safetensors_buffers(
+    tensors: list[tuple[str, str, list[int], memoryview]], metadata: dict
+) -> list[bytes | memoryview]:
+    """The safetensors layout as a list of buffers, so the bytes are deterministic and never copied.
 
     `safetensors.torch.save_file` orders metadata keys at random (a Rust HashMap), so the same sample
     would give different bytes on every run; a sorted header makes objects reproducible and comparable.
@@ -184,21 +205,38 @@ def _write_safetensors(
         )
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    for name, tensor, dtype in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
+    for name, dtype, shape, data in tensors:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
     encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
-    handle.write(struct.pack("<Q", len(encoded)))
-    handle.write(encoded)
-    for _, tensor, _ in tensors:
-        if tensor.numel():
-            handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return [struct.pack("<Q", len(encoded)), encoded, *(data for _, _, _, data in tensors if data.nbytes)]
+
+
+# Linux caps one writev at IOV_MAX buffers and just under 2 GiB; larger samples take several calls.
+_MAX_WRITE_BYTES = 1 << 30
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview]) -> int:
+    """Write every buffer in order with as few system calls as the kernel allows; returns the bytes."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = sum(v.nbytes for v in views)
+    while views:
+        chunk, room = [], _MAX_WRITE_BYTES
+        for view in views[:512]:
+            if room <= 0:
+                break
+            chunk.append(view[:room])
+            room -= min(view.nbytes, room)
+        written = os.writev(fd, chunk)
+        while written and views:  # drop what was written, keep the rest (writev may stop short)
+            if written >= views[0].nbytes:
+                written -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][written:]
+                written = 0
+    return total
 
 
 def _fsync_directory(directory: Path) -> None:

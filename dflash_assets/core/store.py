@@ -7,12 +7,14 @@ Every write is atomic: an object is either absent or complete, never half-writte
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -138,6 +140,28 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
+# Set around `put_file` by a caller that deletes the file as soon as the store has it and never rewrites
+# it in place (the uploader's staged files): a local store may then link the file into place instead of
+# copying its bytes. Anyone else gets a copy, so a source file changed later cannot change the object.
+_SOURCE_WILL_BE_DELETED: ContextVar[bool] = ContextVar("dflash_source_will_be_deleted", default=False)
+
+
+@contextlib.contextmanager
+def source_will_be_deleted() -> Iterator[None]:
+    """Within the block, `put_file`'s source is the caller's to delete and is never modified in place."""
+    token = _SOURCE_WILL_BE_DELETED.set(True)
+    try:
+        yield
+    finally:
+        _SOURCE_WILL_BE_DELETED.reset(token)
+
+
+# Why a hard link cannot be made (another filesystem, no link support): then the bytes are copied.
+_NO_LINK_ERRNOS = frozenset(
+    {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EACCES}
+)
+
+
 def atomic_write(path: Path, write: Any) -> int:
     """Write through `write(file)` into a temp file beside `path`, fsync, then rename over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +189,11 @@ class ObjectStore(ABC):
     def description(self) -> str:
         """Where the store lives, for messages: the URL plus the endpoint for S3."""
         return self.url
+
+    @property
+    def max_parallel_puts(self) -> int | None:
+        """How many `put_file` calls at once can still help (None: as many as the caller allows)."""
+        return None
 
     @abstractmethod
     def uri(self, key: str) -> str:
@@ -200,6 +229,12 @@ class ObjectStore(ABC):
     def delete(self, key: str) -> None:
         """Delete `key`; deleting a missing key is not an error."""
 
+    def sync(self, prefix: str) -> None:
+        """Make the names of objects written under `prefix` (a "directory", ending in "/") durable.
+
+        A no-op for S3, where a confirmed object is durable; a local store fsyncs the directory."""
+        return None
+
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under a non-empty prefix; return how many were deleted."""
         check_prefix(prefix)
@@ -223,10 +258,18 @@ class LocalStore(ObjectStore):
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser().resolve()
         self.url = str(self.root)
+        # Directories links have gone into; saves a mkdir per object. Sets are safe across threads here
+        # (single add/discard/contains calls under the GIL).
+        self._known_directories: set[Path] = set()
 
     @property
     def description(self) -> str:
         return f"local directory {self.root}"
+
+    @property
+    def max_parallel_puts(self) -> int:
+        # A put is a link (or a copy) plus an fsync: bound by this machine's disk, not by latency.
+        return max(2, min(8, os.cpu_count() or 2))
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
@@ -249,9 +292,50 @@ class LocalStore(ObjectStore):
 
     def put_file(self, key: str, path: Path) -> ObjectInfo:
         target = self._path(key)
+        if _SOURCE_WILL_BE_DELETED.get():
+            linked = self._link_into_place(target, Path(path))
+            if linked is not None:
+                return ObjectInfo(key, linked)
         with open(path, "rb") as source:
             size = atomic_write(target, lambda f: shutil.copyfileobj(source, f, _COPY_CHUNK_BYTES))
         return ObjectInfo(key, size)
+
+    def _link_into_place(self, target: Path, source: Path) -> int | None:
+        """`atomic_write`'s guarantees without copying: the source's bytes are fsynced (the store's copy is
+        the durable one), a second name is linked beside the target and renamed over it. None when this
+        filesystem pair cannot link; the caller then copies."""
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if target.parent not in self._known_directories:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._known_directories.add(target.parent)
+        try:
+            # A new name for a complete inode appears atomically: no temporary name is needed...
+            os.link(source, target)
+        except FileExistsError:
+            # ...unless an older object is there, which a rename replaces in one step.
+            partial = _partial_path(target)
+            try:
+                os.link(source, partial)
+                os.replace(partial, target)
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
+        except FileNotFoundError:
+            self._known_directories.discard(target.parent)  # deleted meanwhile (delete_prefix prunes)
+            raise TransientStoreError(f"{target.parent} disappeared while linking {source} into it") from None
+        except OSError as err:
+            if err.errno in _NO_LINK_ERRNOS:
+                return None
+            raise
+        # The directory is not fsynced per object: the bytes are already durable, so a rename lost to a
+        # power cut leaves the object absent (recomputed), never torn; `sync` makes the names durable
+        # once per range, before its manifest is written.
+        return size
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         size = atomic_write(self._path(key), lambda f: f.write(data))
@@ -313,6 +397,12 @@ class LocalStore(ObjectStore):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def sync(self, prefix: str) -> None:
+        check_prefix(prefix)
+        directory = self.root.joinpath(*prefix.strip("/").split("/")) if prefix.strip("/") else self.root
+        if directory.is_dir():
+            _fsync_dir(directory)
 
     def _delete_listed(self, prefix: str) -> int:
         deleted = 0

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_assets.core.store import ObjectInfo, ObjectStore, StoreError
+from dflash_assets.core.store import ObjectInfo, ObjectStore, StoreError, source_will_be_deleted
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,10 @@ class Uploader:
             raise ValueError("max_in_flight, max_attempts and staging_budget_bytes must be >= 1")
         self.store = store
         self.max_in_flight = max_in_flight
+        # A remote store needs many requests in flight to hide its latency; a local one is bound by the
+        # machine, where more threads than it can use only contend for the CPU and the GIL.
+        hint = store.max_parallel_puts
+        self.max_workers = max_in_flight if hint is None else max(1, min(max_in_flight, hint))
         self.staging_budget_bytes = staging_budget_bytes
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
@@ -81,7 +85,11 @@ class Uploader:
         self.max_queued = max_queued if max_queued is not None else 4 * max_in_flight
         self._random = random.Random(seed)
 
-        self._cond = threading.Condition()
+        # One lock, two wait queues: workers wait for jobs; producers, flush() and wait_idle() wait for
+        # room or completion. A new job wakes one worker, not every thread.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._jobs_ready = threading.Condition(self._lock)
         self._queue: deque[_Job] = deque()
         self._workers: list[threading.Thread] = []
         self._idle_workers = 0
@@ -114,6 +122,17 @@ class Uploader:
                     break
                 self._cond.wait()
             self._add_staged(nbytes)
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """`reserve` without waiting: count `nbytes` as staged and return True if they fit now."""
+        if nbytes < 0:
+            raise ValueError(f"cannot reserve a negative number of bytes ({nbytes})")
+        with self._cond:
+            self._raise_if_unusable()
+            if self._staging_bytes and self._staging_bytes + nbytes > self.staging_budget_bytes:
+                return False
+            self._add_staged(nbytes)
+            return True
 
     def release(self, nbytes: int) -> None:
         """Give back a reservation whose file was never written (or was removed by the caller)."""
@@ -170,10 +189,10 @@ class Uploader:
                 raise
             self._queue.append(job)
             self._start_worker_if_needed()
-            self._cond.notify_all()
+            self._jobs_ready.notify()
 
     def _start_worker_if_needed(self) -> None:
-        if self._idle_workers < len(self._queue) and len(self._workers) < self.max_in_flight:
+        if self._idle_workers < len(self._queue) and len(self._workers) < self.max_workers:
             worker = threading.Thread(target=self._work, name=f"uploader-{len(self._workers)}", daemon=True)
             self._workers.append(worker)
             worker.start()
@@ -191,6 +210,14 @@ class Uploader:
         )
 
     # -- waiting
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until nothing is queued or uploading (or an upload failed for good), at most `timeout_s`;
+        True if that is so. Unlike `flush`, raises nothing: the caller decides when to look at failures."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not (self._queue or self._in_flight) or self._first_failure is not None, timeout_s
+            )
 
     def flush(self) -> None:
         """Wait until everything submitted is uploaded or failed; raise UploadError if any failed."""
@@ -210,6 +237,7 @@ class Uploader:
                 while self._queue:
                     self._add_staged(-self._queue.popleft().staged)
             self._cond.notify_all()
+            self._jobs_ready.notify_all()
             workers = list(self._workers)
         for worker in workers:
             worker.join()
@@ -248,7 +276,7 @@ class Uploader:
             with self._cond:
                 self._idle_workers += 1
                 while not self._queue and not self._closed:
-                    self._cond.wait()
+                    self._jobs_ready.wait()
                 self._idle_workers -= 1
                 if not self._queue:  # closed and drained
                     return
@@ -305,7 +333,13 @@ class Uploader:
 
     def _put_confirmed(self, job: _Job) -> ObjectInfo:
         size = job.path.stat().st_size
-        self.store.put_file(job.key, job.path)
+        if job.delete_after:
+            # This uploader deletes the file once confirmed and nobody rewrites it: a local store may link
+            # it into place instead of copying the bytes.
+            with source_will_be_deleted():
+                self.store.put_file(job.key, job.path)
+        else:
+            self.store.put_file(job.key, job.path)
         confirmed = self.store.head(job.key)
         if confirmed is None or confirmed.size != size:
             found = "no object" if confirmed is None else f"{confirmed.size} bytes"

@@ -1,0 +1,476 @@
+"""`dflash-assets bench --gpu`: capture and extraction at real target shapes on one GPU, in one command.
+
+Random-weight targets of real shapes are built directly in device memory, so nothing is downloaded:
+an 8B dense Qwen3 and a Qwen3.6-27B-shaped hybrid (gated-delta-net + full attention) cut to 8 of its
+64 layers. For each, on the same synthetic samples and in interleaved rounds (median reported):
+capture ÷ the anchors' way (full forward with `output_hidden_states=True`, batches of 8 in dataset
+order), extraction with writes ÷ the forward alone (hooks + early stop, nothing copied to the host),
+model FLOPs utilisation of each and peak device memory above the weights. `--tiny` runs the same code
+on tiny shapes on whatever device there is (the CPU included): what tests and GPU-less machines run.
+
+The drafter training step has its own section at the end of this file.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_assets.bench import ANCHOR_BATCH_SIZE
+from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
+from dflash_assets.core.capture import HiddenStateCapture, dflash_target_layer_ids
+from dflash_assets.core.host_transfer import HostTransfer
+from dflash_assets.core.kernels import kernel_paths
+from dflash_assets.core.samples import TokenizedSample
+from dflash_assets.core.store import LocalStore
+from dflash_assets.core.uploader import Uploader
+
+# Dense bf16 peak of one device (tensor cores, no sparsity), from the vendors' data sheets.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
+PEAK_SETTING = "DFLASH_PEAK_TFLOPS"
+EXTRACTION_TOKEN_BUDGET = 16384  # the product's default DFLASH_MAX_TOKENS_PER_BATCH
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """A target architecture to build with random weights: transformers config fields + layers to capture."""
+
+    name: str
+    model_type: str  # "qwen3" (dense) or "qwen3_5_text" (hybrid)
+    config: dict[str, Any]
+    max_length: int  # samples are 256..max_length tokens (tiny: 8..max_length)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return dflash_target_layer_ids(self.config["num_hidden_layers"], 5)
+
+
+def _hybrid_layer_types(num_layers: int) -> list[str]:
+    # Qwen3.5/3.6: three gated-delta-net layers, then one full-attention layer, repeated.
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+
+
+REAL_SHAPES = [
+    TargetShape(
+        "Qwen3-8B shape (dense, 36 layers)",
+        "qwen3",
+        dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+        ),
+        max_length=3072,
+    ),
+    TargetShape(
+        "Qwen3.6-27B shape (hybrid, 8 of its 64 layers)",
+        "qwen3_5_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=8,
+            layer_types=_hybrid_layer_types(8),
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=262144,
+            tie_word_embeddings=False,
+        ),
+        max_length=3072,
+    ),
+]
+
+TINY_SHAPES = [
+    TargetShape(
+        "tiny dense (qwen3)",
+        "qwen3",
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+        ),
+        max_length=96,
+    ),
+    TargetShape(
+        "tiny hybrid (qwen3_5_text)",
+        "qwen3_5_text",
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=8,
+            layer_types=_hybrid_layer_types(8),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+        ),
+        max_length=96,
+    ),
+]
+
+
+def build_random_target(shape: TargetShape, device: torch.device) -> nn.Module:
+    """The target with random weights, created directly on `device` (bf16 on CUDA, float32 on CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(shape.model_type, **shape.config)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def synthetic_samples(shape: TargetShape, total_tokens: int, seed: int = 0) -> list[TokenizedSample]:
+    """Random token ids, lengths spread evenly up to the shape's maximum (a chat set's spread)."""
+    generator = torch.Generator().manual_seed(seed)
+    shortest = 256 if shape.max_length > 512 else 8
+    vocab = shape.config["vocab_size"]
+    samples: list[TokenizedSample] = []
+    tokens = 0
+    while tokens < total_tokens:
+        length = int(torch.randint(shortest, shape.max_length + 1, (1,), generator=generator))
+        ids = torch.randint(1, vocab, (length,), generator=generator).tolist()
+        samples.append(TokenizedSample(len(samples), ids, [1] * length))
+        tokens += length
+    return samples
+
+
+# ------------------------------------------------------------------------------------- FLOP counting
+
+
+def _linear_weights(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def forward_flops(
+    model: nn.Module, lengths: Sequence[int], through_layer: int | None, lm_head: bool
+) -> float:
+    """Model FLOPs of a forward over sequences of `lengths` (real tokens only, padding excluded).
+
+    2 per weight per token for every linear layer run; causal attention scores and values
+    (2 * 2 * heads * head_dim per query-key pair, L(L+1)/2 pairs); gated-delta-net state reads and updates
+    counted as 4 * value heads * key dim * value dim per token (the chunked kernel's extra work is not
+    model work). `through_layer`: the forward stops after that decoder layer (None: all of them)."""
+    from dflash_assets.core.capture import find_decoder
+
+    _, layers = find_decoder(model)
+    run = layers if through_layer is None else layers[: through_layer + 1]
+    config = model.config
+    tokens = sum(lengths)
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    flops = 0.0
+    for layer in run:
+        flops += 2.0 * tokens * _linear_weights(layer)
+        if hasattr(layer, "self_attn"):
+            flops += 4.0 * pairs * config.num_attention_heads * config.head_dim
+        else:  # gated-delta-net
+            flops += (
+                4.0
+                * tokens
+                * config.linear_num_value_heads
+                * config.linear_key_head_dim
+                * config.linear_value_head_dim
+            )
+    if lm_head:
+        flops += 2.0 * tokens * model.get_output_embeddings().weight.numel()
+    return flops
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak: `DFLASH_PEAK_TFLOPS`, else known data-sheet values, else None."""
+    if os.environ.get(PEAK_SETTING):
+        return float(os.environ[PEAK_SETTING]) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+# ---------------------------------------------------------------------------------------- variants
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_anchors_way(model: nn.Module, samples: Sequence[TokenizedSample], layer_ids: list[int]) -> None:
+    """The public pipelines' capture: full forward, LM head included, `output_hidden_states=True`,
+    fixed batches in dataset order, each sample's layers stacked and copied to the host."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for start in range(0, len(samples), ANCHOR_BATCH_SIZE):
+            batch = samples[start : start + ANCHOR_BATCH_SIZE]
+            input_ids, mask = pad_batch([s.input_ids for s in batch], 0)
+            out = model(input_ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+            stacked = torch.stack([out.hidden_states[i + 1] for i in layer_ids], dim=2)
+            for row, sample in enumerate(batch):
+                stacked[row, : sample.num_tokens].to(torch.bfloat16).cpu()
+            del out, stacked
+
+
+def run_capture(
+    model: nn.Module, samples: Sequence[TokenizedSample], layer_ids: list[int], to_host: bool, budget: int
+) -> float:
+    """Ours, as extraction captures: length-bucketed batches, early stop; with `to_host` every batch
+    also goes to the host through `HostTransfer`. Returns the padding fraction."""
+    capture = HiddenStateCapture(model, layer_ids)
+    transfer = HostTransfer(capture.device)
+    lengths = [s.num_tokens for s in samples]
+    batches = plan_batches(lengths, budget)
+    pending = None
+    for batch in batches:
+        input_ids, mask = pad_batch([samples[i].input_ids for i in batch], 0)
+        captured = capture(input_ids, mask)
+        if to_host:
+            started = transfer.start(captured, [lengths[i] for i in batch])
+            if pending is not None:
+                pending.wait()
+            pending = started
+        del captured
+    if pending is not None:
+        pending.wait()
+    _synchronize(capture.device)
+    return padding_fraction(batches, lengths)
+
+
+def run_extraction(
+    model: nn.Module, samples: Sequence[TokenizedSample], layer_ids: list[int], directory: Path, budget: int
+) -> None:
+    """`extract_range` into a local store on this machine's disk, staging beside it."""
+    from dflash_assets.core.extract import extract_range
+
+    store = LocalStore(directory / "store")
+    with Uploader(store, staging_budget_bytes=8 * 2**30) as uploader:
+        result = extract_range(
+            model=model,
+            target_model_name="bench-random-weights",
+            samples=samples,
+            target_layer_ids=layer_ids,
+            store=store,
+            prefix="hidden-states/bench",
+            staging_dir=directory / "staging",
+            uploader=uploader,
+            device=str(next(model.parameters()).device),
+            max_tokens_per_batch=budget,
+            log=lambda message: None,
+            progress_every_s=3600,
+        )
+    if result.samples != len(samples):  # a benchmark of an extraction that lost samples means nothing
+        raise RuntimeError(f"extraction stored {result.samples} of {len(samples)} samples")
+
+
+# ------------------------------------------------------------------------------------------ a target
+
+
+@dataclass
+class TargetFigures:
+    shape: str
+    kernels: str
+    tokens: int
+    samples: int
+    tokens_per_s: dict[str, float] = field(default_factory=dict)  # variant -> median tokens/s
+    mfu: dict[str, float | None] = field(default_factory=dict)
+    peak_memory_bytes: dict[str, int | None] = field(default_factory=dict)  # above the weights
+    padding: dict[str, float] = field(default_factory=dict)
+
+    def ratio(self, numerator: str, denominator: str) -> float:
+        return self.tokens_per_s[numerator] / self.tokens_per_s[denominator]
+
+
+VARIANTS = ("anchors", "forward", "capture", "extraction")
+VARIANT_NAMES = {
+    "anchors": "anchors' way (full forward + output_hidden_states)",
+    "forward": "forward alone (hooks + early stop, nothing to host)",
+    "capture": "capture (forward + bf16 to host)",
+    "extraction": "extraction with writes (extract_range, local store)",
+}
+
+
+def bench_target(
+    shape: TargetShape, device: torch.device, total_tokens: int, rounds: int, budget: int
+) -> TargetFigures:
+    model = build_random_target(shape, device)
+    layer_ids = shape.layer_ids
+    samples = synthetic_samples(shape, total_tokens)
+    lengths = [s.num_tokens for s in samples]
+    figures = TargetFigures(
+        shape.name, kernel_paths(model).describe(), tokens=sum(lengths), samples=len(samples)
+    )
+    last = layer_ids[-1]
+    flops = {
+        "anchors": forward_flops(model, lengths, None, lm_head=True),
+        **{
+            v: forward_flops(model, lengths, last, lm_head=False)
+            for v in ("forward", "capture", "extraction")
+        },
+    }
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-gpu-") as tmp:
+        runs: dict[str, Callable[[int], None]] = {
+            "anchors": lambda r: run_anchors_way(model, samples, layer_ids),
+            "forward": lambda r: run_capture(model, samples, layer_ids, False, budget),
+            "capture": lambda r: run_capture(model, samples, layer_ids, True, budget),
+            "extraction": lambda r: run_extraction(
+                model, samples, layer_ids, Path(tmp) / f"round-{r}", budget
+            ),
+        }
+        warm = samples[: max(2, len(samples) // 16)]
+        run_anchors_way(model, warm, layer_ids)
+        run_capture(model, warm, layer_ids, True, budget)
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for round_index in range(rounds):
+            order = VARIANTS if round_index % 2 == 0 else tuple(reversed(VARIANTS))
+            for variant in order:
+                if device.type == "cuda":
+                    _synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                start = time.perf_counter()
+                runs[variant](round_index)
+                _synchronize(device)
+                times[variant].append(time.perf_counter() - start)
+                if weights is not None:
+                    peak = torch.cuda.max_memory_allocated(device) - weights
+                    figures.peak_memory_bytes[variant] = max(
+                        figures.peak_memory_bytes.get(variant) or 0, peak
+                    )
+                else:
+                    figures.peak_memory_bytes[variant] = None
+    anchor_batches = [
+        list(range(i, min(i + ANCHOR_BATCH_SIZE, len(lengths))))
+        for i in range(0, len(lengths), ANCHOR_BATCH_SIZE)
+    ]
+    figures.padding = {
+        "ours": padding_fraction(plan_batches(lengths, budget), lengths),
+        "anchors": padding_fraction(anchor_batches, lengths),
+    }
+    peak = peak_flops(device)
+    for variant in VARIANTS:
+        seconds = statistics.median(times[variant])
+        figures.tokens_per_s[variant] = figures.tokens / seconds
+        figures.mfu[variant] = flops[variant] / seconds / peak if peak else None
+    return figures
+
+
+def _format_bytes(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def print_target(figures: TargetFigures, rounds: int, print_fn: Callable[[str], None] = print) -> None:
+    print_fn(f"\n{figures.shape}: {figures.samples} samples, {figures.tokens:,} tokens, {rounds} rounds")
+    print_fn(f"  {figures.kernels}")
+    print_fn(f"  {'variant':52s} {'tokens/s':>10s} {'MFU':>7s} {'peak mem':>10s}")
+    for variant in VARIANTS:
+        mfu = figures.mfu[variant]
+        mfu_text = "n/a" if mfu is None else f"{mfu:.1%}"
+        memory = _format_bytes(figures.peak_memory_bytes[variant])
+        rate = figures.tokens_per_s[variant]
+        print_fn(f"  {VARIANT_NAMES[variant]:52s} {rate:10,.0f} {mfu_text:>7s} {memory:>10s}")
+    print_fn(
+        f"  capture, ours / anchors' way:              {figures.ratio('capture', 'anchors'):.2f}  (>= 1)"
+    )
+    print_fn(
+        f"  extraction with writes / forward alone:    {figures.ratio('extraction', 'forward'):.2f}  "
+        "(target >= 0.9 on an H200)"
+    )
+    print_fn(f"  extraction with writes / capture alone:    {figures.ratio('extraction', 'capture'):.2f}")
+    print_fn(
+        f"  padding, ours / anchors' way:              {figures.padding['ours']:.3f} / "
+        f"{figures.padding['anchors']:.3f}"
+    )
+
+
+def run_gpu_bench(
+    tiny: bool = False,
+    tokens: int | None = None,
+    rounds: int | None = None,
+    device: str | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> list[TargetFigures]:
+    """Every target shape, one after the other, each in its own interleaved rounds."""
+    target_device = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    if not tiny and target_device.type != "cuda":
+        raise SystemExit(
+            "bench --gpu needs a CUDA device for the real shapes (an 8B target in bf16); "
+            "use --gpu --tiny for the same benchmark at tiny shapes on this machine"
+        )
+    if target_device.type == "cpu":
+        # Tiny matmuls gain nothing from a second thread; the writers and uploaders get the other cores.
+        torch.set_num_threads(1)
+    shapes = TINY_SHAPES if tiny else REAL_SHAPES
+    tokens = tokens or (2_000 if tiny else 96_000)
+    rounds = rounds or (2 if tiny else 3)
+    budget = 1024 if tiny else EXTRACTION_TOKEN_BUDGET
+    name = torch.cuda.get_device_name(target_device) if target_device.type == "cuda" else "CPU"
+    peak = peak_flops(target_device)
+    print_fn(
+        f"bench --gpu{' --tiny' if tiny else ''}: random-weight targets on {target_device} ({name}), "
+        f"peak {'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16'} "
+        f"(set {PEAK_SETTING} to override); ~{tokens:,} tokens per variant, token budget {budget:,}"
+    )
+    results = []
+    for shape in shapes:
+        figures = bench_target(shape, target_device, tokens, rounds, budget)
+        print_target(figures, rounds, print_fn)
+        results.append(figures)
+        if target_device.type == "cuda":
+            torch.cuda.empty_cache()  # the next target's weights need the room
+    for line in drafter_step_figures(tiny, target_device):
+        print_fn(line)
+    return results
+
+
+# ------------------------------------------------------------------------- drafter training step
+# The drafter's attention is being rewritten (flex attention on CUDA vs today's materialised masks),
+# and its figures belong here: step tokens/s and peak memory for flex vs materialised attention at
+# 1 x 3072 and 2 x 3072 tokens with 512 anchors, and MFU. The benchmark reaches the drafter's loss only
+# through `drafter_step_loss`, so a change of the loss's signature is one edit.
+
+
+def drafter_step_loss(model: Any, batch: Any, anchors: Any, gamma: float) -> Any:
+    """The one call into the drafter's loss (`dflash_loss(model, batch, anchors, gamma)`)."""
+    from dflash_assets.core.drafter import dflash_loss
+
+    return dflash_loss(model, batch, anchors, gamma)
+
+
+def drafter_step_figures(tiny: bool, device: torch.device) -> list[str]:
+    """Lines for the drafter step section. Not measured by this version: said so, not faked."""
+    return [
+        "\ndrafter training step: not measured in this version; the drafter attention rewrite adds flex vs "
+        "materialised attention here (tokens/s, peak memory, MFU) through bench_gpu.drafter_step_loss"
+    ]

@@ -1,0 +1,51 @@
+"""`dflash-assets bench --gpu --tiny`: the GPU benchmark's code, at tiny shapes, on this machine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash_assets import cli
+from dflash_assets.bench_gpu import TINY_SHAPES, VARIANTS, build_random_target, forward_flops
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_ratios(capsys, monkeypatch):
+    monkeypatch.setenv("DFLASH_PEAK_TFLOPS", "1")  # a made-up peak, so the MFU column is exercised
+    assert cli.main(["bench", "--gpu", "--tiny", "--tokens", "150", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for shape in TINY_SHAPES:
+        assert shape.name in out
+    assert out.count("extraction with writes / forward alone:") == 2
+    assert out.count("capture, ours / anchors' way:") == 2
+    assert "gated-delta-net layers" in out  # the hybrid's kernel path
+    assert "drafter training step" in out
+    table_rows = [line for line in out.splitlines() if "tokens/s" not in line and "%" in line]
+    assert len(table_rows) == 2 * len(VARIANTS)  # every variant of both targets has an MFU
+
+
+def test_model_flops_grow_with_depth_and_the_lm_head_adds_two_flops_per_weight_per_token():
+    model = build_random_target(TINY_SHAPES[1], torch.device("cpu"))
+    lengths = [10, 30]
+    early = forward_flops(model, lengths, 1, lm_head=False)
+    full = forward_flops(model, lengths, None, lm_head=False)
+    with_head = forward_flops(model, lengths, None, lm_head=True)
+    assert 0 < early < full
+    head = model.get_output_embeddings().weight.numel()
+    assert math.isclose(with_head - full, 2 * sum(lengths) * head)
+
+
+def test_the_real_shapes_need_a_gpu_and_say_how_to_run_here():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit, match="--gpu --tiny"):
+        cli.main(["bench", "--gpu"])
