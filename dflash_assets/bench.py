@@ -299,10 +299,11 @@ def bench_training(count: int, steps: int, rounds: int) -> dict[str, float]:
         max_steps=steps,
         checkpoint_every_steps=None,
         checkpoint_every_minutes=None,
-        eval_samples=4,
+        eval_samples=0,  # throughput only: no held-out evaluation inside the timed run
+        spec_eval_prompts=0,
         log_every_steps=steps,
         num_anchors=64,
-        max_tokens_per_batch=8192,
+        global_batch_size=8,
         device=str(next(model.parameters()).device),
     )
     print(f"training: {len(samples)} samples, {steps} steps per measurement, {rounds} interleaved rounds")

@@ -166,11 +166,11 @@ def drafter_step_lines(
     peak = peak_flops(device)
     lines = [
         f"\ndrafter training step, {case.name}: hidden {case.hidden_size}, vocab {case.vocab_size:,}, "
-        f"{case.num_anchors} anchors x 16 per sequence of {case.sequence_length} tokens, bf16 autocast on "
-        f"{device}" + ("" if device.type == "cuda" else " (flex attention needs CUDA: materialised only)")
+        f"{case.num_anchors} anchors x 16 per sequence of {case.sequence_length} tokens, on {device}"
+        + (", bf16 autocast" if device.type == "cuda" else " in float32 (flex needs CUDA: materialised only)")
     ]
     model = build_drafter(case, device)
-    lines.append(f"  drafter parameters: {drafter_parameter_count(model.config) / 1e9:.2f} B")
+    lines.append(f"  drafter parameters: {drafter_parameter_count(model.config) / 1e6:,.1f} M")
     results: dict[tuple[str, int], dict[str, Any]] = {}
     for batch_size in (1, 2):
         batch = random_batch(case, batch_size, device)

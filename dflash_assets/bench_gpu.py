@@ -455,22 +455,10 @@ def run_gpu_bench(
 
 
 # ------------------------------------------------------------------------- drafter training step
-# The drafter's attention is being rewritten (flex attention on CUDA vs today's materialised masks),
-# and its figures belong here: step tokens/s and peak memory for flex vs materialised attention at
-# 1 x 3072 and 2 x 3072 tokens with 512 anchors, and MFU. The benchmark reaches the drafter's loss only
-# through `drafter_step_loss`, so a change of the loss's signature is one edit.
-
-
-def drafter_step_loss(model: Any, batch: Any, anchors: Any, gamma: float) -> Any:
-    """The one call into the drafter's loss (`dflash_loss(model, batch, anchors, gamma)`)."""
-    from dflash_assets.core.drafter import dflash_loss
-
-    return dflash_loss(model, batch, anchors, gamma)
 
 
 def drafter_step_figures(tiny: bool, device: torch.device) -> list[str]:
-    """Lines for the drafter step section. Not measured by this version: said so, not faked."""
-    return [
-        "\ndrafter training step: not measured in this version; the drafter attention rewrite adds flex vs "
-        "materialised attention here (tokens/s, peak memory, MFU) through bench_gpu.drafter_step_loss"
-    ]
+    """The drafter training step, flex vs materialised attention (see `bench_drafter`)."""
+    from dflash_assets.bench_drafter import drafter_step_lines
+
+    return drafter_step_lines(device, tiny=tiny, peak_flops=peak_flops)

@@ -125,6 +125,7 @@ def drafter_checkpoints(
 ) -> PartitionOutput:
     from dflash_assets.core.capture import HiddenStateCapture, ReplicatedCapture, load_target_model
     from dflash_assets.core.drafter import DrafterConfig, config_summary, export_drafter
+    from dflash_assets.core.kernels import report_kernel_paths
     from dflash_assets.core.model_card import drafter_model_card
     from dflash_assets.core.speculative import TargetVerifier
     from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
@@ -188,6 +189,8 @@ def drafter_checkpoints(
                 HiddenStateCapture(load_target_model(model_dir, _torch_device(d)), layer_ids)
                 for d in target_devices
             ]
+            for capture, target_device in zip(captures, target_devices, strict=True):
+                report_kernel_paths(capture.model, target_device, context.log.info, context.log.warning)
             data = OnlineData(
                 samples=samples,
                 target_hidden_states=ReplicatedCapture(captures, train_settings.device),
