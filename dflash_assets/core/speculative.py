@@ -122,7 +122,7 @@ class SpeculativeEvaluator:
     The target's greedy outputs do not depend on the drafter, so they are decoded once and reused.
     """
 
-    verifier: TargetVerifier
+    verifier: TargetVerifier | None  # None between evaluations, when the caller released the target
     prompts: list[list[int]]
     max_new_tokens: int = 64
     stop_token_ids: set[int] = field(default_factory=set)
@@ -132,6 +132,8 @@ class SpeculativeEvaluator:
         """`{acceptance_length_tau, rounds, tokens, prompts, matches_target_greedy, mismatched_prompts,
         seconds}`; tau is the mean acceptance length over every round of every prompt."""
         started = time.monotonic()
+        if self.verifier is None:
+            raise ValueError("SpeculativeEvaluator.evaluate needs a verifier (the target was released)")
         if self._greedy is None:
             self._greedy = [
                 greedy_decode(self.verifier, prompt, self.max_new_tokens, self.stop_token_ids)

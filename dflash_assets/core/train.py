@@ -10,6 +10,7 @@ checkpoint, a resumed run continues exactly where the interrupted one stopped.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import random
@@ -505,6 +506,7 @@ class DrafterTrainer:
         self.on_checkpoint = on_checkpoint
         self.device = torch.device(settings.device)
         self.autocast_bf16 = self.device.type == "cuda" and settings.bf16_autocast
+        self._owns_target = target_verifier is None
         self._target_verifier = target_verifier or (
             lambda: TargetVerifier(
                 load_target_model(config.target_model, self.device), config.target_layer_ids
@@ -735,8 +737,17 @@ class DrafterTrainer:
                 max_new_tokens=self.settings.spec_eval_max_new_tokens,
                 stop_token_ids=stop_token_ids_of(self.config.target_model),
             )
+        elif self._speculative.verifier is None:
+            self._speculative.verifier = self._target_verifier()
         with self._autocast():
             result = self._speculative.evaluate(self.model)
+        if self._owns_target:
+            # Offline, the target was loaded for this evaluation only: give its memory back to training
+            # (a 27B target is ~54 GB in bf16); it is loaded again at the next checkpoint.
+            self._speculative.verifier = None
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         if not result["matches_target_greedy"]:
             self.log(
                 "WARNING: speculative decoding differs from the target's greedy decoding on held-out "
