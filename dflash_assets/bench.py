@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 from dflash_assets import settings
-from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
+from dflash_assets.core.batching import pad_batch, padding_fraction
 from dflash_assets.core.capture import HiddenStateCapture, dflash_target_layer_ids, load_target_model
 from dflash_assets.core.datasets import bundled_dataset_path
 from dflash_assets.core.demo_model import ensure_demo_model
-from dflash_assets.core.host_transfer import HostTransfer
 from dflash_assets.core.moto_server import moto_available, start_moto_server
 from dflash_assets.core.sample_range import SampleRange
 from dflash_assets.core.samples import TokenizedSample
@@ -53,24 +52,10 @@ def _ours(model, samples: Sequence[TokenizedSample], layer_ids: list[int], to_ho
     """Capture with early stop over length-bucketed batches, exactly as extraction captures: with
     `to_host`, each batch also goes to the host as bf16 through extraction's own `HostTransfer` (capture
     alone); without, nothing leaves the device (the forward alone). Returns (real tokens, padding)."""
-    capture = HiddenStateCapture(model, layer_ids)
-    transfer = HostTransfer(capture.device)
-    lengths = [s.num_tokens for s in samples]
-    batches = plan_batches(lengths, TOKEN_BUDGET)
-    pending = None
-    for batch in batches:
-        input_ids, mask = pad_batch([samples[i].input_ids for i in batch], 0)
-        captured = capture(input_ids, mask)
-        if to_host:
-            started = transfer.start(captured, [lengths[i] for i in batch])
-            if pending is not None:
-                pending.wait()
-            pending = started
-    if pending is not None:
-        pending.wait()
-    if capture.device.type == "cuda":
-        torch.cuda.synchronize(capture.device)
-    return sum(lengths), padding_fraction(batches, lengths)
+    from dflash_assets.bench_gpu import run_capture
+
+    padding = run_capture(model, samples, layer_ids, to_host, TOKEN_BUDGET)
+    return sum(s.num_tokens for s in samples), padding
 
 
 def _anchors(model, samples: Sequence[TokenizedSample], layer_ids: list[int]) -> tuple[int, float]:
