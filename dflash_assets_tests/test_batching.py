@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches, shuffled_bucket_batches
+from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
 
 
 def random_lengths(n: int = 300, seed: int = 0) -> list[int]:
@@ -74,29 +74,6 @@ def test_pad_batch_pads_on_the_right_with_a_matching_mask():
     assert input_ids.dtype == torch.long and attention_mask.dtype == torch.long
     assert input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
-
-
-def test_training_batches_are_deterministic_for_a_seed_and_epoch_and_change_between_epochs():
-    lengths = random_lengths(seed=2)
-    first = shuffled_bucket_batches(lengths, 8192, seed=7, epoch=0)
-    assert first == shuffled_bucket_batches(lengths, 8192, seed=7, epoch=0)
-    second = shuffled_bucket_batches(lengths, 8192, seed=7, epoch=1)
-    assert second != first
-    assert shuffled_bucket_batches(lengths, 8192, seed=8, epoch=0) != first
-    for batches in (first, second):
-        assert_partition_of(batches, len(lengths))
-        for batch in batches:
-            assert len(batch) * max(lengths[i] for i in batch) <= 8192
-
-
-def test_training_batches_shuffle_their_order_and_mix_membership_yet_stay_bucketed():
-    lengths = random_lengths(seed=4)
-    planned = plan_batches(lengths, 8192)
-    shuffled = shuffled_bucket_batches(lengths, 8192, seed=0, epoch=0)
-    padded = [max(lengths[i] for i in batch) for batch in shuffled]
-    assert padded != sorted(padded, reverse=True), "batch order is shuffled"
-    assert {frozenset(b) for b in shuffled} != {frozenset(b) for b in planned}, "membership varies"
-    assert padding_fraction(shuffled, lengths) < 0.1
 
 
 def test_planned_batches_keep_padding_under_the_bound_even_for_widely_spread_lengths():

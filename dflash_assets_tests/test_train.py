@@ -359,3 +359,39 @@ def test_on_cuda_training_steps_run_with_flex_attention_under_bf16_autocast(
     assert "flex attention on cuda" in lines[0]
     assert result.steps == 3 and result.final_loss is not None and result.skipped_nonfinite_steps == 0
     assert all(p.dtype == torch.float32 for p in result.model.parameters())  # master weights stay fp32
+
+
+def test_the_target_is_loaded_for_each_speculative_evaluation_and_released_after_it(
+    config: DrafterConfig,
+    capture: HiddenStateCapture,
+    samples: list[TokenizedSample],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dflash_assets.core.train as train_module
+
+    loads = []
+    real_load = train_module.load_target_model
+
+    def counted_load(*args, **kwargs):
+        loads.append(args)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "load_target_model", counted_load)
+    monkeypatch.setattr(train_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
+    reports: list[dict] = []
+    trainer = train_module.DrafterTrainer(
+        config,
+        quick_settings(
+            max_steps=4, checkpoint_every_steps=2, spec_eval_prompts=1, spec_eval_max_new_tokens=4
+        ),
+        OnlineData(samples, capture),
+        store=open_store(str(tmp_path / "store")),
+        run="released",
+        work_dir=tmp_path / "work",
+        on_checkpoint=reports.append,
+    )
+    trainer.train()
+    # The baseline, step 2 and step 4: three evaluations, three loads, nothing held in between.
+    assert [r["step"] for r in reports] == [0, 2, 4] and all(r["speculative"] for r in reports)
+    assert len(loads) == 3 and trainer._speculative.verifier is None

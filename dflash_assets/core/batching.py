@@ -1,12 +1,11 @@
 """Length-bucketed batching under a token budget, so forward passes carry little padding.
 
 A batch costs `batch_size * longest_sample` tokens (right padding); `plan_batches` keeps that under
-the budget. Extraction uses it as is; training uses `shuffled_bucket_batches` for a new order each epoch.
+the budget. Extraction plans its forward passes with it (training plans by memory: `train.micro_batches`).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 import torch
@@ -73,32 +72,6 @@ def plan_batches(
             raise ValueError(f"sample {index} has negative length {length}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     return _pack(order, lengths, max_tokens_per_batch, max_batch_size, max_padding_fraction)
-
-
-def shuffled_bucket_batches(
-    lengths: Sequence[int],
-    max_tokens_per_batch: int,
-    seed: int,
-    epoch: int,
-    max_batch_size: int | None = None,
-    jitter: float = 0.1,
-) -> list[list[int]]:
-    """Training batches: bucketed by length, in a shuffled order, deterministic for (seed, epoch).
-
-    Lengths are perturbed by up to `jitter` (relative) before sorting, so samples of similar length
-    swap between neighbouring buckets from one epoch to the next; padding stays close to
-    `plan_batches`' while batch membership still varies.
-    """
-    _check_budget(max_tokens_per_batch, max_batch_size)
-    if not 0 <= jitter < 1:
-        raise ValueError(f"jitter must be in [0, 1), got {jitter}")
-    # A string seed is hashed with SHA-512 by `random`, so this is stable across processes and Python runs.
-    rng = random.Random(f"dflash-batches:{seed}:{epoch}")
-    noisy = {i: lengths[i] * (1.0 + rng.uniform(-jitter, jitter)) for i in range(len(lengths))}
-    order = sorted(range(len(lengths)), key=lambda i: (-noisy[i], i))
-    batches = _pack(order, lengths, max_tokens_per_batch, max_batch_size)
-    rng.shuffle(batches)
-    return batches
 
 
 def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

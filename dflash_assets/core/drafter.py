@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -670,10 +670,7 @@ def export_drafter(
     tensors = {
         name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in model.state_dict().items()
     }
-    config = model.config
-    if provenance:
-        config = DrafterConfig.from_reference_dict(config.to_reference_dict())
-        config.extra.update(provenance)
+    config = replace(model.config, extra={**model.config.extra, **(provenance or {})})
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     if model_card is not None:
         (directory / MODEL_CARD_NAME).write_text(model_card)
@@ -730,5 +727,6 @@ def config_summary(config: DrafterConfig) -> dict[str, Any]:
         "sliding_window": config.sliding_window,
         "mask_token_id": config.mask_token_id,
         "parameters": drafter_parameter_count(config),
-        **{k: v for k, v in asdict(config).items() if k in ("target_layer_ids", "block_size")},
+        "target_layer_ids": config.target_layer_ids,
+        "block_size": config.block_size,
     }

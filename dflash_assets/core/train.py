@@ -616,12 +616,10 @@ class DrafterTrainer:
         generators = [anchor_generator(self.settings.seed, epoch, index) for index in batch.sample_indices]
         return sample_anchors(batch.loss_mask, self.settings.num_anchors, generators)
 
-    def _accumulate(self, samples: Sequence[Any], lengths: Sequence[int], epoch: int) -> list[tuple]:
-        """Forward and backward over micro-batches of `samples`, gradients summed (not averaged)."""
+    def _accumulate(self, samples: Sequence[Any], plan: Sequence[Sequence[int]], epoch: int) -> list[tuple]:
+        """Forward and backward over the micro-batches `plan` of `samples`, gradients summed (not
+        averaged)."""
         outputs = []
-        ids = list(range(len(samples)))
-        plan = micro_batches(ids, lengths, self.config, self.settings, self.micro_batch_bytes)
-        self._largest_micro_batch = max(len(micro) for micro in plan)
         for micro in plan:
             batch = self.source.collate([samples[i] for i in micro])
             with self._autocast():
@@ -636,15 +634,17 @@ class DrafterTrainer:
         whole global batch, so any micro-batch split (including a split made after running out of
         memory) gives the same update."""
         fault_point("train_step")  # crash tests: die between steps, checkpoints possibly mid-upload
+        ids = list(range(len(samples)))
         while True:
+            plan = micro_batches(ids, lengths, self.config, self.settings, self.micro_batch_bytes)
             try:
-                outputs = self._accumulate(samples, lengths, here.epoch)
+                outputs = self._accumulate(samples, plan, here.epoch)
                 break
             except torch.OutOfMemoryError as error:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-                if self._largest_micro_batch == 1:
+                if max(len(micro) for micro in plan) == 1:
                     raise torch.OutOfMemoryError(
                         f"one sequence of up to {max(lengths)} tokens does not fit on {self.device} (step "
                         f"{self.step + 1}); lower max_length or num_anchors, or use a larger device"
@@ -700,12 +700,14 @@ class DrafterTrainer:
         """`{"teacher_forced": ..., "speculative": ...}` on the held-out samples (None without any)."""
         if not self.eval_ids:
             return None
-        batches = []
+        rows: list[tuple[list[int], list[int]]] = []  # (token ids, loss mask) of each held-out sample
 
         def remember(stream: Iterator[DrafterBatch]) -> Iterator[DrafterBatch]:
             for batch in stream:
-                if self._eval_prompts is None:
-                    batches.append(batch)
+                if self._eval_prompts is None:  # the first evaluation: keep the tokens, not the states
+                    for row, length in enumerate(batch.lengths.tolist()):
+                        ids, mask = batch.input_ids[row, :length], batch.loss_mask[row, :length]
+                        rows.append((ids.tolist(), mask.tolist()))
                 yield batch
 
         with self._autocast():
@@ -717,11 +719,6 @@ class DrafterTrainer:
                 seed=self.settings.seed,
             )
         if self._eval_prompts is None:
-            rows = [
-                (b.input_ids[r, : b.lengths[r]].tolist(), b.loss_mask[r, : b.lengths[r]].tolist())
-                for b in batches
-                for r in range(len(b.sample_indices))
-            ]
             limit = max(1, self.settings.max_length - self.settings.spec_eval_max_new_tokens)
             self._eval_prompts = held_out_prompts([r[0] for r in rows], [r[1] for r in rows], limit)
         return {"teacher_forced": teacher_forced, "speculative": self.speculative_evaluation()}
