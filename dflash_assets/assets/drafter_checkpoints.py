@@ -38,7 +38,7 @@ class TrainConfig(Config):
     gamma: float = Field(default=7.0, description="Loss weight exp(-(p-1)/gamma) at block position p.")
     seed: int = Field(default=0, description="Data order, anchors and initial weights.")
     mask_token_id: int = Field(
-        default=settings.MASK_TOKEN_ID.get_optional_int() if settings.MASK_TOKEN_ID.get() else -1,
+        default=settings.MASK_TOKEN_ID.get_int() if settings.MASK_TOKEN_ID.get() else -1,
         description="Mask token id (-1: the tokenizer's mask_token, else the first id past its vocabulary).",
     )
     drafter_shape: str = Field(
@@ -77,10 +77,6 @@ def _block_metadata(prefix: str, metrics: dict | None) -> dict:
         if accuracy is not None:
             out[f"{prefix}accuracy_pos_{position:02d}"] = MetadataValue.float(float(accuracy))
     return out
-
-
-def _tau(evaluation: dict | None) -> float | None:
-    return ((evaluation or {}).get("speculative") or {}).get("acceptance_length_tau")
 
 
 def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, budget: int):
@@ -124,9 +120,9 @@ def drafter_checkpoints(
     devices: DeviceLeaseResource,
 ) -> PartitionOutput:
     from dflash_assets.core.capture import HiddenStateCapture, ReplicatedCapture, load_target_model
-    from dflash_assets.core.drafter import DrafterConfig, config_summary, export_drafter
+    from dflash_assets.core.drafter import DrafterConfig, config_summary
     from dflash_assets.core.kernels import report_kernel_paths
-    from dflash_assets.core.model_card import drafter_model_card
+    from dflash_assets.core.model_card import export_trained_drafter
     from dflash_assets.core.speculative import TargetVerifier
     from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
 
@@ -218,33 +214,10 @@ def drafter_checkpoints(
                 uploader=uploader,
                 target_verifier=verifier,
             )
-            metrics = {
-                **(result.eval or {}),
-                "acceptance_length_tau": result.acceptance_length_tau,
-                "baseline_acceptance_length_tau": _tau(result.baseline),
-                "teacher_forced_tau": result.teacher_forced_tau,
-                "per_position_accuracy": result.per_position_accuracy,
-            }
-            export_dir = export_drafter(
-                result.model,
-                work_dir / "export",
-                provenance={
-                    "run": config.run_name,
-                    "steps": result.steps,
-                    "trained_sample_ranges": result.trained_sample_ranges,
-                    "trained_partitions": result.partitions,
-                    "metrics": {k: v for k, v in metrics.items() if k != "per_position_accuracy"},
-                },
-                model_card=drafter_model_card(
-                    drafter_config,
-                    run=config.run_name,
-                    target_model_name=target_model.name,
-                    trained_sample_ranges=result.trained_sample_ranges,
-                    partitions=result.partitions,
-                    steps=result.steps,
-                    metrics=metrics,
-                ),
-            )
+            export_dir, metrics = export_trained_drafter(
+                result, drafter_config, work_dir / "export", run=config.run_name,
+                target_model_name=target_model.name,
+            )  # fmt: skip
             export_prefix = f"drafter/{config.run_name}"
             # config.json last: readers take a directory with a config as complete.
             for path in sorted(export_dir.iterdir(), key=lambda p: (p.name == "config.json", p.name)):
@@ -288,6 +261,6 @@ def drafter_checkpoints(
             "target_model": drafter_config.target_model,
             "target_layer_ids": layer_ids,
             "acceptance_length_tau": result.acceptance_length_tau,
-            "baseline_acceptance_length_tau": _tau(result.baseline),
+            "baseline_acceptance_length_tau": metrics["baseline_acceptance_length_tau"],
         },
     )
