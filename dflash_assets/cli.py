@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--tokens", type=int, default=None, help="with --gpu: tokens per variant and target")
     bench.add_argument("--rounds", type=int, default=None, help="with --gpu: interleaved rounds")
     sub.add_parser(
-        "reap", help="mark runs whose worker on this host died as failed and free their pool slots"
+        "reap", help="mark runs whose worker on this host died as failed (and free any pool slots they hold)"
     )
     sub.add_parser("ranges", help="register the sample ranges covering DFLASH_DATASET with the instance")
     args = parser.parse_args(argv)

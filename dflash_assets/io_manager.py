@@ -22,7 +22,8 @@ from dflash_assets.core.manifest import (
     read_manifest,
     write_manifest,
 )
-from dflash_assets.partitions import SampleRangePartitions
+from dflash_assets.core.store import StoreError
+from dflash_assets.partitions import SampleRangePartitions, dataset_range_keys
 from dflash_assets.resources import StoreResource
 
 
@@ -99,11 +100,9 @@ class StoreIOManager(ConfigurableIOManager):
 
     @staticmethod
     def _dataset_range_keys(context: InputContext) -> list[str]:
-        from dflash_assets.partitions import dataset_range_keys
-
         try:
             return dataset_range_keys()
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, StoreError) as error:  # e.g. an S3 dataset that cannot be reached
             context.log.warning(f"cannot list the dataset's ranges ({error}); using the registered ones")
             return []
 

@@ -17,18 +17,12 @@ from typing import TYPE_CHECKING
 
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
+from dflash_assets.core.units import human_bytes  # torch-free, unlike core.extract
+
 if TYPE_CHECKING:
     from dflash_assets.core.extract import ExtractionProgress
 
 PROGRESS_TAG = "dflash/progress"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def human_duration(seconds: float) -> str:

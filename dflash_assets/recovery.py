@@ -2,7 +2,7 @@
 
 Such a run stays STARTED: the UI shows it running forever and the run queue counts it against the
 `gpu` pool. Dagster's default run launcher cannot check a local worker's health, so the run worker
-records itself (`dflash/run_worker` = `host:pid:start`, written by the executor in the run worker
+records itself (`dflash/run_worker` = `host@pid:start`, written by the executor in the run worker
 process, see `executor.py`), and the reaper marks runs whose recorded worker on this host is gone as
 failed. `start` is the process's start time in clock ticks since boot, so a recycled pid never makes
 a dead run look alive. Runs without the tag, or whose worker lives on another host, are never touched.

@@ -29,6 +29,7 @@ from dagster import (
     SkipReason,
     sensor,
 )
+from dagster._core.events import RunFailureReason
 from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_FAILURE_REASON_TAG, WILL_RETRY_TAG
 
 from dflash_assets import settings
@@ -40,7 +41,6 @@ from dflash_assets.recovery import reap_dead_runs
 ATTEMPT_TAG = "dflash/attempt"
 RETRIGGER_OF_TAG = "dflash/retrigger_of"
 WATCHED_ASSETS = {AssetKey("tokenized_completions"), AssetKey("hidden_state_partitions")}
-STEP_FAILURE = "STEP_FAILURE"
 
 
 def _run_assets(context: SensorEvaluationContext, run: DagsterRun) -> frozenset[AssetKey]:
@@ -60,7 +60,8 @@ def backoff_s(attempt: int) -> float:
 
 def _is_ours(run: DagsterRun) -> bool:
     """Failed by an asset, and not about to be retried by Dagster's run retries."""
-    return run.tags.get(RUN_FAILURE_REASON_TAG) == STEP_FAILURE and run.tags.get(WILL_RETRY_TAG) != "true"
+    failed_by_a_step = run.tags.get(RUN_FAILURE_REASON_TAG) == RunFailureReason.STEP_FAILURE.value
+    return failed_by_a_step and run.tags.get(WILL_RETRY_TAG) != "true"
 
 
 def _superseded(context: SensorEvaluationContext, run: DagsterRun, created: float, selection) -> bool:

@@ -145,7 +145,8 @@ def drafter_checkpoints(
     cache_dir = Path(target_model.cache_dir).expanduser()
 
     target_devices: list[str] = []
-    with devices.lease() as device, contextlib.ExitStack() as target_leases:
+    holder, waits = f"run {context.run_id}", context.log.info  # a waiting run says whom it waits for
+    with devices.lease(holder=holder, log=waits) as device, contextlib.ExitStack() as target_leases:
         context.log.info(f"training run {config.run_name!r} in {config.mode} mode on {device}")
         train_settings = TrainSettings(
             mode=config.mode,
@@ -178,7 +179,8 @@ def drafter_checkpoints(
                 s for partition in tokenized for s in load_tokenized(partition, cache_dir / "read-cache")
             ]
             target_devices = [
-                target_leases.enter_context(devices.lease()) for _ in range(config.online_target_devices)
+                target_leases.enter_context(devices.lease(holder=holder, log=waits))
+                for _ in range(config.online_target_devices)
             ] or [device]  # each replica's device is leased like any run's, so runs never share one
             context.log.info(f"target replicas on {', '.join(target_devices)}; drafter on {device}")
             captures = [

@@ -42,6 +42,7 @@ from dflash_assets.core.staging import (
     staging_lock,
 )
 from dflash_assets.core.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
+from dflash_assets.core.units import human_bytes
 from dflash_assets.core.uploader import Uploader
 
 __all__ = [
@@ -234,11 +235,11 @@ def extract_range(
         ),
     )
     log(
-        f"{partition.where}: done: {result.samples} objects ({_human_bytes(result.bytes_stored)}), "
+        f"{partition.where}: done: {result.samples} objects ({human_bytes(result.bytes_stored)}), "
         f"{result.extracted_now} extracted now, {result.reused_from_store} reused from the store, "
         f"{result.reused_from_staging} uploaded from staging; {result.samples_per_s:.1f} samples/s, "
         f"{result.tokens_per_s:,.0f} tokens/s, padding {result.padding_fraction:.1%}, "
-        f"peak staging {_human_bytes(result.peak_staging_bytes)}"
+        f"peak staging {human_bytes(result.peak_staging_bytes)}"
     )
     return result
 
@@ -254,14 +255,6 @@ def _index_samples(samples: Sequence[TokenizedSample]) -> dict[int, TokenizedSam
             raise ValueError(f"sample {sample.sample_index} has no tokens; drop it when tokenizing")
         by_index[sample.sample_index] = sample
     return by_index
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class _UploadRecord:
@@ -744,9 +737,9 @@ class _Progress:
             f"{self.device}: {progress.samples_done}/{progress.samples_total} samples extracted "
             f"({progress.extracted_this_run} this run, {progress.uploaded_this_run} uploaded this run) | "
             f"{progress.samples_per_s:.2f} samples/s, {progress.tokens_per_s:,.0f} tokens/s | ETA {eta} | "
-            f"staging {_human_bytes(progress.staging_bytes)} / {_human_bytes(progress.staging_budget_bytes)}"
+            f"staging {human_bytes(progress.staging_bytes)} / {human_bytes(progress.staging_budget_bytes)}"
             f" | uploads in flight {progress.uploads_in_flight}, uploaded "
-            f"{_human_bytes(progress.uploaded_bytes)}" + (f" | {reason}" if reason else "")
+            f"{human_bytes(progress.uploaded_bytes)}" + (f" | {reason}" if reason else "")
         )
         if self.on_progress is not None:
             self.on_progress(progress)
