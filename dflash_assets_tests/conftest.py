@@ -145,6 +145,21 @@ def _one_torch_thread() -> None:
 
 
 @pytest.fixture(scope="session")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny hybrid target of the extraction tests (a test module may define its own)."""
+    from dflash_assets_tests.test_capture import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("extract-target"))
+
+
+@pytest.fixture(scope="session")
+def target(target_dir: Path):
+    from dflash_assets.core.capture import load_target_model
+
+    return load_target_model(target_dir, "cpu")
+
+
+@pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in demo target model, built once per test session (the real `from_pretrained` path)."""
     from dflash_assets.core.demo_model import ensure_demo_model

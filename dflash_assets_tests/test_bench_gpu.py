@@ -11,14 +11,6 @@ from dflash_assets import cli
 from dflash_assets.bench_gpu import TINY_SHAPES, VARIANTS, build_random_target, forward_flops
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_ratios(capsys, monkeypatch):
     monkeypatch.setenv("DFLASH_PEAK_TFLOPS", "1")  # a made-up peak, so the MFU column is exercised
     assert cli.main(["bench", "--gpu", "--tiny", "--tokens", "150", "--rounds", "1"]) == 0

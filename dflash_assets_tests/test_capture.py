@@ -26,14 +26,6 @@ BF16_ATOL = 1e-3
 BF16_RTOL = 2**-7
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny matmuls on a shared machine run several times faster on one thread than contending for more.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def tiny_text_config_kwargs(num_layers: int = TINY_LAYERS) -> dict:
     """A qwen3_5_text config of the real family, small enough for a CPU forward in milliseconds."""

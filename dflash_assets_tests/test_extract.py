@@ -35,7 +35,6 @@ from dflash_assets_tests.test_capture import (
     TINY_LAYERS,
     TINY_VOCAB,
     reference_hidden_states,
-    save_tiny_target,
 )
 
 PREFIX = "hidden-states/00000100-00000199"
@@ -43,23 +42,6 @@ MODEL_NAME = "tiny-qwen3_5"
 DEFAULT_LAYERS = dflash_target_layer_ids(TINY_LAYERS)  # [1, 2, 4, 6, 7]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny matmuls on a shared machine run several times faster on one thread than contending for more.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="session")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_target(tmp_path_factory.mktemp("extract-target"))
-
-
-@pytest.fixture(scope="session")
-def target(target_dir: Path) -> torch.nn.Module:
-    return load_target_model(target_dir, "cpu")
 
 
 def make_samples(n: int = 12, seed: int = 0) -> list[TokenizedSample]:

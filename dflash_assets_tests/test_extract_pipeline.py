@@ -15,27 +15,8 @@ from dflash_assets.core.sample_format import estimate_sample_nbytes, read_sample
 from dflash_assets.core.samples import TokenizedSample
 from dflash_assets.core.staging import BOOT_MARKER_NAME, FINGERPRINT_NAME, StagingDirectory, current_boot_id
 from dflash_assets.core.store import LocalStore, source_will_be_deleted
-from dflash_assets_tests.test_capture import save_tiny_target
 from dflash_assets_tests.test_extract import DEFAULT_LAYERS as LAYERS
 from dflash_assets_tests.test_extract import PREFIX, Extraction, make_samples, stored_objects
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_target(tmp_path_factory.mktemp("pipeline-target"))
-
-
-@pytest.fixture(scope="module")
-def target(target_dir: Path) -> torch.nn.Module:
-    return load_target_model(target_dir, "cpu")
 
 
 def test_a_batch_goes_to_the_host_as_bf16_with_non_finite_rows_flagged_and_padding_ignored():
