@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dflash_assets.bench_gpu import _synchronize
 from dflash_assets.core.drafter import (
     DFlashDrafter,
     DrafterBatch,
@@ -111,7 +113,7 @@ def time_steps(
     anchors = sample_anchors(
         batch.loss_mask, num_anchors, [anchor_generator(0, 0, i) for i in batch.sample_indices]
     )
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _nothing()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     def one_step() -> float:
         with autocast:
@@ -141,19 +143,6 @@ def time_steps(
         "flops": step_flops(model, batch, anchors.positions.shape[1], int(labels.sum())),
         "loss": loss,
     }
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def drafter_step_lines(

@@ -139,6 +139,13 @@ def test_a_complete_run_stores_one_object_per_sample_equal_to_hf_hidden_states(s
     assert not extraction.staging_dir.exists(), "uploaded files are deleted locally, then the directory"
 
 
+def test_a_range_with_samples_to_extract_logs_the_targets_kernel_path(target, tmp_path):
+    extraction = Extraction(LocalStore(tmp_path / "store"), tmp_path / "staging")
+    extraction.run(target, make_samples(2), max_tokens_per_batch=64)
+    kernels = [line for line in extraction.logs if "kernels: qwen3_5_text" in line]
+    assert kernels and "gated-delta-net layers" in kernels[0], extraction.logs
+
+
 def test_progress_lines_report_rate_eta_staging_uploads_and_device(target, tmp_path):
     extraction = Extraction(LocalStore(tmp_path / "store"), tmp_path / "staging")
     extraction.run(target, make_samples(6), max_tokens_per_batch=64)

@@ -20,7 +20,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 
 def moto_available() -> bool:
@@ -78,25 +77,11 @@ class MotoServer:
         with contextlib.suppress(OSError):
             shutil.rmtree(self.log_path.parent)
 
-    def reset(self) -> None:
-        """Forget every bucket and object (moto's reset API)."""
-        parsed = urlparse(self.endpoint_url)
-        conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=10)
-        conn.request("POST", "/moto-api/reset")
-        conn.getresponse().read()
-        conn.close()
-
     def log_tail(self, max_chars: int = 4000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-max_chars:]
         except OSError:
             return ""
-
-    def __enter__(self) -> MotoServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def start_moto_server(*, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> MotoServer:
