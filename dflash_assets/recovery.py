@@ -101,7 +101,9 @@ def run_worker_of(run: DagsterRun) -> RunWorker | None:
 def _same_work(dead: DagsterRun, rerun: DagsterRun | None) -> bool:
     if rerun is None or dead.tags.get(PARTITION_NAME_TAG) != rerun.tags.get(PARTITION_NAME_TAG):
         return False
-    return set(dead.asset_selection or ()) <= set(rerun.asset_selection or ())
+    if not dead.asset_selection:  # a whole-job run: only another whole-job run does all its work
+        return not rerun.asset_selection
+    return set(dead.asset_selection) <= set(rerun.asset_selection or ())
 
 
 def reap_dead_runs(

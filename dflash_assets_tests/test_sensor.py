@@ -130,6 +130,22 @@ def test_a_dead_run_reaped_by_a_rerun_of_the_same_range_is_not_retried_again(ins
     assert _relaunches(instance, run_id, requests) == 0
 
 
+def test_the_reaper_never_touches_a_live_run_an_untagged_run_or_a_run_of_another_host(instance):
+    alive = _run_of_the_range(instance, "00000000-00000099", **{RUN_WORKER_TAG: RunWorker.current().tag})
+    untagged = _run_of_the_range(instance, "00000000-00000099")
+    dead = _dead_worker()
+    elsewhere = RunWorker("another-host", dead.pid, dead.start_ticks)  # its pid means nothing here
+    remote = _run_of_the_range(instance, "00000100-00000199", **{RUN_WORKER_TAG: elsewhere.tag})
+    # This process's pid, but another start time: the pid was reused, the recorded worker is gone.
+    me = RunWorker.current()
+    reused = RunWorker(me.host, me.pid, (me.start_ticks or 0) + 1)
+    recycled = _run_of_the_range(instance, "00000100-00000199", **{RUN_WORKER_TAG: reused.tag})
+
+    assert reap_dead_runs(instance, log=lambda _: None) == [recycled.run_id]
+    for run in (alive, untagged, remote):
+        assert instance.get_run_by_id(run.run_id).status == DagsterRunStatus.STARTED
+
+
 def test_the_sensor_backs_off_exponentially_before_relaunching(instance, monkeypatch):
     monkeypatch.setenv("DFLASH_RETRIGGER_BACKOFF_S", "100")
     first = _fail(instance, "00000000-00000099")
