@@ -107,11 +107,15 @@ def dataset_range_keys(uri: str | None = None) -> list[str]:
     return [r.key for r in sample_ranges(rows, settings.samples_per_partition())]
 
 
+def unregistered_ranges(instance: DagsterInstance, keys: Sequence[str]) -> list[str]:
+    """The keys among `keys` the instance does not know yet, in their order."""
+    known = set(instance.get_dynamic_partitions(PARTITIONS_NAME))
+    return [key for key in keys if key not in known]
+
+
 def register_sample_ranges(instance: DagsterInstance, keys: Sequence[str] | None = None) -> list[str]:
     """Register `keys` (default: the ranges covering the dataset) with the instance; returns the new ones."""
-    keys = list(keys) if keys is not None else dataset_range_keys()
-    known = set(instance.get_dynamic_partitions(PARTITIONS_NAME))
-    new = [key for key in keys if key not in known]
+    new = unregistered_ranges(instance, list(keys) if keys is not None else dataset_range_keys())
     if new:
         instance.add_dynamic_partitions(PARTITIONS_NAME, new)
     return new

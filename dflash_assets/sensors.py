@@ -35,7 +35,7 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_FAILURE_REASON_TA
 from dflash_assets import settings
 from dflash_assets.assets.hidden_states import hidden_state_partitions
 from dflash_assets.assets.tokenized_completions import tokenized_completions
-from dflash_assets.partitions import PARTITIONS_NAME, SAMPLE_RANGES, dataset_range_keys
+from dflash_assets.partitions import SAMPLE_RANGES, dataset_range_keys, unregistered_ranges
 from dflash_assets.recovery import reap_dead_runs
 
 ATTEMPT_TAG = "dflash/attempt"
@@ -158,8 +158,7 @@ def failed_range_sensor(context: SensorEvaluationContext):
 )
 def sample_range_sensor(context: SensorEvaluationContext):
     keys = dataset_range_keys()
-    known = set(context.instance.get_dynamic_partitions(PARTITIONS_NAME))
-    new = [key for key in keys if key not in known]
+    new = unregistered_ranges(context.instance, keys)
     if not new:
         return SkipReason(f"all {len(keys)} ranges of the dataset are registered")
     context.log.info(f"registering {len(new)} new sample range(s): {new[0]} .. {new[-1]}")

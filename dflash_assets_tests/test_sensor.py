@@ -179,3 +179,20 @@ def test_a_range_that_was_already_run_again_is_not_relaunched(instance):
     requests, _ = _evaluate(instance)
     # only the newest failure is acted on; the older one already has a newer run
     assert [r.tags[RETRIGGER_OF_TAG] for r in requests] == [newer]
+
+
+def test_the_range_sensor_registers_the_ranges_covering_the_dataset_once(instance, tmp_path, monkeypatch):
+    from dflash_assets.sensors import sample_range_sensor
+
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    dataset = tmp_path / "conversations.jsonl"
+    dataset.write_text((json.dumps(row) + "\n") * 250)
+    monkeypatch.setenv("DFLASH_DATASET", str(dataset))
+    monkeypatch.setenv("DFLASH_SAMPLES_PER_PARTITION", "100")
+
+    result = sample_range_sensor(build_sensor_context(instance=instance))
+    (request,) = result.dynamic_partitions_requests
+    assert list(request.partition_keys) == ["00000000-00000099", "00000100-00000199", "00000200-00000299"]
+    instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    again = sample_range_sensor(build_sensor_context(instance=instance))
+    assert "all 3 ranges of the dataset are registered" in again.skip_message
