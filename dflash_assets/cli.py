@@ -103,7 +103,7 @@ def run_demo(steps: int | None = None) -> int:
             _print_failure(result)
             return 1
     print(f"done in {time.monotonic() - started:.0f}s. Results under {store.url}:")
-    from dflash_assets.core.store import open_store
+    from dflash_assets.storage.store import open_store
 
     listing: dict[str, int] = {}
     for info in open_store(store.url).list(""):
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.steps)
     if args.command == "build-demo-model":
         from dflash_assets import settings
-        from dflash_assets.core.demo_model import build_demo_model, ensure_demo_model
+        from dflash_assets.target.demo_model import build_demo_model, ensure_demo_model
 
         if args.directory:
             path = build_demo_model(Path(args.directory))
@@ -179,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "bench":
         if args.gpu:
-            from dflash_assets.bench_gpu import run_gpu_bench
+            from dflash_assets.bench.gpu import run_gpu_bench
 
             run_gpu_bench(tiny=args.tiny, tokens=args.tokens, rounds=args.rounds)
             return 0
         if args.tiny or args.tokens or args.rounds:
             parser.error("--tiny, --tokens and --rounds go with --gpu")
-        from dflash_assets.bench import run_bench
+        from dflash_assets.bench.run import run_bench
 
         return run_bench(quick=args.quick, only=args.only, threads=args.threads)
     return 2

@@ -14,17 +14,17 @@ from typing import Any
 
 from dagster import ConfigurableIOManager, InputContext, MetadataValue, OutputContext
 
-from dflash_assets.core.faults import fault_point
-from dflash_assets.core.manifest import (
+from dflash_assets.partitions import SampleRangePartitions, dataset_range_keys
+from dflash_assets.resources import StoreResource
+from dflash_assets.storage.faults import fault_point
+from dflash_assets.storage.manifest import (
     StoredPartition,
     new_manifest,
     partition_prefix,
     read_manifest,
     write_manifest,
 )
-from dflash_assets.core.store import StoreError
-from dflash_assets.partitions import SampleRangePartitions, dataset_range_keys
-from dflash_assets.resources import StoreResource
+from dflash_assets.storage.store import StoreError
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dagster._core.definitions.partitions.context import PartitionLoadingContext
 from dagster._core.errors import DagsterUnknownPartitionError
 
 from dflash_assets import settings
-from dflash_assets.core.sample_range import SampleRange, range_containing, sample_ranges
+from dflash_assets.conversations.sample_range import SampleRange, range_containing, sample_ranges
 
 PARTITIONS_NAME = "sample_ranges"
 
@@ -64,7 +64,7 @@ SAMPLE_RANGES = SampleRangePartitions(name=PARTITIONS_NAME)
 
 
 def dataset_uri() -> str:
-    from dflash_assets.core.datasets import bundled_dataset_path
+    from dflash_assets.conversations.datasets import bundled_dataset_path
 
     value = settings.DATASET.get()
     return str(bundled_dataset_path()) if value == "bundled" else value
@@ -74,7 +74,7 @@ def dataset_row_count(uri: str) -> int:
     """Rows in the dataset, cached by the file's identity so a large file is counted once.
 
     An `s3://` dataset is resolved first (a HEAD request; downloaded only when its ETag changed)."""
-    from dflash_assets.core.datasets import count_rows, resolve_dataset
+    from dflash_assets.conversations.datasets import count_rows, resolve_dataset
 
     path = resolve_dataset(uri, cache_dir=settings.cache_dir())
     stat = path.stat()

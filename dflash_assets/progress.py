@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
-from dflash_assets.core.units import human_bytes  # torch-free, unlike core.extract
+from dflash_assets.storage.units import human_bytes  # torch-free, unlike core.extract
 
 if TYPE_CHECKING:
-    from dflash_assets.core.extract import ExtractionProgress
+    from dflash_assets.extraction.extract import ExtractionProgress
 
 PROGRESS_TAG = "dflash/progress"
 

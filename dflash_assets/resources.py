@@ -17,8 +17,8 @@ from dagster import ConfigurableResource
 from pydantic import PrivateAttr
 
 from dflash_assets import settings
-from dflash_assets.core.store import ObjectStore, S3Settings, open_store
-from dflash_assets.core.uploader import Uploader
+from dflash_assets.storage.store import ObjectStore, S3Settings, open_store
+from dflash_assets.storage.uploader import Uploader
 
 
 class StoreResource(ConfigurableResource):
@@ -77,7 +77,7 @@ class TargetModelResource(ConfigurableResource):
 
     def model_dir(self) -> Path:
         if self.model == "demo":
-            from dflash_assets.core.demo_model import ensure_demo_model
+            from dflash_assets.target.demo_model import ensure_demo_model
 
             return ensure_demo_model(Path(self.cache_dir).expanduser())
         path = Path(self.model).expanduser()
@@ -122,7 +122,7 @@ class TargetModelResource(ConfigurableResource):
         """Validated against the model's layer count before anything touches a device."""
         from transformers import AutoConfig
 
-        from dflash_assets.core.capture import parse_layer_ids, resolve_target_layer_ids
+        from dflash_assets.extraction.capture import parse_layer_ids, resolve_target_layer_ids
 
         config = AutoConfig.from_pretrained(self.model_dir())
         explicit = parse_layer_ids(self.target_layer_ids) if self.target_layer_ids.strip() else None
@@ -136,7 +136,7 @@ class DatasetResource(ConfigurableResource):
     cache_dir: str = str(settings.cache_dir())
 
     def uri(self) -> str:
-        from dflash_assets.core.datasets import bundled_dataset_path
+        from dflash_assets.conversations.datasets import bundled_dataset_path
 
         return str(bundled_dataset_path()) if self.dataset == "bundled" else self.dataset
 
@@ -150,7 +150,7 @@ class DeviceLeaseResource(ConfigurableResource):
     @contextlib.contextmanager
     def lease(self, holder: str = "", log: Callable[[str], None] | None = None) -> Iterator[str]:
         """`holder` names the run in the lock file; `log` hears whom a waiting run waits for."""
-        from dflash_assets.core.devices import available_devices, lease_device
+        from dflash_assets.target.devices import available_devices, lease_device
 
         candidates = [d.strip() for d in self.devices.split(",") if d.strip()] or available_devices()
         with lease_device(

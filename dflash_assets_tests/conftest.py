@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dflash_assets.core.moto_server import MotoServer, start_moto_server
+from dflash_assets.storage.moto_server import MotoServer, start_moto_server
 from dflash_assets_tests.s3_server import FaultyProxy
 
 # Dummy credentials moto accepts; tests assert this secret never shows up in messages.
@@ -154,7 +154,7 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def target(target_dir: Path):
-    from dflash_assets.core.capture import load_target_model
+    from dflash_assets.extraction.capture import load_target_model
 
     return load_target_model(target_dir, "cpu")
 
@@ -162,7 +162,7 @@ def target(target_dir: Path):
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in demo target model, built once per test session (the real `from_pretrained` path)."""
-    from dflash_assets.core.demo_model import ensure_demo_model
+    from dflash_assets.target.demo_model import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("dflash-cache"))
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from dflash_assets.core.capture import HiddenStateCapture
-from dflash_assets.core.drafter import DrafterConfig
-from dflash_assets.core.sample_format import sample_object_name, write_sample
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.store import ObjectStore
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.drafter.model import DrafterConfig
+from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.extraction.sample_format import sample_object_name, write_sample
+from dflash_assets.storage.store import ObjectStore
 
 VOCAB_SIZE = 300
 MASK_TOKEN_ID = 299

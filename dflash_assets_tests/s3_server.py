@@ -1,5 +1,5 @@
 """Test support: a fault-injecting HTTP proxy, beside the real `moto_server` launcher (which lives in
-the product package, `dflash_assets.core.moto_server`, because the benchmark uses it too).
+the product package, `dflash_assets.storage.moto_server`, because the benchmark uses it too).
 
 `FaultyProxy` sits between a client and any HTTP endpoint and can fail requests (HTTP 500/503 or a
 dropped connection), slow them down, or go down entirely. Decisions are seeded, so a test that fails
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
-from dflash_assets.core.moto_server import LOOPBACK, free_port
+from dflash_assets.storage.moto_server import LOOPBACK, free_port
 
 # ------------------------------------------------------------------------------------ fault injection
 

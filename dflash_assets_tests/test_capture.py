@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.core.batching import pad_batch
-from dflash_assets.core.capture import (
+from dflash_assets.extraction.batching import pad_batch
+from dflash_assets.extraction.capture import (
     HiddenStateCapture,
     TargetModelError,
     dflash_target_layer_ids,

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.core.checkpoints import (
+from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_assets.storage.store import LocalStore, ObjectInfo, ObjectStore, open_store
+from dflash_assets.training.checkpoints import (
     MARKER_NAME,
     MODEL_FILE,
     TRAINER_STATE_FILE,
@@ -21,8 +23,6 @@ from dflash_assets.core.checkpoints import (
     restore_latest,
     restore_rng_state,
 )
-from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig
-from dflash_assets.core.store import LocalStore, ObjectInfo, ObjectStore, open_store
 
 RUN = "run-1"
 

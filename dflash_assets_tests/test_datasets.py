@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_assets.core.datasets import (
+from dflash_assets.conversations.datasets import (
     DROP_REASONS,
     DatasetError,
     DatasetNotFound,
@@ -20,8 +20,8 @@ from dflash_assets.core.datasets import (
     iter_rows,
     resolve_dataset,
 )
-from dflash_assets.core.sample_range import SampleRange
-from dflash_assets.core.store import open_store
+from dflash_assets.conversations.sample_range import SampleRange
+from dflash_assets.storage.store import open_store
 
 
 def conversation(question: str, answer: str) -> dict:

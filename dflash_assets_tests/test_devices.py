@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.core.devices import (
+from dflash_assets.target.devices import (
     DeviceLeaseTimeout,
     available_devices,
     lease_device,
@@ -23,7 +23,7 @@ from dflash_assets.core.devices import (
 HOLDER = """
 import sys, time
 from pathlib import Path
-from dflash_assets.core.devices import lease_device
+from dflash_assets.target.devices import lease_device
 lock_dir, state = Path(sys.argv[1]), Path(sys.argv[2])
 
 def waiting(message):

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from dflash_assets.core.drafter import (
+from dflash_assets.drafter.evaluate import evaluate_drafter
+from dflash_assets.drafter.model import (
     BlockAnchors,
     DFlashDrafter,
     DrafterBatch,
@@ -23,7 +24,6 @@ from dflash_assets.core.drafter import (
     rotary_cos_sin,
     sample_anchors,
 )
-from dflash_assets.core.evaluate import evaluate_drafter
 from dflash_assets_tests.drafter_fixtures import (
     MASK_TOKEN_ID,
     TARGET_LAYER_IDS,

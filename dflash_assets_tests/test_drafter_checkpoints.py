@@ -12,9 +12,9 @@ import torch
 from dagster import AssetKey
 from safetensors.torch import load_file
 
-from dflash_assets.core.drafter import load_drafter
-from dflash_assets.core.manifest import read_manifest
-from dflash_assets.core.store import open_store
+from dflash_assets.drafter.model import load_drafter
+from dflash_assets.storage.manifest import read_manifest
+from dflash_assets.storage.store import open_store
 from dflash_assets_tests.conftest import (
     TEST_SECRET_ACCESS_KEY,
     aws_env,
@@ -56,7 +56,7 @@ def _materialize(asset: str, env: dict[str, str], partition: str | None = None, 
 @pytest.fixture(scope="module")
 def ranges(tmp_path_factory, moto_endpoint):
     """Two tokenized and extracted ranges in a bucket, shared by every training test here."""
-    from dflash_assets.core.demo_model import ensure_demo_model
+    from dflash_assets.target.demo_model import ensure_demo_model
 
     root = tmp_path_factory.mktemp("train")
     model_dir = ensure_demo_model(root / "cache")

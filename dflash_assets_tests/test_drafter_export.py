@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig, export_drafter, load_drafter
+from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, export_drafter, load_drafter
 from dflash_assets_tests.drafter_fixtures import MASK_TOKEN_ID, build_tiny_target, tiny_drafter_config
 from dflash_assets_tests.reference_dflash import ReferenceDrafter
 
@@ -131,7 +131,7 @@ def test_the_reference_reader_drafts_what_the_trained_drafter_drafts(
 
 
 def test_the_model_card_names_the_target_layers_metrics_and_how_to_serve(target_dir: Path) -> None:
-    from dflash_assets.core.model_card import drafter_model_card
+    from dflash_assets.drafter.model_card import drafter_model_card
 
     config = tiny_drafter_config(target_dir)
     card = drafter_model_card(

@@ -10,25 +10,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.core.capture import dflash_target_layer_ids, load_target_model
-from dflash_assets.core.extract import (
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.extraction.capture import dflash_target_layer_ids, load_target_model
+from dflash_assets.extraction.extract import (
     FINGERPRINT_NAME,
     ExtractionResult,
     PartitionBusy,
     extract_range,
     extraction_fingerprint,
 )
-from dflash_assets.core.manifest import MANIFEST_NAME
-from dflash_assets.core.sample_format import (
+from dflash_assets.extraction.sample_format import (
     NonFiniteHiddenStates,
     estimate_sample_nbytes,
     parse_sample_object_name,
     read_sample,
     sample_object_name,
 )
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.store import LocalStore, ObjectStore, StoreError, open_store
-from dflash_assets.core.uploader import Uploader, UploadError
+from dflash_assets.storage.manifest import MANIFEST_NAME
+from dflash_assets.storage.store import LocalStore, ObjectStore, StoreError, open_store
+from dflash_assets.storage.uploader import Uploader, UploadError
 from dflash_assets_tests.test_capture import (
     BF16_ATOL,
     BF16_RTOL,

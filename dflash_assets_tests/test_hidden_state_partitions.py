@@ -16,9 +16,9 @@ import pytest
 import torch
 from dagster import AssetKey
 
-from dflash_assets.core.manifest import read_manifest
-from dflash_assets.core.sample_format import read_sample
-from dflash_assets.core.store import open_store
+from dflash_assets.extraction.sample_format import read_sample
+from dflash_assets.storage.manifest import read_manifest
+from dflash_assets.storage.store import open_store
 from dflash_assets_tests.conftest import (
     TEST_SECRET_ACCESS_KEY,
     aws_env,
@@ -105,7 +105,7 @@ def _copy_tokenized(source_url: str, target_url: str) -> None:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, moto_endpoint):
     """One tokenized range and an uninterrupted extraction of it: the reference every test compares to."""
-    from dflash_assets.core.demo_model import ensure_demo_model
+    from dflash_assets.target.demo_model import ensure_demo_model
 
     root = tmp_path_factory.mktemp("pipeline")
     cache = root / "cache"
@@ -427,7 +427,7 @@ def _reap(env: dict[str, str]) -> str:
 def test_a_two_asset_range_finishes_while_dead_runs_are_reaped_and_says_whom_it_waits_for(
     pipeline, faulty_proxy, tmp_path
 ):
-    from dflash_assets.core.devices import lease_device
+    from dflash_assets.target.devices import lease_device
 
     url = _fresh_store(pipeline, "two-assets")
     env = {**pipeline["env"], "DFLASH_STORE_URL": url, "DAGSTER_HOME": make_dagster_home(tmp_path / "dh")}

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 from dagster import AssetIn, DagsterInstance, StaticPartitionsDefinition, asset, materialize
 
-from dflash_assets.core.manifest import read_manifest
-from dflash_assets.core.store import open_store
 from dflash_assets.io_manager import PartitionOutput, StoreIOManager
 from dflash_assets.resources import StoreResource
+from dflash_assets.storage.manifest import read_manifest
+from dflash_assets.storage.store import open_store
 
 PARTS = StaticPartitionsDefinition(["00000000-00000009", "00000010-00000019"])
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.core.kernels import FALLBACK, fallback_warning, kernel_paths, report_kernel_paths
+from dflash_assets.target.kernels import FALLBACK, fallback_warning, kernel_paths, report_kernel_paths
 from dflash_assets_tests.test_capture import tiny_text_config_kwargs
 
 
@@ -94,7 +94,7 @@ def test_installed_flash_linear_attention_is_what_transformers_picks_and_what_is
     )
     code = textwrap.dedent(
         """
-        from dflash_assets.core.kernels import kernel_paths
+        from dflash_assets.target.kernels import kernel_paths
         from dflash_assets_tests.test_kernels import tiny_hybrid
         print(kernel_paths(tiny_hybrid()).linear_attention["chunk_gated_delta_rule"])
         """

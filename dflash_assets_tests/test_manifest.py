@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dflash_assets.core.manifest import (
+from dflash_assets.storage.manifest import (
     MANIFEST_NAME,
     ManifestError,
     StoredPartition,
@@ -13,7 +13,7 @@ from dflash_assets.core.manifest import (
     read_manifest,
     write_manifest,
 )
-from dflash_assets.core.store import open_store
+from dflash_assets.storage.store import open_store
 
 PREFIX = "hidden-states/00000000-00000099"
 

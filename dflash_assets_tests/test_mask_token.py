@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dflash_assets.core.drafter_config import resolve_mask_token
+from dflash_assets.drafter.config import resolve_mask_token
 
 WORDS = ["<eos>", "hello", "world", "again"]
 

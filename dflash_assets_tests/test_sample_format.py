@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dflash_assets.core.sample_format import (
+from dflash_assets.extraction.sample_format import (
     SAMPLE_FORMAT,
     CorruptSampleError,
     NonFiniteHiddenStates,

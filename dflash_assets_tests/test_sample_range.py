@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash_assets.core.sample_range import SampleRange, range_containing, sample_ranges
+from dflash_assets.conversations.sample_range import SampleRange, range_containing, sample_ranges
 
 
 def test_keys_are_zero_padded_to_eight_digits_with_an_inclusive_end():

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.core.drafter import DrafterConfig
-from dflash_assets.core.sample_format import sample_object_name, write_sample
-from dflash_assets.core.sample_stream import SampleMismatchError, SampleStream
-from dflash_assets.core.store import ObjectStore, open_store
+from dflash_assets.drafter.model import DrafterConfig
+from dflash_assets.extraction.sample_format import sample_object_name, write_sample
+from dflash_assets.storage.store import ObjectStore, open_store
+from dflash_assets.training.sample_stream import SampleMismatchError, SampleStream
 
 LAYERS = [1, 2, 3]
 HIDDEN = 32

@@ -9,17 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.speculative import (
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_assets.drafter.speculative import (
     SpeculativeEvaluator,
     TargetVerifier,
     greedy_decode,
     held_out_prompts,
     speculative_decode,
 )
-from dflash_assets.core.store import open_store
-from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
+from dflash_assets.storage.store import open_store
+from dflash_assets.training.train import OnlineData, TrainSettings, train_drafter
 from dflash_assets_tests.drafter_fixtures import (
     CYCLE_START,
     MASK_TOKEN_ID,

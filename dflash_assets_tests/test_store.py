@@ -10,8 +10,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from dflash_assets.core.moto_server import free_port, start_moto_server
-from dflash_assets.core.store import (
+from dflash_assets.storage.moto_server import free_port, start_moto_server
+from dflash_assets.storage.store import (
     PARTIAL_SUFFIX,
     LocalStore,
     ObjectInfo,

@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_assets.core.datasets import Dropped
-from dflash_assets.core.sample_range import SampleRange
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.tokenize import (
+from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.sample_range import SampleRange
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.conversations.tokenize import (
     SHARD_FORMAT,
     TooManyBadRows,
     read_shard,

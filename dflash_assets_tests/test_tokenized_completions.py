@@ -11,11 +11,11 @@ import pytest
 from dagster import DagsterInstance, materialize
 
 from dflash_assets.assets.tokenized_completions import tokenized_completions
-from dflash_assets.core.manifest import read_manifest
-from dflash_assets.core.store import open_store
-from dflash_assets.core.tokenize import read_shard
+from dflash_assets.conversations.tokenize import read_shard
 from dflash_assets.io_manager import StoreIOManager
 from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
+from dflash_assets.storage.manifest import read_manifest
+from dflash_assets.storage.store import open_store
 from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY
 
 KEY = "00000000-00000099"
@@ -184,7 +184,7 @@ def test_a_bucket_that_does_not_exist_fails_before_any_work_naming_the_bucket(
 def test_an_unreachable_endpoint_fails_before_any_work_naming_the_endpoint(
     tmp_path, demo_model_dir, aws_test_env, monkeypatch
 ):
-    from dflash_assets.core.moto_server import free_port
+    from dflash_assets.storage.moto_server import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
@@ -196,7 +196,7 @@ def test_an_unreachable_endpoint_fails_before_any_work_naming_the_endpoint(
 
 @pytest.mark.parametrize("bad_key", ["0-99", "00000000-00000099x"])
 def test_a_malformed_partition_key_is_rejected_by_the_one_parser(bad_key):
-    from dflash_assets.core.sample_range import SampleRange
+    from dflash_assets.conversations.sample_range import SampleRange
 
     with pytest.raises(ValueError, match="zero-padded to 8 digits"):
         SampleRange.parse(bad_key)

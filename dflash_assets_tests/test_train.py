@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.core.capture import HiddenStateCapture
-from dflash_assets.core.drafter import DFlashDrafter, DrafterConfig, estimate_step_bytes
-from dflash_assets.core.evaluate import evaluate_drafter
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.store import open_store
-from dflash_assets.core.train import (
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.drafter.evaluate import evaluate_drafter
+from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, estimate_step_bytes
+from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.storage.store import open_store
+from dflash_assets.training.train import (
     OfflineData,
     OnlineData,
     TrainResult,
@@ -313,7 +313,7 @@ def test_running_out_of_memory_halves_the_micro_batch_budget_and_redoes_the_same
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import dflash_assets.core.train as train_module
+    import dflash_assets.training.train as train_module
 
     lengths = [s.num_tokens for s in samples]
     one = estimate_step_bytes(config, 1, max(lengths), 8)
@@ -368,7 +368,7 @@ def test_the_target_is_loaded_for_each_speculative_evaluation_and_released_after
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import dflash_assets.core.train as train_module
+    import dflash_assets.training.train as train_module
 
     loads = []
     real_load = train_module.load_target_model

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.core.store import ObjectInfo, S3Settings, open_store
-from dflash_assets.core.uploader import Uploader, UploadError
+from dflash_assets.storage.store import ObjectInfo, S3Settings, open_store
+from dflash_assets.storage.uploader import Uploader, UploadError
 from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY
 
 

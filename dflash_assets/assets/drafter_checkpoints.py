@@ -9,10 +9,10 @@ from pydantic import Field
 
 from dflash_assets import settings
 from dflash_assets.assets.hidden_states import load_tokenized
-from dflash_assets.core.manifest import StoredPartition
 from dflash_assets.io_manager import PartitionOutput
 from dflash_assets.k8s import gpu_step_tags
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.storage.manifest import StoredPartition
 
 
 class TrainConfig(Config):
@@ -80,8 +80,8 @@ def _block_metadata(prefix: str, metrics: dict | None) -> dict:
 
 
 def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, budget: int):
-    from dflash_assets.core.sample_format import parse_sample_object_name  # imports torch
-    from dflash_assets.core.train import OfflineData
+    from dflash_assets.extraction.sample_format import parse_sample_object_name  # imports torch
+    from dflash_assets.training.train import OfflineData
 
     if not hidden_states:
         raise ValueError(
@@ -119,12 +119,12 @@ def drafter_checkpoints(
     target_model: TargetModelResource,
     devices: DeviceLeaseResource,
 ) -> PartitionOutput:
-    from dflash_assets.core.capture import HiddenStateCapture, ReplicatedCapture, load_target_model
-    from dflash_assets.core.drafter import DrafterConfig, config_summary
-    from dflash_assets.core.kernels import report_kernel_paths
-    from dflash_assets.core.model_card import export_trained_drafter
-    from dflash_assets.core.speculative import TargetVerifier
-    from dflash_assets.core.train import OnlineData, TrainSettings, train_drafter
+    from dflash_assets.drafter.model import DrafterConfig, config_summary
+    from dflash_assets.drafter.model_card import export_trained_drafter
+    from dflash_assets.drafter.speculative import TargetVerifier
+    from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture, load_target_model
+    from dflash_assets.target.kernels import report_kernel_paths
+    from dflash_assets.training.train import OnlineData, TrainSettings, train_drafter
 
     object_store = store.check()
     model_dir = target_model.model_dir()

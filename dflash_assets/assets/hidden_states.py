@@ -17,14 +17,14 @@ from pydantic import Field
 
 from dflash_assets import settings
 from dflash_assets.assets.tokenized_completions import SHARD_NAME
-from dflash_assets.core.manifest import StoredPartition, partition_prefix
-from dflash_assets.core.sample_range import SampleRange
-from dflash_assets.core.tokenize import read_shard
+from dflash_assets.conversations.sample_range import SampleRange
+from dflash_assets.conversations.tokenize import read_shard
 from dflash_assets.io_manager import PartitionOutput
 from dflash_assets.k8s import gpu_step_tags
 from dflash_assets.partitions import SAMPLE_RANGES
 from dflash_assets.progress import RangeProgressReporter, human_duration
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.storage.manifest import StoredPartition, partition_prefix
 
 
 class ExtractConfig(Config):
@@ -68,9 +68,9 @@ def hidden_state_partitions(
     target_model: TargetModelResource,
     devices: DeviceLeaseResource,
 ):
-    from dflash_assets.core.capture import load_target_model
-    from dflash_assets.core.extract import extract_range
-    from dflash_assets.core.verify import verify_hidden_state_partition
+    from dflash_assets.extraction.capture import load_target_model
+    from dflash_assets.extraction.extract import extract_range
+    from dflash_assets.extraction.verify import verify_hidden_state_partition
 
     sample_range = SampleRange.parse(context.partition_key)
     progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)

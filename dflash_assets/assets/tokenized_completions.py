@@ -4,12 +4,12 @@ from dagster import AssetExecutionContext, Config, MetadataValue, asset
 from pydantic import Field
 
 from dflash_assets import settings
-from dflash_assets.core.manifest import partition_prefix
-from dflash_assets.core.sample_range import SampleRange
-from dflash_assets.core.tokenize import tokenize_range, write_shard
+from dflash_assets.conversations.sample_range import SampleRange
+from dflash_assets.conversations.tokenize import tokenize_range, write_shard
 from dflash_assets.io_manager import PartitionOutput
 from dflash_assets.partitions import SAMPLE_RANGES
 from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
+from dflash_assets.storage.manifest import partition_prefix
 
 SHARD_NAME = "shard.parquet"
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_assets.core.drafter import DFlashDrafter
+from dflash_assets.drafter.model import DFlashDrafter
 
 
 @dataclass

@@ -25,8 +25,8 @@ from typing import Any
 
 from safetensors import safe_open
 
-from dflash_assets.core.sample_format import CorruptSampleError, read_sample_metadata
-from dflash_assets.core.samples import TokenizedSample
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.extraction.sample_format import CorruptSampleError, read_sample_metadata
 
 FINGERPRINT_NAME = "_fingerprint.json"
 BOOT_MARKER_NAME = "_boot_id"

@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 
 from dflash_assets import settings
-from dflash_assets.core.batching import pad_batch, padding_fraction
-from dflash_assets.core.capture import HiddenStateCapture, dflash_target_layer_ids, load_target_model
-from dflash_assets.core.datasets import bundled_dataset_path
-from dflash_assets.core.demo_model import ensure_demo_model
-from dflash_assets.core.moto_server import moto_available, start_moto_server
-from dflash_assets.core.sample_range import SampleRange
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.store import open_store
-from dflash_assets.core.tokenize import tokenize_range
-from dflash_assets.core.uploader import Uploader
+from dflash_assets.conversations.datasets import bundled_dataset_path
+from dflash_assets.conversations.sample_range import SampleRange
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.conversations.tokenize import tokenize_range
+from dflash_assets.extraction.batching import pad_batch, padding_fraction
+from dflash_assets.extraction.capture import HiddenStateCapture, dflash_target_layer_ids, load_target_model
+from dflash_assets.storage.moto_server import moto_available, start_moto_server
+from dflash_assets.storage.store import open_store
+from dflash_assets.storage.uploader import Uploader
+from dflash_assets.target.demo_model import ensure_demo_model
 
 ANCHOR_BATCH_SIZE = 8  # the public pipelines' way: fixed-size batches in dataset order
 TOKEN_BUDGET = 4096
@@ -52,7 +52,7 @@ def _ours(model, samples: Sequence[TokenizedSample], layer_ids: list[int], to_ho
     """Capture with early stop over length-bucketed batches, exactly as extraction captures: with
     `to_host`, each batch also goes to the host as bf16 through extraction's own `HostTransfer` (capture
     alone); without, nothing leaves the device (the forward alone). Returns (real tokens, padding)."""
-    from dflash_assets.bench_gpu import run_capture
+    from dflash_assets.bench.gpu import run_capture
 
     padding = run_capture(model, samples, layer_ids, to_host, TOKEN_BUDGET)
     return sum(s.num_tokens for s in samples), padding
@@ -85,7 +85,7 @@ def _timed(fn: Callable[[], tuple[int, float]]) -> tuple[float, float]:
 def _extract_with_io(
     model, samples, layer_ids, store_url: str, staging: Path, budget: int
 ) -> tuple[float, int]:
-    from dflash_assets.core.extract import extract_range
+    from dflash_assets.extraction.extract import extract_range
 
     store = open_store(store_url)
     with Uploader(store, max_in_flight=16, staging_budget_bytes=budget) as uploader:
@@ -147,7 +147,7 @@ def _peak_memory_child(way: str, model_dir: str, count: int) -> None:
 
 def _peak_memory(way: str, model_dir: Path, count: int) -> int:
     code = (
-        "import sys; from dflash_assets.bench import _peak_memory_child as f; "
+        "import sys; from dflash_assets.bench.run import _peak_memory_child as f; "
         "f(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
     )
     out = subprocess.run(
@@ -269,10 +269,10 @@ class _InMemoryHiddenStates:
 
 
 def bench_training(count: int, steps: int, rounds: int) -> dict[str, float]:
-    from dflash_assets.core.drafter import DrafterConfig
-    from dflash_assets.core.extract import extract_range
-    from dflash_assets.core.sample_format import read_sample
-    from dflash_assets.core.train import OfflineData, OnlineData, TrainSettings, train_drafter
+    from dflash_assets.drafter.model import DrafterConfig
+    from dflash_assets.extraction.extract import extract_range
+    from dflash_assets.extraction.sample_format import read_sample
+    from dflash_assets.training.train import OfflineData, OnlineData, TrainSettings, train_drafter
 
     model_dir = ensure_demo_model(settings.cache_dir())
     model = load_target_model(model_dir, "cuda:0" if torch.cuda.is_available() else "cpu")

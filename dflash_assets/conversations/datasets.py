@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.core.sample_range import SampleRange
+from dflash_assets.conversations.sample_range import SampleRange
 
 DATASET_SETTING = "DFLASH_DATASET"
 CACHE_DIR_SETTING = "DFLASH_CACHE_DIR"
@@ -106,7 +106,7 @@ def resolve_dataset(uri: str | Path | None = None, *, s3: Any = None, cache_dir:
 
 
 def _download_s3_dataset(uri: str, *, s3: Any, cache_dir: Path | None) -> Path:
-    from dflash_assets.core.store import ObjectNotFound, open_store
+    from dflash_assets.storage.store import ObjectNotFound, open_store
 
     bucket, _, key = uri[len("s3://") :].partition("/")
     if not bucket or not key or key.endswith("/"):

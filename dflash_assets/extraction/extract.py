@@ -19,13 +19,11 @@ from typing import Any
 
 import torch
 
-from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
-from dflash_assets.core.capture import HiddenStateCapture
-from dflash_assets.core.faults import fault_point
-from dflash_assets.core.host_transfer import HostBatch, HostTransfer, PendingHostBatch
-from dflash_assets.core.kernels import report_kernel_paths
-from dflash_assets.core.manifest import delete_partition
-from dflash_assets.core.sample_format import (
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.extraction.batching import pad_batch, padding_fraction, plan_batches
+from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.extraction.host_transfer import HostBatch, HostTransfer, PendingHostBatch
+from dflash_assets.extraction.sample_format import (
     SAMPLE_FORMAT,
     NonFiniteHiddenStates,
     estimate_sample_nbytes,
@@ -33,17 +31,19 @@ from dflash_assets.core.sample_format import (
     sample_object_name,
     write_sample,
 )
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.staging import (
+from dflash_assets.storage.faults import fault_point
+from dflash_assets.storage.manifest import delete_partition
+from dflash_assets.storage.staging import (
     FINGERPRINT_NAME,
     PartitionBusy,
     StagingDirectory,
     staged_file_problem,
     staging_lock,
 )
-from dflash_assets.core.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
-from dflash_assets.core.units import human_bytes
-from dflash_assets.core.uploader import Uploader
+from dflash_assets.storage.store import ObjectInfo, ObjectNotFound, ObjectStore, StoreError
+from dflash_assets.storage.units import human_bytes
+from dflash_assets.storage.uploader import Uploader
+from dflash_assets.target.kernels import report_kernel_paths
 
 __all__ = [
     "FINGERPRINT_NAME",

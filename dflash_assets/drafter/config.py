@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dflash_assets.core.capture import resolve_target_layer_ids, text_config
+from dflash_assets.extraction.capture import resolve_target_layer_ids, text_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

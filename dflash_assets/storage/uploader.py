@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_assets.core.store import ObjectInfo, ObjectStore, StoreError, source_will_be_deleted
+from dflash_assets.storage.store import ObjectInfo, ObjectStore, StoreError, source_will_be_deleted
 
 log = logging.getLogger(__name__)
 

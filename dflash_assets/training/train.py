@@ -22,15 +22,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from dflash_assets.core.batching import pad_batch
-from dflash_assets.core.capture import load_target_model
-from dflash_assets.core.checkpoints import (
-    CheckpointManager,
-    CheckpointPolicy,
-    DataPosition,
-    restore_rng_state,
-)
-from dflash_assets.core.drafter import (
+from dflash_assets.conversations.sample_range import SampleRange
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.drafter.evaluate import BlockMetrics, evaluate_drafter
+from dflash_assets.drafter.model import (
     BlockAnchors,
     BlockLossOutput,
     DFlashDrafter,
@@ -41,20 +36,25 @@ from dflash_assets.core.drafter import (
     estimate_step_bytes,
     sample_anchors,
 )
-from dflash_assets.core.evaluate import BlockMetrics, evaluate_drafter
-from dflash_assets.core.faults import fault_point
-from dflash_assets.core.sample_format import HiddenStateSample, parse_sample_object_name
-from dflash_assets.core.sample_range import SampleRange
-from dflash_assets.core.sample_stream import SampleStream, partition_of
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.speculative import (
+from dflash_assets.drafter.speculative import (
     SpeculativeEvaluator,
     TargetVerifier,
     held_out_prompts,
     stop_token_ids_of,
 )
-from dflash_assets.core.store import ObjectStore
-from dflash_assets.core.uploader import Uploader
+from dflash_assets.extraction.batching import pad_batch
+from dflash_assets.extraction.capture import load_target_model
+from dflash_assets.extraction.sample_format import HiddenStateSample, parse_sample_object_name
+from dflash_assets.storage.faults import fault_point
+from dflash_assets.storage.store import ObjectStore
+from dflash_assets.storage.uploader import Uploader
+from dflash_assets.training.checkpoints import (
+    CheckpointManager,
+    CheckpointPolicy,
+    DataPosition,
+    restore_rng_state,
+)
+from dflash_assets.training.sample_stream import SampleStream, partition_of
 
 # --------------------------------------------------------------------------------------------------
 # Settings

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.core.datasets import (
+from dflash_assets.conversations.datasets import (
     DatasetError,
     Dropped,
     Messages,
@@ -37,8 +37,8 @@ from dflash_assets.core.datasets import (
     resolve_dataset,
     row_location,
 )
-from dflash_assets.core.sample_range import SampleRange
-from dflash_assets.core.samples import TokenizedSample
+from dflash_assets.conversations.sample_range import SampleRange
+from dflash_assets.conversations.samples import TokenizedSample
 
 SHARD_FORMAT = "dflash-assets.tokenized/1"
 SHARD_FORMAT_KEY = b"dflash_format"

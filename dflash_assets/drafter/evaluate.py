@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash_assets.core.drafter import (
+from dflash_assets.drafter.model import (
     BlockLossOutput,
     DFlashDrafter,
     DrafterBatch,

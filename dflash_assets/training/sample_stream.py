@@ -15,9 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_assets.core.drafter import DrafterConfig
-from dflash_assets.core.sample_format import HiddenStateSample, read_sample
-from dflash_assets.core.store import ObjectStore
+from dflash_assets.drafter.model import DrafterConfig
+from dflash_assets.extraction.sample_format import HiddenStateSample, read_sample
+from dflash_assets.storage.store import ObjectStore
 
 
 class SampleMismatchError(ValueError):

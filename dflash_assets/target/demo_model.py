@@ -8,7 +8,7 @@ template and a `<|mask|>` token for the drafter. Its embedding and LM head are f
 model of the same conversations, so greedy predictions look like the data; the decoder layers stay
 random (seeded) but each one visibly changes the hidden state.
 
-    python -m dflash_assets.core.demo_model [DIR]    # build into DIR, or into the shared cache
+    python -m dflash_assets.target.demo_model [DIR]    # build into DIR, or into the shared cache
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.core.datasets import Dropped, bundled_dataset_path, default_cache_dir, iter_rows
+from dflash_assets.conversations.datasets import Dropped, bundled_dataset_path, default_cache_dir, iter_rows
 
 # Bump when anything below changes what gets built: cached copies are keyed by it.
 DEMO_MODEL_VERSION = "2"  # 2: no transitions between turns
@@ -265,7 +265,7 @@ def _write_readme(directory: Path, seed: int) -> None:
     (directory / "README.md").write_text(
         f"# {DEMO_MODEL_NAME} (demo, version {DEMO_MODEL_VERSION})\n\n"
         "A tiny deterministic Qwen3.5-family (`qwen3_5_text`) causal LM built by "
-        "`python -m dflash_assets.core.demo_model`, for running dflash-assets without a real target.\n"
+        "`python -m dflash_assets.target.demo_model`, for running dflash-assets without a real target.\n"
         "Not a useful language model.\n\n"
         f"- seed {seed}; embedding and LM head fitted as a bigram model of the bundled sample "
         "conversations, decoder layers random\n"

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from dflash_assets.core.manifest import list_partition_objects, read_manifest
-from dflash_assets.core.sample_format import parse_sample_object_name, read_sample
-from dflash_assets.core.store import ObjectStore
+from dflash_assets.extraction.sample_format import parse_sample_object_name, read_sample
+from dflash_assets.storage.manifest import list_partition_objects, read_manifest
+from dflash_assets.storage.store import ObjectStore
 
 
 @dataclass

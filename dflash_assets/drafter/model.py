@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_assets.core.drafter_config import (
+from dflash_assets.drafter.config import (
     CONFIG_NAME,
     DRAFTER_SHAPES,
     SLIDING_ATTENTION,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from dflash_assets.core.store import ObjectInfo, ObjectStore
+from dflash_assets.storage.store import ObjectInfo, ObjectStore
 
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_FORMAT = "dflash-assets.manifest/1"

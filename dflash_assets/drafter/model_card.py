@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_assets.core.drafter import DrafterConfig, drafter_parameter_count, export_drafter
+from dflash_assets.drafter.model import DrafterConfig, drafter_parameter_count, export_drafter
 
 if TYPE_CHECKING:
-    from dflash_assets.core.train import TrainResult
+    from dflash_assets.training.train import TrainResult
 
 
 def _number(value: Any, digits: int = 3) -> str:

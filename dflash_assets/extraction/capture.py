@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_assets.core.devices import torch_device
+from dflash_assets.target.devices import torch_device
 
 LAYER_IDS_SETTING = "DFLASH_TARGET_LAYER_IDS"
 MODEL_SETTING = "DFLASH_TARGET_MODEL"

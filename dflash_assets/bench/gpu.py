@@ -25,14 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_assets.bench import ANCHOR_BATCH_SIZE
-from dflash_assets.core.batching import pad_batch, padding_fraction, plan_batches
-from dflash_assets.core.capture import HiddenStateCapture, dflash_target_layer_ids
-from dflash_assets.core.host_transfer import HostTransfer
-from dflash_assets.core.kernels import kernel_paths
-from dflash_assets.core.samples import TokenizedSample
-from dflash_assets.core.store import LocalStore
-from dflash_assets.core.uploader import Uploader
+from dflash_assets.bench.run import ANCHOR_BATCH_SIZE
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.extraction.batching import pad_batch, padding_fraction, plan_batches
+from dflash_assets.extraction.capture import HiddenStateCapture, dflash_target_layer_ids
+from dflash_assets.extraction.host_transfer import HostTransfer
+from dflash_assets.storage.store import LocalStore
+from dflash_assets.storage.uploader import Uploader
+from dflash_assets.target.kernels import kernel_paths
 
 # Dense bf16 peak of one device (tensor cores, no sparsity), from the vendors' data sheets.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -184,7 +184,7 @@ def forward_flops(
     (2 * 2 * heads * head_dim per query-key pair, L(L+1)/2 pairs); gated-delta-net state reads and updates
     counted as 4 * value heads * key dim * value dim per token (the chunked kernel's extra work is not
     model work). `through_layer`: the forward stops after that decoder layer (None: all of them)."""
-    from dflash_assets.core.capture import find_decoder
+    from dflash_assets.extraction.capture import find_decoder
 
     _, layers = find_decoder(model)
     run = layers if through_layer is None else layers[: through_layer + 1]
@@ -271,7 +271,7 @@ def run_extraction(
     model: nn.Module, samples: Sequence[TokenizedSample], layer_ids: list[int], directory: Path, budget: int
 ) -> None:
     """`extract_range` into a local store on this machine's disk, staging beside it."""
-    from dflash_assets.core.extract import extract_range
+    from dflash_assets.extraction.extract import extract_range
 
     store = LocalStore(directory / "store")
     with Uploader(store, staging_budget_bytes=8 * 2**30) as uploader:
@@ -459,6 +459,6 @@ def run_gpu_bench(
 
 def drafter_step_figures(tiny: bool, device: torch.device) -> list[str]:
     """The drafter training step, flex vs materialised attention (see `bench_drafter`)."""
-    from dflash_assets.bench_drafter import drafter_step_lines
+    from dflash_assets.bench.drafter_step import drafter_step_lines
 
     return drafter_step_lines(device, tiny=tiny, peak_flops=peak_flops)

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dflash_assets.core.drafter import DrafterConfig
-from dflash_assets.core.store import ObjectStore
-from dflash_assets.core.uploader import Uploader
+from dflash_assets.drafter.model import DrafterConfig
+from dflash_assets.storage.store import ObjectStore
+from dflash_assets.storage.uploader import Uploader
 
 CHECKPOINT_FORMAT = "dflash-assets.checkpoint/2"  # 2: reference weight names and config
 CHECKPOINTS_PREFIX = "checkpoints"

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from dflash_assets.bench_gpu import _synchronize
-from dflash_assets.core.drafter import (
+from dflash_assets.bench.gpu import _synchronize
+from dflash_assets.drafter.config import drafter_shape
+from dflash_assets.drafter.model import (
     DFlashDrafter,
     DrafterBatch,
     DrafterConfig,
@@ -27,7 +28,6 @@ from dflash_assets.core.drafter import (
     drafter_parameter_count,
     sample_anchors,
 )
-from dflash_assets.core.drafter_config import drafter_shape
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ TINY = DrafterShapeCase("tiny drafter", 64, 176, 1536, 12, 256, 32)
 
 def build_drafter(case: DrafterShapeCase, device: torch.device) -> DFlashDrafter:
     """The `dflash` preset for a target of this width, with random shared embedding and LM head."""
-    from dflash_assets.core.capture import dflash_target_layer_ids
+    from dflash_assets.extraction.capture import dflash_target_layer_ids
 
     target = {"hidden_size": case.hidden_size, "intermediate_size": case.intermediate_size}
     config = DrafterConfig(
@@ -106,7 +106,7 @@ def time_steps(
     device: torch.device,
 ) -> dict[str, Any]:
     """Seconds per step (median of `steps` after a warm-up step), peak memory above the idle state."""
-    from dflash_assets.core.drafter import dflash_loss
+    from dflash_assets.drafter.model import dflash_loss
 
     model.set_attention_backend(backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
