@@ -103,7 +103,7 @@ def run_demo(steps: int | None = None) -> int:
             _print_failure(result)
             return 1
     print(f"done in {time.monotonic() - started:.0f}s. Results under {store.url}:")
-    from dflash_assets.storage.store import open_store
+    from dflash_assets.storage.open_store import open_store
 
     listing: dict[str, int] = {}
     for info in open_store(store.url).list(""):

@@ -17,7 +17,9 @@ from dagster import ConfigurableResource
 from pydantic import PrivateAttr
 
 from dflash_assets import settings
-from dflash_assets.storage.store import ObjectStore, S3Settings, open_store
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.storage.s3_store import S3Settings
+from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
 
 
@@ -122,7 +124,7 @@ class TargetModelResource(ConfigurableResource):
         """Validated against the model's layer count before anything touches a device."""
         from transformers import AutoConfig
 
-        from dflash_assets.extraction.capture import parse_layer_ids, resolve_target_layer_ids
+        from dflash_assets.target.layer_ids import parse_layer_ids, resolve_target_layer_ids
 
         config = AutoConfig.from_pretrained(self.model_dir())
         explicit = parse_layer_ids(self.target_layer_ids) if self.target_layer_ids.strip() else None

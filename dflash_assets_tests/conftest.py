@@ -154,7 +154,7 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def target(target_dir: Path):
-    from dflash_assets.extraction.capture import load_target_model
+    from dflash_assets.target.model import load_target_model
 
     return load_target_model(target_dir, "cpu")
 

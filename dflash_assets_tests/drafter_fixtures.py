@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.drafter.model import DrafterConfig
+from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.sample_format import sample_object_name, write_sample
 from dflash_assets.storage.store import ObjectStore

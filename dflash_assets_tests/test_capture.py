@@ -9,14 +9,9 @@ import pytest
 import torch
 
 from dflash_assets.extraction.batching import pad_batch
-from dflash_assets.extraction.capture import (
-    HiddenStateCapture,
-    TargetModelError,
-    dflash_target_layer_ids,
-    load_target_model,
-    parse_layer_ids,
-    resolve_target_layer_ids,
-)
+from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.target.layer_ids import dflash_target_layer_ids, parse_layer_ids, resolve_target_layer_ids
+from dflash_assets.target.model import TargetModelError, load_target_model
 
 TINY_LAYERS = 10
 TINY_VOCAB = 500

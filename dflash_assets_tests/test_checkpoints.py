@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig
-from dflash_assets.storage.store import LocalStore, ObjectInfo, ObjectStore, open_store
+from dflash_assets.drafter.config import DrafterConfig
+from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.storage.local_store import LocalStore
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.storage.store import ObjectInfo, ObjectStore
 from dflash_assets.training.checkpoints import (
     MARKER_NAME,
     MODEL_FILE,

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.capture import HiddenStateCapture, load_target_model
+from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.host_transfer import HostTransfer
 from dflash_assets.extraction.sample_format import read_sample, sample_object_name
-from dflash_assets.storage.store import LocalStore
+from dflash_assets.storage.local_store import LocalStore
+from dflash_assets.target.model import load_target_model
 from dflash_assets_tests.test_capture import reference_hidden_states, save_tiny_target
 from dflash_assets_tests.test_extract import Extraction, make_samples, stored_objects
 

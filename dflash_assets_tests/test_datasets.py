@@ -21,7 +21,7 @@ from dflash_assets.conversations.datasets import (
     resolve_dataset,
 )
 from dflash_assets.conversations.sample_range import SampleRange
-from dflash_assets.storage.store import open_store
+from dflash_assets.storage.open_store import open_store
 
 
 def conversation(question: str, answer: str) -> dict:

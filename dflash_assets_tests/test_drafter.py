@@ -11,17 +11,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from dflash_assets.drafter.config import DrafterConfig, load_target_embeddings
 from dflash_assets.drafter.evaluate import evaluate_drafter
-from dflash_assets.drafter.model import (
+from dflash_assets.drafter.model import DFlashDrafter, rotary_cos_sin
+from dflash_assets.drafter.objective import (
     BlockAnchors,
-    DFlashDrafter,
     DrafterBatch,
-    DrafterConfig,
     anchor_generator,
     dflash_loss,
-    load_target_embeddings,
     position_weights,
-    rotary_cos_sin,
     sample_anchors,
 )
 from dflash_assets_tests.drafter_fixtures import (

@@ -12,9 +12,9 @@ import torch
 from dagster import AssetKey
 from safetensors.torch import load_file
 
-from dflash_assets.drafter.model import load_drafter
+from dflash_assets.drafter.export import load_drafter
 from dflash_assets.storage.manifest import read_manifest
-from dflash_assets.storage.store import open_store
+from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import (
     TEST_SECRET_ACCESS_KEY,
     aws_env,

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.capture import dflash_target_layer_ids, load_target_model
 from dflash_assets.extraction.extract import (
     FINGERPRINT_NAME,
     ExtractionResult,
@@ -26,9 +25,13 @@ from dflash_assets.extraction.sample_format import (
     read_sample,
     sample_object_name,
 )
+from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.manifest import MANIFEST_NAME
-from dflash_assets.storage.store import LocalStore, ObjectStore, StoreError, open_store
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.storage.store import ObjectStore, StoreError
 from dflash_assets.storage.uploader import Uploader, UploadError
+from dflash_assets.target.layer_ids import dflash_target_layer_ids
+from dflash_assets.target.model import load_target_model
 from dflash_assets_tests.test_capture import (
     BF16_ATOL,
     BF16_RTOL,

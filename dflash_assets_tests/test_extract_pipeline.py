@@ -10,16 +10,17 @@ import pytest
 import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.capture import load_target_model
 from dflash_assets.extraction.host_transfer import HostTransfer
 from dflash_assets.extraction.sample_format import estimate_sample_nbytes, read_sample, sample_object_name
+from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.staging import (
     BOOT_MARKER_NAME,
     FINGERPRINT_NAME,
     StagingDirectory,
     current_boot_id,
 )
-from dflash_assets.storage.store import LocalStore, source_will_be_deleted
+from dflash_assets.storage.store import source_will_be_deleted
+from dflash_assets.target.model import load_target_model
 from dflash_assets_tests.test_extract import DEFAULT_LAYERS as LAYERS
 from dflash_assets_tests.test_extract import PREFIX, Extraction, make_samples, stored_objects
 

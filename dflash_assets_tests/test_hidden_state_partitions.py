@@ -18,7 +18,7 @@ from dagster import AssetKey
 
 from dflash_assets.extraction.sample_format import read_sample
 from dflash_assets.storage.manifest import read_manifest
-from dflash_assets.storage.store import open_store
+from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import (
     TEST_SECRET_ACCESS_KEY,
     aws_env,

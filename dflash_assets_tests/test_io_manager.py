@@ -9,7 +9,7 @@ from dagster import AssetIn, DagsterInstance, StaticPartitionsDefinition, asset,
 from dflash_assets.io_manager import PartitionOutput, StoreIOManager
 from dflash_assets.resources import StoreResource
 from dflash_assets.storage.manifest import read_manifest
-from dflash_assets.storage.store import open_store
+from dflash_assets.storage.open_store import open_store
 
 PARTS = StaticPartitionsDefinition(["00000000-00000009", "00000010-00000019"])
 

@@ -13,7 +13,7 @@ from dflash_assets.storage.manifest import (
     read_manifest,
     write_manifest,
 )
-from dflash_assets.storage.store import open_store
+from dflash_assets.storage.open_store import open_store
 
 PREFIX = "hidden-states/00000000-00000099"
 

@@ -3,7 +3,8 @@
 import torch
 
 from dflash_assets.extraction.batching import pad_batch
-from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture, load_target_model
+from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture
+from dflash_assets.target.model import load_target_model
 
 
 def test_a_batch_split_across_replicas_equals_one_replica_in_the_original_row_order(demo_model_dir):

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.drafter.model import DrafterConfig
+from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.extraction.sample_format import sample_object_name, write_sample
-from dflash_assets.storage.store import ObjectStore, open_store
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.storage.store import ObjectStore
 from dflash_assets.training.sample_stream import SampleMismatchError, SampleStream
 
 LAYERS = [1, 2, 3]

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_assets.drafter.config import DrafterConfig
+from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.speculative import (
     SpeculativeEvaluator,
     TargetVerifier,
@@ -18,8 +19,10 @@ from dflash_assets.drafter.speculative import (
     held_out_prompts,
     speculative_decode,
 )
-from dflash_assets.storage.store import open_store
-from dflash_assets.training.train import OnlineData, TrainSettings, train_drafter
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.training.data import OnlineData
+from dflash_assets.training.settings import TrainSettings
+from dflash_assets.training.train import train_drafter
 from dflash_assets_tests.drafter_fixtures import (
     CYCLE_START,
     MASK_TOKEN_ID,

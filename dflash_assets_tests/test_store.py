@@ -10,19 +10,18 @@ from pathlib import Path
 import boto3
 import pytest
 
+from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.moto_server import free_port, start_moto_server
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.storage.s3_store import S3Settings, S3Store
 from dflash_assets.storage.store import (
     PARTIAL_SUFFIX,
-    LocalStore,
     ObjectInfo,
     ObjectNotFound,
-    S3Settings,
-    S3Store,
     StoreConfigError,
     StoreError,
     TransientStoreError,
     atomic_write,
-    open_store,
 )
 from dflash_assets_tests.conftest import TEST_REGION, TEST_SECRET_ACCESS_KEY, create_bucket
 

@@ -15,7 +15,7 @@ from dflash_assets.conversations.tokenize import read_shard
 from dflash_assets.io_manager import StoreIOManager
 from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import read_manifest
-from dflash_assets.storage.store import open_store
+from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY
 
 KEY = "00000000-00000099"

@@ -9,21 +9,17 @@ import pytest
 import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.evaluate import evaluate_drafter
-from dflash_assets.drafter.model import DFlashDrafter, DrafterConfig, estimate_step_bytes
+from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.drafter.objective import estimate_step_bytes
 from dflash_assets.extraction.capture import HiddenStateCapture
-from dflash_assets.storage.store import open_store
-from dflash_assets.training.train import (
-    OfflineData,
-    OnlineData,
-    TrainResult,
-    TrainSettings,
-    collate_tokenized_samples,
-    epoch_plan,
-    lr_factor,
-    micro_batches,
-    train_drafter,
-)
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.training.data import OfflineData, OnlineData, collate_tokenized_samples
+from dflash_assets.training.plan import epoch_plan, micro_batches
+from dflash_assets.training.schedule import lr_factor
+from dflash_assets.training.settings import TrainSettings
+from dflash_assets.training.train import TrainResult, train_drafter
 from dflash_assets_tests.drafter_fixtures import (
     build_tiny_target,
     counting_samples,

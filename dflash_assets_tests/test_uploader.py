@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.storage.store import ObjectInfo, S3Settings, open_store
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.storage.s3_store import S3Settings
+from dflash_assets.storage.store import ObjectInfo
 from dflash_assets.storage.uploader import Uploader, UploadError
 from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY
 

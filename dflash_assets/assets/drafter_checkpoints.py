@@ -81,7 +81,7 @@ def _block_metadata(prefix: str, metrics: dict | None) -> dict:
 
 def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, budget: int):
     from dflash_assets.extraction.sample_format import parse_sample_object_name  # imports torch
-    from dflash_assets.training.train import OfflineData
+    from dflash_assets.training.data import OfflineData
 
     if not hidden_states:
         raise ValueError(
@@ -119,12 +119,16 @@ def drafter_checkpoints(
     target_model: TargetModelResource,
     devices: DeviceLeaseResource,
 ) -> PartitionOutput:
-    from dflash_assets.drafter.model import DrafterConfig, config_summary
-    from dflash_assets.drafter.model_card import export_trained_drafter
+    from dflash_assets.drafter.config import DrafterConfig
+    from dflash_assets.drafter.model import config_summary
     from dflash_assets.drafter.speculative import TargetVerifier
-    from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture, load_target_model
+    from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture
     from dflash_assets.target.kernels import report_kernel_paths
-    from dflash_assets.training.train import OnlineData, TrainSettings, train_drafter
+    from dflash_assets.target.model import load_target_model
+    from dflash_assets.training.data import OnlineData
+    from dflash_assets.training.export import export_trained_drafter
+    from dflash_assets.training.settings import TrainSettings
+    from dflash_assets.training.train import train_drafter
 
     object_store = store.check()
     model_dir = target_model.model_dir()

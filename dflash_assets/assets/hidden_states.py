@@ -68,9 +68,9 @@ def hidden_state_partitions(
     target_model: TargetModelResource,
     devices: DeviceLeaseResource,
 ):
-    from dflash_assets.extraction.capture import load_target_model
     from dflash_assets.extraction.extract import extract_range
     from dflash_assets.extraction.verify import verify_hidden_state_partition
+    from dflash_assets.target.model import load_target_model
 
     sample_range = SampleRange.parse(context.partition_key)
     progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)

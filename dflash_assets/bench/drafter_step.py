@@ -17,17 +17,10 @@ from typing import Any
 
 import torch
 
-from dflash_assets.bench.gpu import _synchronize
-from dflash_assets.drafter.config import drafter_shape
-from dflash_assets.drafter.model import (
-    DFlashDrafter,
-    DrafterBatch,
-    DrafterConfig,
-    anchor_generator,
-    block_labels,
-    drafter_parameter_count,
-    sample_anchors,
-)
+from dflash_assets.bench.capture_ways import synchronize
+from dflash_assets.drafter.config import DrafterConfig, drafter_shape
+from dflash_assets.drafter.model import DFlashDrafter, drafter_parameter_count
+from dflash_assets.drafter.objective import DrafterBatch, anchor_generator, block_labels, sample_anchors
 
 
 @dataclass(frozen=True)
@@ -47,7 +40,7 @@ TINY = DrafterShapeCase("tiny drafter", 64, 176, 1536, 12, 256, 32)
 
 def build_drafter(case: DrafterShapeCase, device: torch.device) -> DFlashDrafter:
     """The `dflash` preset for a target of this width, with random shared embedding and LM head."""
-    from dflash_assets.extraction.capture import dflash_target_layer_ids
+    from dflash_assets.target.layer_ids import dflash_target_layer_ids
 
     target = {"hidden_size": case.hidden_size, "intermediate_size": case.intermediate_size}
     config = DrafterConfig(
@@ -106,7 +99,7 @@ def time_steps(
     device: torch.device,
 ) -> dict[str, Any]:
     """Seconds per step (median of `steps` after a warm-up step), peak memory above the idle state."""
-    from dflash_assets.drafter.model import dflash_loss
+    from dflash_assets.drafter.objective import dflash_loss
 
     model.set_attention_backend(backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -124,7 +117,7 @@ def time_steps(
         return float(output.loss.detach())
 
     one_step()  # compile, allocate optimiser state
-    _synchronize(device)
+    synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         idle = torch.cuda.memory_allocated(device)
@@ -132,7 +125,7 @@ def time_steps(
     for _ in range(steps):
         started = time.perf_counter()
         loss = one_step()
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     _, _, labels = block_labels(batch, anchors, model.config.block_size)
     seconds = sorted(times)[len(times) // 2]

@@ -25,14 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_assets.bench.run import ANCHOR_BATCH_SIZE
+from dflash_assets.bench.capture_ways import ANCHOR_BATCH_SIZE, run_anchors_way, run_capture, synchronize
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.batching import pad_batch, padding_fraction, plan_batches
-from dflash_assets.extraction.capture import HiddenStateCapture, dflash_target_layer_ids
-from dflash_assets.extraction.host_transfer import HostTransfer
-from dflash_assets.storage.store import LocalStore
+from dflash_assets.extraction.batching import padding_fraction, plan_batches
+from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.kernels import kernel_paths
+from dflash_assets.target.layer_ids import dflash_target_layer_ids
 
 # Dense bf16 peak of one device (tensor cores, no sparsity), from the vendors' data sheets.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -184,7 +183,7 @@ def forward_flops(
     (2 * 2 * heads * head_dim per query-key pair, L(L+1)/2 pairs); gated-delta-net state reads and updates
     counted as 4 * value heads * key dim * value dim per token (the chunked kernel's extra work is not
     model work). `through_layer`: the forward stops after that decoder layer (None: all of them)."""
-    from dflash_assets.extraction.capture import find_decoder
+    from dflash_assets.target.model import find_decoder
 
     _, layers = find_decoder(model)
     run = layers if through_layer is None else layers[: through_layer + 1]
@@ -220,51 +219,6 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------- variants
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def run_anchors_way(model: nn.Module, samples: Sequence[TokenizedSample], layer_ids: list[int]) -> None:
-    """The public pipelines' capture: full forward, LM head included, `output_hidden_states=True`,
-    fixed batches in dataset order, each sample's layers stacked and copied to the host."""
-    device = next(model.parameters()).device
-    with torch.inference_mode():
-        for start in range(0, len(samples), ANCHOR_BATCH_SIZE):
-            batch = samples[start : start + ANCHOR_BATCH_SIZE]
-            input_ids, mask = pad_batch([s.input_ids for s in batch], 0)
-            out = model(input_ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
-            stacked = torch.stack([out.hidden_states[i + 1] for i in layer_ids], dim=2)
-            for row, sample in enumerate(batch):
-                stacked[row, : sample.num_tokens].to(torch.bfloat16).cpu()
-            del out, stacked
-
-
-def run_capture(
-    model: nn.Module, samples: Sequence[TokenizedSample], layer_ids: list[int], to_host: bool, budget: int
-) -> float:
-    """Ours, as extraction captures: length-bucketed batches, early stop; with `to_host` every batch
-    also goes to the host through `HostTransfer`. Returns the padding fraction."""
-    capture = HiddenStateCapture(model, layer_ids)
-    transfer = HostTransfer(capture.device)
-    lengths = [s.num_tokens for s in samples]
-    batches = plan_batches(lengths, budget)
-    pending = None
-    for batch in batches:
-        input_ids, mask = pad_batch([samples[i].input_ids for i in batch], 0)
-        captured = capture(input_ids, mask)
-        if to_host:
-            started = transfer.start(captured, [lengths[i] for i in batch])
-            if pending is not None:
-                pending.wait()
-            pending = started
-        del captured
-    if pending is not None:
-        pending.wait()
-    _synchronize(capture.device)
-    return padding_fraction(batches, lengths)
 
 
 def run_extraction(
@@ -357,11 +311,11 @@ def bench_target(
             order = VARIANTS if round_index % 2 == 0 else tuple(reversed(VARIANTS))
             for variant in order:
                 if device.type == "cuda":
-                    _synchronize(device)
+                    synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                 start = time.perf_counter()
                 runs[variant](round_index)
-                _synchronize(device)
+                synchronize(device)
                 times[variant].append(time.perf_counter() - start)
                 if weights is not None:
                     peak = torch.cuda.max_memory_allocated(device) - weights
@@ -458,7 +412,7 @@ def run_gpu_bench(
 
 
 def drafter_step_figures(tiny: bool, device: torch.device) -> list[str]:
-    """The drafter training step, flex vs materialised attention (see `bench_drafter`)."""
+    """The drafter training step, flex vs materialised attention (see `bench.drafter_step`)."""
     from dflash_assets.bench.drafter_step import drafter_step_lines
 
     return drafter_step_lines(device, tiny=tiny, peak_flops=peak_flops)

@@ -106,7 +106,8 @@ def resolve_dataset(uri: str | Path | None = None, *, s3: Any = None, cache_dir:
 
 
 def _download_s3_dataset(uri: str, *, s3: Any, cache_dir: Path | None) -> Path:
-    from dflash_assets.storage.store import ObjectNotFound, open_store
+    from dflash_assets.storage.open_store import open_store
+    from dflash_assets.storage.store import ObjectNotFound
 
     bucket, _, key = uri[len("s3://") :].partition("/")
     if not bucket or not key or key.endswith("/"):

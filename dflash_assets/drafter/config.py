@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dflash_assets.extraction.capture import resolve_target_layer_ids, text_config
+from dflash_assets.target.layer_ids import resolve_target_layer_ids
+from dflash_assets.target.model import text_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -317,9 +318,7 @@ def _target_file(target_model: str | Path, filename: str) -> Path:
     return Path(hf_hub_download(str(target_model), filename))
 
 
-def resolve_mask_token(
-    target_model: str | Path, explicit: int | None, vocab_size: int
-) -> tuple[int, str]:
+def resolve_mask_token(target_model: str | Path, explicit: int | None, vocab_size: int) -> tuple[int, str]:
     """The mask token id and why it was chosen: an explicit id, else the tokenizer's `mask_token`, else
     the first id past the tokenizer's vocabulary that still has a row in the embedding matrix (what the
     published drafters do: 151669 for Qwen3 is exactly `len(tokenizer)`)."""
@@ -379,5 +378,3 @@ def load_target_embeddings(target_model: str | Path) -> tuple[torch.Tensor, torc
             "word embeddings"
         )
     return embedding, embedding
-
-

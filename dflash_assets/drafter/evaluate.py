@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from dflash_assets.drafter.model import (
+from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.drafter.objective import (
     BlockLossOutput,
-    DFlashDrafter,
     DrafterBatch,
     anchor_generator,
     dflash_loss,

@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
+from dflash_assets.conversations.samples import TokenizedSample
+
 SAMPLE_FORMAT = "dflash-assets.hidden-states/1"
 RESERVED_METADATA_KEYS = frozenset(
     {"format", "sample_index", "target_layer_ids", "target_model", "hidden_size", "num_tokens"}
@@ -342,3 +344,36 @@ def read_sample(source: str | Path | bytes) -> HiddenStateSample:
         hidden_size=int(metadata["hidden_size"]),
         metadata=metadata,
     )
+
+
+def staged_file_problem(
+    path: Path, sample: TokenizedSample, fingerprint: dict[str, Any], num_layers: int, hidden_size: int
+) -> str | None:
+    """Why a final-named staged file cannot be uploaded as `sample`'s object, or None if it can."""
+    index = sample.sample_index
+    try:
+        metadata = read_sample_metadata(path)
+    except (CorruptSampleError, OSError) as error:
+        return str(error)
+    if metadata.get("sample_index") != str(index):
+        return f"its metadata says sample {metadata.get('sample_index')}"
+    made_by = {
+        "format": metadata.get("format"),
+        "target_model": metadata.get("target_model"),
+        "target_layer_ids": json.loads(metadata.get("target_layer_ids", "null")),
+        "hidden_size": int(metadata.get("hidden_size", -1)),
+    }
+    if made_by != fingerprint:
+        return f"made by {made_by}"
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            input_ids = handle.get_tensor("input_ids").tolist()
+            loss_mask = handle.get_tensor("loss_mask").tolist()
+            shape = list(handle.get_slice("hidden_states").get_shape())
+    except Exception as error:  # safetensors raises its own error types for damaged files
+        return f"unreadable ({error})"
+    if input_ids != list(sample.input_ids) or loss_mask != list(sample.loss_mask):
+        return "its tokens differ from the tokenized sample (the tokenized range changed)"
+    if shape != [sample.num_tokens, num_layers, hidden_size]:
+        return f"hidden_states shape {shape}"
+    return None

@@ -23,11 +23,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
-from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.sample_format import CorruptSampleError, read_sample_metadata
-
 FINGERPRINT_NAME = "_fingerprint.json"
 BOOT_MARKER_NAME = "_boot_id"
 LOCK_NAME = ".extract.lock"
@@ -145,39 +140,6 @@ class StagingDirectory:
         for path in sorted(self.directory.iterdir()):
             if path.is_file() and path.name not in BOOKKEEPING_NAMES:
                 yield path
-
-
-def staged_file_problem(
-    path: Path, sample: TokenizedSample, fingerprint: dict[str, Any], num_layers: int, hidden_size: int
-) -> str | None:
-    """Why a final-named staged file cannot be uploaded as `sample`'s object, or None if it can."""
-    index = sample.sample_index
-    try:
-        metadata = read_sample_metadata(path)
-    except (CorruptSampleError, OSError) as error:
-        return str(error)
-    if metadata.get("sample_index") != str(index):
-        return f"its metadata says sample {metadata.get('sample_index')}"
-    made_by = {
-        "format": metadata.get("format"),
-        "target_model": metadata.get("target_model"),
-        "target_layer_ids": json.loads(metadata.get("target_layer_ids", "null")),
-        "hidden_size": int(metadata.get("hidden_size", -1)),
-    }
-    if made_by != fingerprint:
-        return f"made by {made_by}"
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            input_ids = handle.get_tensor("input_ids").tolist()
-            loss_mask = handle.get_tensor("loss_mask").tolist()
-            shape = list(handle.get_slice("hidden_states").get_shape())
-    except Exception as error:  # safetensors raises its own error types for damaged files
-        return f"unreadable ({error})"
-    if input_ids != list(sample.input_ids) or loss_mask != list(sample.loss_mask):
-        return "its tokens differ from the tokenized sample (the tokenized range changed)"
-    if shape != [sample.num_tokens, num_layers, hidden_size]:
-        return f"hidden_states shape {shape}"
-    return None
 
 
 def _write_replacing(path: Path, text: str, durable: bool = False) -> None:

@@ -7,18 +7,15 @@ Every write is atomic: an object is either absent or complete, never half-writte
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
-from urllib.parse import urlparse
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +23,6 @@ STORE_URL_SETTING = "DFLASH_STORE_URL"
 # In-progress writes carry this suffix; listings skip them and keys may not end with it.
 PARTIAL_SUFFIX = ".dflash-partial"
 CHECKSUM_MODES = ("when_supported", "when_required")
-_COPY_CHUNK_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -53,41 +49,6 @@ class StoreConfigError(StoreError):
 
 class ObjectNotFound(StoreError):
     pass
-
-
-@dataclass
-class S3Settings:
-    """How to reach S3. Credentials are deliberately absent: they come from the standard AWS chain
-    (environment, profile, instance role), so they never end up in run config or process arguments."""
-
-    endpoint_url: str | None = None  # None: boto3 reads AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL itself
-    region: str | None = None  # None: AWS_DEFAULT_REGION / profile
-    profile: str | None = None  # None: AWS_PROFILE / default chain
-    checksum: str | None = None  # "when_supported" / "when_required"; None: boto3 default (env honoured)
-    max_pool_connections: int = 100
-    max_attempts: int = 8  # per request, including the first try (botocore's adaptive retry mode)
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    # None: path-style for custom endpoints (S3-compatible servers rarely have wildcard DNS), boto3's
-    # default for AWS itself. "path" / "virtual" / "auto" force a style.
-    addressing_style: str | None = None
-    multipart_threshold_bytes: int = 64 * 2**20
-    multipart_chunk_bytes: int = 64 * 2**20
-    transfer_concurrency: int = 4  # threads per multipart transfer; small files use one request
-    list_page_size: int = 1000
-
-    def __post_init__(self) -> None:
-        if self.checksum is not None and self.checksum not in CHECKSUM_MODES:
-            raise StoreConfigError(
-                f"S3 checksum mode {self.checksum!r} is not one of {CHECKSUM_MODES} "
-                "(or None for boto3's default, which honours AWS_REQUEST_CHECKSUM_CALCULATION)"
-            )
-        if self.addressing_style not in (None, "path", "virtual", "auto"):
-            raise StoreConfigError(
-                f"S3 addressing style {self.addressing_style!r} is not one of 'path', 'virtual', 'auto'"
-            )
-        if self.max_attempts < 1 or self.max_pool_connections < 1 or self.list_page_size < 1:
-            raise StoreConfigError("S3 max_attempts, max_pool_connections and list_page_size must be >= 1")
 
 
 def check_key(key: str) -> str:
@@ -125,12 +86,12 @@ def join_key(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
 
 
-def _partial_path(path: Path) -> Path:
+def partial_path(path: Path) -> Path:
     # Same directory as the target so os.replace is an atomic rename on one filesystem.
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     # Makes the rename itself durable; not all platforms can open a directory, so best effort.
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
@@ -156,16 +117,18 @@ def source_will_be_deleted() -> Iterator[None]:
         _SOURCE_WILL_BE_DELETED.reset(token)
 
 
-# Why a hard link cannot be made (another filesystem, no link support): then the bytes are copied.
-_NO_LINK_ERRNOS = frozenset(
-    {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EACCES}
-)
+def source_is_deletable() -> bool:
+    """Whether the caller of the current `put_file` said (with `source_will_be_deleted`) that the
+    source file is theirs to delete and never modified in place."""
+    return _SOURCE_WILL_BE_DELETED.get()
+
+
 
 
 def atomic_write(path: Path, write: Any) -> int:
     """Write through `write(file)` into a temp file beside `path`, fsync, then rename over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = _partial_path(path)
+    partial = partial_path(path)
     try:
         with open(partial, "wb") as f:
             write(f)
@@ -176,7 +139,7 @@ def atomic_write(path: Path, write: Any) -> int:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return size
 
 
@@ -249,521 +212,3 @@ class ObjectStore(ABC):
         return f"{type(self).__name__}({self.description!r})"
 
 
-# --------------------------------------------------------------------------------------------- local
-
-
-class LocalStore(ObjectStore):
-    """A directory on the local filesystem (or a shared mount) laid out exactly like the bucket."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root).expanduser().resolve()
-        self.url = str(self.root)
-        # Directories links have gone into; saves a mkdir per object. Sets are safe across threads here
-        # (single add/discard/contains calls under the GIL).
-        self._known_directories: set[Path] = set()
-
-    @property
-    def description(self) -> str:
-        return f"local directory {self.root}"
-
-    @property
-    def max_parallel_puts(self) -> int:
-        # A put is a link (or a copy) plus an fsync: bound by this machine's disk, not by latency.
-        return max(2, min(8, os.cpu_count() or 2))
-
-    def _path(self, key: str) -> Path:
-        return self.root.joinpath(*check_key(key).split("/"))
-
-    def uri(self, key: str) -> str:
-        # Also accepts a prefix ("hidden-states/p/"), since messages name partitions as well as objects.
-        return f"{self.url}/{check_prefix(key)}" if key else self.url
-
-    def check(self) -> None:
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = _partial_path(self.root / "check")
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as err:
-            raise StoreConfigError(
-                f"local store directory {self.root} is not writable ({err.strerror or err}): "
-                f"fix {STORE_URL_SETTING} or the directory's permissions"
-            ) from err
-
-    def put_file(self, key: str, path: Path) -> ObjectInfo:
-        target = self._path(key)
-        if _SOURCE_WILL_BE_DELETED.get():
-            linked = self._link_into_place(target, Path(path))
-            if linked is not None:
-                return ObjectInfo(key, linked)
-        with open(path, "rb") as source:
-            size = atomic_write(target, lambda f: shutil.copyfileobj(source, f, _COPY_CHUNK_BYTES))
-        return ObjectInfo(key, size)
-
-    def _link_into_place(self, target: Path, source: Path) -> int | None:
-        """`atomic_write`'s guarantees without copying: the source's bytes are fsynced (the store's copy is
-        the durable one), a second name is linked beside the target and renamed over it. None when this
-        filesystem pair cannot link; the caller then copies."""
-        fd = os.open(source, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        if target.parent not in self._known_directories:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self._known_directories.add(target.parent)
-        try:
-            # A new name for a complete inode appears atomically: no temporary name is needed...
-            os.link(source, target)
-        except FileExistsError:
-            # ...unless an older object is there, which a rename replaces in one step.
-            partial = _partial_path(target)
-            try:
-                os.link(source, partial)
-                os.replace(partial, target)
-            except BaseException:
-                partial.unlink(missing_ok=True)
-                raise
-        except FileNotFoundError:
-            self._known_directories.discard(target.parent)  # deleted meanwhile (delete_prefix prunes)
-            raise TransientStoreError(f"{target.parent} disappeared while linking {source} into it") from None
-        except OSError as err:
-            if err.errno in _NO_LINK_ERRNOS:
-                return None
-            raise
-        # The directory is not fsynced per object: the bytes are already durable, so a rename lost to a
-        # power cut leaves the object absent (recomputed), never torn; `sync` makes the names durable
-        # once per range, before its manifest is written.
-        return size
-
-    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
-        size = atomic_write(self._path(key), lambda f: f.write(data))
-        return ObjectInfo(key, size)
-
-    def get_bytes(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
-            raise ObjectNotFound(f"object {key!r} not found in {self.description}") from None
-
-    def download(self, key: str, path: Path) -> Path:
-        source = self._path(key)
-        path = Path(path)
-        try:
-            size = source.stat().st_size
-        except FileNotFoundError:
-            raise ObjectNotFound(f"object {key!r} not found in {self.description}") from None
-        if path.is_file() and path.stat().st_size == size:
-            return path
-        with open(source, "rb") as src:
-            atomic_write(path, lambda f: shutil.copyfileobj(src, f, _COPY_CHUNK_BYTES))
-        return path
-
-    def head(self, key: str) -> ObjectInfo | None:
-        path = self._path(key)
-        try:
-            stat = path.stat()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        return ObjectInfo(key, stat.st_size) if path.is_file() else None
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
-        # Walk only the deepest directory the prefix names, then match the rest as a string prefix.
-        directory_key = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = self.root.joinpath(*directory_key.split("/")) if directory_key else self.root
-        for key, size in self._walk(start, directory_key):
-            if key.startswith(prefix):
-                yield ObjectInfo(key, size)
-
-    def _walk(self, directory: Path, directory_key: str) -> Iterator[tuple[str, int]]:
-        try:
-            entries = list(os.scandir(directory))
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        # Sorting a directory's entries as "name/" (dirs) or "name" (files) yields keys in global
-        # lexicographic order, as S3 lists them, without collecting the whole tree.
-        entries.sort(key=lambda e: e.name + "/" if e.is_dir(follow_symlinks=False) else e.name)
-        for entry in entries:
-            key = f"{directory_key}/{entry.name}" if directory_key else entry.name
-            if entry.is_dir(follow_symlinks=False):
-                yield from self._walk(Path(entry.path), key)
-            elif entry.is_file() and not entry.name.endswith(PARTIAL_SUFFIX):
-                try:
-                    yield key, entry.stat().st_size
-                except FileNotFoundError:  # deleted while listing
-                    continue
-
-    def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
-
-    def sync(self, prefix: str) -> None:
-        check_prefix(prefix)
-        directory = self.root.joinpath(*prefix.strip("/").split("/")) if prefix.strip("/") else self.root
-        if directory.is_dir():
-            _fsync_dir(directory)
-
-    def _delete_listed(self, prefix: str) -> int:
-        deleted = 0
-        for info in self.list(prefix):
-            self.delete(info.key)
-            deleted += 1
-        # Prune directories the prefix fully covers, so a deleted partition leaves no empty folders.
-        if prefix.endswith("/"):
-            directory = self.root.joinpath(*prefix.strip("/").split("/"))
-            for dirpath, _, _ in sorted(os.walk(directory), key=lambda w: -len(w[0])):
-                with contextlib.suppress(OSError):
-                    os.rmdir(dirpath)
-        return deleted
-
-
-# ------------------------------------------------------------------------------------------------ S3
-
-
-def _parse_s3_url(url: str) -> tuple[str, str]:
-    parsed = urlparse(url)
-    bucket = parsed.netloc
-    if parsed.scheme != "s3" or not bucket or parsed.query or parsed.fragment:
-        raise StoreConfigError(
-            f"store URL {url!r} is not of the form s3://<bucket>/<prefix>: fix {STORE_URL_SETTING}"
-        )
-    prefix = parsed.path.strip("/")
-    if prefix:
-        try:
-            check_prefix(prefix)
-        except ValueError as err:
-            raise StoreConfigError(f"store URL {url!r}: {err}; fix {STORE_URL_SETTING}") from None
-    return bucket, prefix
-
-
-def _is_aws_endpoint(endpoint_url: str) -> bool:
-    host = urlparse(endpoint_url).hostname or ""
-    return host.endswith((".amazonaws.com", ".amazonaws.com.cn", ".api.aws"))
-
-
-class S3Store(ObjectStore):
-    """A prefix in an S3 (or S3-compatible) bucket, through boto3 and the standard credential chain."""
-
-    def __init__(self, url: str, settings: S3Settings | None = None):
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-
-        self.settings = settings or S3Settings()
-        self.bucket, self.prefix = _parse_s3_url(url)
-        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        try:
-            self._session = boto3.session.Session(
-                profile_name=self.settings.profile, region_name=self.settings.region
-            )
-        except Exception as err:  # botocore's ProfileNotFound and friends
-            raise StoreConfigError(
-                f"cannot set up AWS session for {self.url}: {type(err).__name__}: {err}; "
-                "check AWS_PROFILE / S3Settings.profile and AWS_CONFIG_FILE"
-            ) from None
-        self._client = self._make_client(
-            max_attempts=self.settings.max_attempts,
-            connect_timeout_s=self.settings.connect_timeout_s,
-            read_timeout_s=self.settings.read_timeout_s,
-        )
-        self.endpoint_url: str = self._client.meta.endpoint_url
-        self.region: str | None = self._client.meta.region_name
-        self._transfer_config = TransferConfig(
-            multipart_threshold=self.settings.multipart_threshold_bytes,
-            multipart_chunksize=self.settings.multipart_chunk_bytes,
-            max_concurrency=self.settings.transfer_concurrency,
-            use_threads=self.settings.transfer_concurrency > 1,
-        )
-
-    def _make_client(self, *, max_attempts: int, connect_timeout_s: float, read_timeout_s: float) -> Any:
-        from botocore.config import Config
-
-        def build(addressing_style: str | None) -> Any:
-            config = Config(
-                # total_max_attempts counts the first try; botocore's "max_attempts" key would mean retries.
-                retries={"mode": "adaptive", "total_max_attempts": max_attempts},
-                max_pool_connections=self.settings.max_pool_connections,
-                connect_timeout=connect_timeout_s,
-                read_timeout=read_timeout_s,
-                request_checksum_calculation=self.settings.checksum,
-                response_checksum_validation=self.settings.checksum,
-                s3={"addressing_style": addressing_style} if addressing_style else None,
-            )
-            return self._session.client("s3", endpoint_url=self.settings.endpoint_url, config=config)
-
-        style = self.settings.addressing_style
-        client = build(style)
-        if style is None and not _is_aws_endpoint(client.meta.endpoint_url):
-            # The endpoint may come from AWS_ENDPOINT_URL_S3 or a profile, which only boto3 resolves,
-            # so look at the resolved one before choosing path-style.
-            client = build("path")
-        return client
-
-    @property
-    def description(self) -> str:
-        return f"{self.url} (endpoint {self.endpoint_url})"
-
-    def _key(self, key: str) -> str:
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _relative(self, full_key: str) -> str:
-        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
-
-    def uri(self, key: str) -> str:
-        # Also accepts a prefix ("hidden-states/p/"), since messages name partitions as well as objects.
-        return "s3://" + "/".join(p for p in (self.bucket, self.prefix, check_prefix(key)) if p)
-
-    # -- errors
-
-    def _redact(self, text: str) -> str:
-        # Servers echo request details in error bodies; make sure no credential ever reaches a message.
-        try:
-            credentials = self._session.get_credentials()
-            frozen = credentials.get_frozen_credentials() if credentials else None
-        except Exception:
-            frozen = None
-        if frozen:
-            # Key ids are not secret, and short test ids ("testing") would mangle bucket names.
-            key_id = frozen.access_key if frozen.access_key and len(frozen.access_key) >= 16 else None
-            for secret in (frozen.secret_key, frozen.token, key_id):
-                if secret:
-                    text = text.replace(secret, "***")
-        return text
-
-    def _raise(self, err: BaseException, action: str, key: str | None, *, checking: bool = False) -> NoReturn:
-        """Turn a boto/botocore error into a StoreError whose message says what to fix."""
-        from botocore import exceptions as bx
-
-        what = f"{action} {key!r} in {self.url}" if key is not None else f"{action} {self.url}"
-        where = f"endpoint {self.endpoint_url}"
-        # s3transfer wraps ClientErrors (S3UploadFailedError); look underneath for the real cause.
-        cause: BaseException = err
-        while not isinstance(cause, (bx.ClientError, bx.BotoCoreError)) and cause.__context__ is not None:
-            cause = cause.__context__
-        detail = self._redact(f"{type(cause).__name__}: {cause}")
-
-        if isinstance(cause, bx.NoCredentialsError | bx.PartialCredentialsError):
-            raise StoreConfigError(
-                f"cannot {what}: no AWS credentials found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                "or AWS_PROFILE, or run with an instance/container role"
-            ) from None
-        if isinstance(cause, bx.EndpointConnectionError | bx.ConnectTimeoutError | bx.ProxyConnectionError):
-            message = (
-                f"cannot {what}: S3 endpoint {self.endpoint_url} is unreachable ({detail}). "
-                "Check AWS_ENDPOINT_URL_S3 (or S3Settings.endpoint_url) and that the server is up"
-            )
-            raise (StoreConfigError if checking else TransientStoreError)(message) from None
-        if isinstance(cause, bx.ClientError):
-            error = cause.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ("NoSuchBucket",) or (checking and code in ("404", "NotFound")):
-                raise StoreConfigError(
-                    f"cannot {what}: bucket {self.bucket!r} does not exist at {where}. "
-                    f"Create it or fix {STORE_URL_SETTING} (now {self.url!r})"
-                ) from None
-            if code in ("NoSuchKey", "404", "NotFound"):
-                raise ObjectNotFound(f"object {key!r} not found in {self.description}") from None
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken") or (
-                status == 403 or code in ("403", "AccessDenied", "Forbidden")
-            ):
-                raise StoreConfigError(
-                    f"cannot {what}: credentials rejected by {where} ({detail}). Check AWS_ACCESS_KEY_ID / "
-                    "AWS_SECRET_ACCESS_KEY / AWS_PROFILE, and that they may access bucket "
-                    f"{self.bucket!r}"
-                ) from None
-            if code in (
-                "PermanentRedirect",
-                "301",
-                "AuthorizationHeaderMalformed",
-                "IllegalLocationConstraint",
-            ):
-                raise StoreConfigError(
-                    f"cannot {what}: bucket {self.bucket!r} is in another region than {self.region!r} "
-                    f"({detail}). Set AWS_DEFAULT_REGION (or S3Settings.region)"
-                ) from None
-            if code in ("InvalidRequest", "NotImplemented", "BadDigest", "XAmzContentSHA256Mismatch") and (
-                "checksum" in detail.lower() or "chunk" in detail.lower() or code != "InvalidRequest"
-            ):
-                raise StoreError(
-                    f"cannot {what}: {where} rejected the request's checksum/encoding ({detail}). "
-                    "S3-compatible servers without flexible checksums need "
-                    "AWS_REQUEST_CHECKSUM_CALCULATION=when_required (or S3Settings.checksum)"
-                ) from None
-            transient = (status is not None and status >= 500) or code in (
-                "SlowDown",
-                "Throttling",
-                "ThrottlingException",
-                "RequestTimeout",
-                "RequestTimeTooSkewed",
-                "InternalError",
-                "ServiceUnavailable",
-            )
-            raise (TransientStoreError if transient else StoreError)(
-                f"cannot {what} at {where}: {detail}"
-            ) from None
-        if isinstance(cause, bx.BotoCoreError):
-            # Dropped connections, read timeouts, truncated bodies: worth retrying.
-            transient = isinstance(
-                cause,
-                bx.ConnectionError | bx.HTTPClientError | bx.IncompleteReadError | bx.ResponseStreamingError,
-            )
-            raise (TransientStoreError if transient else StoreError)(
-                f"cannot {what} at {where}: {detail}"
-            ) from None
-        raise err
-
-    @contextlib.contextmanager
-    def _errors(self, action: str, key: str | None = None, *, checking: bool = False) -> Iterator[None]:
-        from boto3.exceptions import Boto3Error
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            yield
-        except (ClientError, BotoCoreError, Boto3Error) as err:
-            self._raise(err, action, key, checking=checking)
-
-    # -- operations
-
-    def check(self) -> None:
-        # A separate fail-fast client: few attempts and a short connect timeout, so a wrong endpoint
-        # is reported in seconds instead of after the full retry budget.
-        client = self._make_client(
-            max_attempts=2,
-            connect_timeout_s=min(self.settings.connect_timeout_s, 3.0),
-            read_timeout_s=min(self.settings.read_timeout_s, 10.0),
-        )
-        with self._errors("check bucket of", checking=True):
-            client.head_bucket(Bucket=self.bucket)
-
-    def put_file(self, key: str, path: Path) -> ObjectInfo:
-        full_key = self._key(key)
-        size = os.path.getsize(path)
-        with self._errors("upload", key):
-            if size < self.settings.multipart_threshold_bytes:
-                # One PUT: cheaper than a transfer manager per small file, which matters at 10^5 objects.
-                with open(path, "rb") as body:
-                    response = self._client.put_object(Bucket=self.bucket, Key=full_key, Body=body)
-                return ObjectInfo(key, size, _etag(response.get("ETag")))
-            self._client.upload_file(str(path), self.bucket, full_key, Config=self._transfer_config)
-        return ObjectInfo(key, size)
-
-    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
-        full_key = self._key(key)
-        with self._errors("upload", key):
-            response = self._client.put_object(Bucket=self.bucket, Key=full_key, Body=data)
-        return ObjectInfo(key, len(data), _etag(response.get("ETag")))
-
-    def get_bytes(self, key: str) -> bytes:
-        full_key = self._key(key)
-        with self._errors("download", key):
-            response = self._client.get_object(Bucket=self.bucket, Key=full_key)
-            return response["Body"].read()
-
-    def download(self, key: str, path: Path) -> Path:
-        path = Path(path)
-        remote = self.head(key)
-        if remote is None:
-            raise ObjectNotFound(f"object {key!r} not found in {self.description}")
-        if path.is_file() and path.stat().st_size == remote.size:
-            return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = _partial_path(path)
-        try:
-            with self._errors("download", key):
-                self._client.download_file(
-                    self.bucket, self._key(key), str(partial), Config=self._transfer_config
-                )
-            got = partial.stat().st_size
-            if got != remote.size:
-                raise TransientStoreError(
-                    f"download of {key!r} from {self.description} got {got} bytes, expected {remote.size}"
-                )
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
-        return path
-
-    def head(self, key: str) -> ObjectInfo | None:
-        full_key = self._key(key)
-        try:
-            with self._errors("look up", key):
-                response = self._client.head_object(Bucket=self.bucket, Key=full_key)
-        except ObjectNotFound:
-            return None
-        return ObjectInfo(key, int(response["ContentLength"]), _etag(response.get("ETag")))
-
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        check_prefix(prefix)
-        full_prefix = f"{self.prefix}/{prefix}" if self.prefix else prefix
-        paginator = self._client.get_paginator("list_objects_v2")
-        pages = paginator.paginate(
-            Bucket=self.bucket,
-            Prefix=full_prefix,
-            PaginationConfig={"PageSize": self.settings.list_page_size},
-        )
-        with self._errors("list", prefix):
-            for page in pages:
-                for item in page.get("Contents", ()):
-                    yield ObjectInfo(self._relative(item["Key"]), int(item["Size"]), _etag(item.get("ETag")))
-
-    def delete(self, key: str) -> None:
-        full_key = self._key(key)
-        with self._errors("delete", key):
-            self._client.delete_object(Bucket=self.bucket, Key=full_key)
-
-    def _delete_listed(self, prefix: str) -> int:
-        deleted = 0
-        batch: list[str] = []
-
-        def flush() -> None:
-            nonlocal deleted
-            with self._errors("delete objects under", prefix):
-                response = self._client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-                )
-            errors = response.get("Errors", [])
-            if errors:
-                first = errors[0]
-                raise StoreError(
-                    f"could not delete {len(errors)} of {len(batch)} objects under {prefix!r} in "
-                    f"{self.description}; first: {first.get('Key')!r}: "
-                    f"{first.get('Code')} {first.get('Message')}"
-                )
-            deleted += len(batch)
-            batch.clear()
-
-        for info in self.list(prefix):
-            batch.append(self._key(info.key))
-            if len(batch) == 1000:  # DeleteObjects' per-request limit
-                flush()
-        if batch:
-            flush()
-        return deleted
-
-
-def _etag(value: str | None) -> str | None:
-    return value.strip('"') if value else None
-
-
-def open_store(url: str, s3: S3Settings | None = None) -> ObjectStore:
-    """Open the store at `url`: "s3://bucket/prefix" -> S3Store; a path or file:// URL -> LocalStore."""
-    if not url or not url.strip():
-        raise StoreConfigError(
-            f"store URL is empty: set {STORE_URL_SETTING} to s3://<bucket>/<prefix> or a path"
-        )
-    url = url.strip()
-    if url.startswith("s3://"):
-        return S3Store(url, s3)
-    if url.startswith("file://"):
-        parsed = urlparse(url)
-        if parsed.netloc not in ("", "localhost"):
-            raise StoreConfigError(f"store URL {url!r}: file:// URLs must be local (file:///abs/path)")
-        return LocalStore(parsed.path)
-    if "://" in url:
-        raise StoreConfigError(
-            f"store URL {url!r} has an unsupported scheme: "
-            f"{STORE_URL_SETTING} must be s3://<bucket>/<prefix> or a local path"
-        )
-    return LocalStore(url)

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dflash_assets.drafter.model import DrafterConfig
+from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
 

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_assets.drafter.model import DrafterConfig
+from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.extraction.sample_format import HiddenStateSample, read_sample
 from dflash_assets.storage.store import ObjectStore
 

@@ -1,4 +1,5 @@
-"""Training the DFlash drafter, in named parts: settings, data (offline or online), metrics, the loop.
+"""The training loop: one run of the DFlash drafter, wired from the parts beside this module (settings,
+data, plan, schedule, metrics, checkpoints).
 
 Both modes yield the same `DrafterBatch` for the same samples, so a batch gives the same loss whether
 its hidden states were captured earlier (offline: streamed from the store through a bounded cache) or
@@ -14,26 +15,22 @@ import gc
 import json
 import math
 import random
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from dflash_assets.conversations.sample_range import SampleRange
-from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.drafter.evaluate import BlockMetrics, evaluate_drafter
-from dflash_assets.drafter.model import (
+from dflash_assets.drafter.config import DrafterConfig
+from dflash_assets.drafter.evaluate import evaluate_drafter
+from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.drafter.objective import (
     BlockAnchors,
-    BlockLossOutput,
-    DFlashDrafter,
     DrafterBatch,
-    DrafterConfig,
     anchor_generator,
     dflash_loss,
-    estimate_step_bytes,
     sample_anchors,
 )
 from dflash_assets.drafter.speculative import (
@@ -42,405 +39,21 @@ from dflash_assets.drafter.speculative import (
     held_out_prompts,
     stop_token_ids_of,
 )
-from dflash_assets.extraction.batching import pad_batch
-from dflash_assets.extraction.capture import load_target_model
-from dflash_assets.extraction.sample_format import HiddenStateSample, parse_sample_object_name
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
+from dflash_assets.target.model import load_target_model
 from dflash_assets.training.checkpoints import (
     CheckpointManager,
     CheckpointPolicy,
     DataPosition,
     restore_rng_state,
 )
-from dflash_assets.training.sample_stream import SampleStream, partition_of
-
-# --------------------------------------------------------------------------------------------------
-# Settings
-# --------------------------------------------------------------------------------------------------
-
-# Settings whose change between an interrupted run and its resumption changes the trajectory.
-_TRAJECTORY_SETTINGS = (
-    "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
-    "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "gamma", "seed",
-    "eval_samples",
-)  # fmt: skip
-
-GIB = 2**30
-
-
-@dataclass
-class TrainSettings:
-    """SpecForge's DFlash recipe by default: AdamW at 6e-4 with betas (0.9, 0.999) and no weight decay,
-    4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 3072 tokens, 512 anchors
-    per sequence, gamma 7, and a global batch of 32 sequences per optimiser step (4 per GPU x 8 GPUs)
-    reached by gradient accumulation over micro-batches that fit the device's memory."""
-
-    mode: str = "offline"  # "offline" (hidden states from the store) or "online" (target runs alongside)
-    max_steps: int | None = None  # None: `epochs` full passes decide; set: exactly this many steps
-    epochs: int = 6
-    global_batch_size: int = 32  # sequences per optimiser step
-    micro_batch_bytes: int | None = None  # activation memory per micro-batch; None: from the device
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04  # of the total steps, linear from 0
-    lr_schedule: str = "cosine"  # "cosine", "linear" or "constant" after warmup
-    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
-    weight_decay: float = 0.0  # on matrices only, never on norms
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    max_length: int = 3072  # longer samples are truncated (their tail is not trained on)
-    num_anchors: int = 512  # per sequence, capped by the positions that qualify
-    gamma: float = 7.0  # position weight exp(-(p-1)/gamma)
-    block_size: int = 16  # must equal the drafter config's
-    seed: int = 0
-    checkpoint_every_steps: int | None = None
-    checkpoint_every_minutes: float | None = 30.0
-    log_every_steps: int = 10
-    eval_samples: int = 16  # held out from training, evaluated at every checkpoint
-    spec_eval_prompts: int = 8  # held-out prompts decoded speculatively with the target (0: off)
-    spec_eval_max_new_tokens: int = 64
-    device: str = "cpu"  # the drafter's device; online targets may live elsewhere
-    attention: str = "auto"  # drafter attention: "flex" (CUDA's fused kernel), "materialised", "auto"
-    bf16_autocast: bool = True  # CUDA only: float32 master weights, bf16 matmuls
-    max_consecutive_nonfinite: int = 10  # skipped non-finite steps in a row before giving up
-
-    def __post_init__(self) -> None:
-        self.betas = (float(self.betas[0]), float(self.betas[1]))
-        if self.mode not in ("offline", "online"):
-            raise ValueError(f"train mode {self.mode!r} is not 'offline' or 'online' (DFLASH_TRAIN_MODE)")
-        if self.lr_schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"lr_schedule {self.lr_schedule!r} is not 'cosine', 'linear' or 'constant'")
-        if self.max_steps is not None and self.max_steps <= 0:
-            raise ValueError(
-                f"max_steps must be positive or None, got {self.max_steps} (DFLASH_TRAIN_MAX_STEPS)"
-            )
-        for name in ("epochs", "global_batch_size", "max_length", "num_anchors", "log_every_steps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"train setting {name} must be positive, got {getattr(self, name)}")
-        if self.micro_batch_bytes is not None and self.micro_batch_bytes <= 0:
-            raise ValueError(f"micro_batch_bytes must be positive or None, got {self.micro_batch_bytes}")
-        if self.gamma <= 0:
-            raise ValueError(f"gamma must be positive, got {self.gamma}")
-        if self.spec_eval_prompts < 0 or self.spec_eval_max_new_tokens <= 0:
-            raise ValueError("spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens positive")
-        # Raises early on bad checkpoint intervals rather than at the first checkpoint.
-        CheckpointPolicy(self.checkpoint_every_steps, self.checkpoint_every_minutes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-# --------------------------------------------------------------------------------------------------
-# Data: both modes produce DrafterBatch
-# --------------------------------------------------------------------------------------------------
-
-HiddenStatesFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class OfflineData:
-    """Hidden-state objects in the store, e.g. `StoredPartition.object_keys()` of several partitions."""
-
-    store: ObjectStore
-    objects: Sequence[tuple[str, int]]  # (key, size in bytes)
-    cache_dir: str | Path  # owned by training: files there that it will not read soon are deleted
-    cache_budget_bytes: int = 16 * 2**30
-    # Token count of each object (e.g. from the partition manifest), for length bucketing. Without it,
-    # lengths are estimated from object sizes: close enough to bucket, never used for correctness.
-    num_tokens: Sequence[int] | None = None
-    prefetch_objects: int = 16
-    download_threads: int = 8
-    mode: ClassVar[str] = "offline"
-
-
-@dataclass
-class OnlineData:
-    """Tokenized samples plus the target: `target_hidden_states(input_ids [B, T], attention_mask [B, T])
-    -> [B, T, K, H]`, e.g. a `capture.HiddenStateCapture`, possibly on other devices than the drafter."""
-
-    samples: Sequence[TokenizedSample]
-    target_hidden_states: HiddenStatesFn
-    partitions: Sequence[str] = ()  # reported in the result
-    mode: ClassVar[str] = "online"
-
-
-def collate_hidden_state_samples(samples: Sequence[HiddenStateSample], max_length: int) -> DrafterBatch:
-    """Right-pad stored samples (truncated to `max_length`) into one batch."""
-    lengths = [min(sample.num_tokens, max_length) for sample in samples]
-    input_ids, attention_mask = pad_batch(
-        [s.input_ids[:n].tolist() for s, n in zip(samples, lengths, strict=True)], 0
-    )
-    first = samples[0].hidden_states
-    hidden_states = torch.zeros((len(samples), input_ids.shape[1], *first.shape[1:]), dtype=torch.bfloat16)
-    loss_mask = torch.zeros(input_ids.shape, dtype=torch.bool)
-    for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
-        hidden_states[row, :length] = sample.hidden_states[:length]
-        loss_mask[row, :length] = sample.loss_mask[:length].bool()
-    return DrafterBatch(
-        input_ids=input_ids,
-        loss_mask=loss_mask & attention_mask.bool(),
-        hidden_states=hidden_states,
-        lengths=torch.tensor(lengths, dtype=torch.long),
-        sample_indices=[sample.sample_index for sample in samples],
-    )
-
-
-def collate_tokenized_samples(
-    samples: Sequence[TokenizedSample],
-    max_length: int,
-    target_hidden_states: HiddenStatesFn,
-    config: DrafterConfig,
-) -> DrafterBatch:
-    """Right-pad tokenized samples and run the target on them.
-
-    The result is rounded to bfloat16 and zeroed on padding, exactly like stored objects, so online
-    and offline training see identical inputs.
-    """
-    lengths = [min(sample.num_tokens, max_length) for sample in samples]
-    input_ids, attention_mask = pad_batch([s.input_ids[:n] for s, n in zip(samples, lengths, strict=True)], 0)
-    loss_mask, _ = pad_batch([s.loss_mask[:n] for s, n in zip(samples, lengths, strict=True)], 0)
-    hidden_states = target_hidden_states(input_ids, attention_mask)
-    expected = (*input_ids.shape, config.num_context_layers, config.target_hidden_size)
-    if tuple(hidden_states.shape) != expected:
-        raise ValueError(
-            f"the target returned hidden states of shape {tuple(hidden_states.shape)} for samples "
-            f"{[s.sample_index for s in samples]}, expected {expected} [B, T, K, H]; do the capture's "
-            f"target layers match the drafter's {config.target_layer_ids}?"
-        )
-    padding = attention_mask.to(hidden_states.device)[:, :, None, None] == 0
-    return DrafterBatch(
-        input_ids=input_ids,
-        loss_mask=loss_mask.bool() & attention_mask.bool(),
-        hidden_states=hidden_states.to(torch.bfloat16).masked_fill(padding, 0),
-        lengths=torch.tensor(lengths, dtype=torch.long),
-        sample_indices=[s.sample_index for s in samples],
-    )
-
-
-class _OfflineSource:
-    """Stored samples, streamed from the store in the order training will use them."""
-
-    def __init__(self, data: OfflineData, config: DrafterConfig, settings: TrainSettings) -> None:
-        self.data, self.config, self.settings = data, config, settings
-        self.cache_dir = Path(data.cache_dir)
-        self.objects = list(data.objects)
-        if data.num_tokens is not None:
-            lengths = list(data.num_tokens)
-        else:
-            # bf16 states + int32 id + uint8 mask per token, plus a header of ~450 bytes.
-            per_token = config.num_context_layers * config.target_hidden_size * 2 + 5
-            lengths = [max(1, round((size - 512) / per_token)) for _, size in self.objects]
-        self.lengths = [min(n, settings.max_length) for n in lengths]
-        parsed = [parse_sample_object_name(key.rsplit("/", 1)[-1]) for key, _ in self.objects]
-        self.sample_indices = [index if index is not None else pos for pos, index in enumerate(parsed)]
-        self.partitions = sorted({partition_of(key) for key, _ in self.objects})
-        self._streams: dict[str, SampleStream] = {}
-
-    def setup_streams(self, eval_ids: Sequence[int]) -> None:
-        """Split the cache budget: evaluation gets what its largest objects need, training the rest."""
-        budget = self.data.cache_budget_bytes
-        eval_sizes = sorted((self.objects[i][1] for i in eval_ids), reverse=True)
-        eval_budget = max(sum(eval_sizes[:2]), budget // 8) if eval_sizes else 0
-        train_budget = budget - eval_budget
-        largest = max(size for _, size in self.objects)
-        if train_budget < largest:
-            raise ValueError(
-                f"sample cache budget {budget} bytes leaves {train_budget} for training, less than the "
-                f"largest hidden-state object ({largest} bytes); raise the cache budget"
-            )
-        common = {
-            "prefetch_objects": self.data.prefetch_objects,
-            "download_threads": self.data.download_threads,
-            "config": self.config,
-        }
-        self._streams["train"] = SampleStream(
-            self.data.store, self.cache_dir / "train", cache_budget_bytes=train_budget, **common
-        )
-        if eval_budget:
-            self._streams["eval"] = SampleStream(
-                self.data.store, self.cache_dir / "eval", cache_budget_bytes=eval_budget, **common
-            )
-
-    def iterate(self, ids: Sequence[int], stream: str = "train") -> Iterator[HiddenStateSample]:
-        for _, sample in self._streams[stream].iterate([self.objects[i] for i in ids]):
-            yield sample
-
-    def collate(self, samples: Sequence[HiddenStateSample]) -> DrafterBatch:
-        return collate_hidden_state_samples(samples, self.settings.max_length)
-
-
-class _OnlineSource:
-    """Tokenized samples; collating a micro-batch runs the target on it."""
-
-    def __init__(self, data: OnlineData, config: DrafterConfig, settings: TrainSettings) -> None:
-        self.data, self.config, self.settings = data, config, settings
-        self.samples = list(data.samples)
-        self.lengths = [min(s.num_tokens, settings.max_length) for s in self.samples]
-        self.sample_indices = [s.sample_index for s in self.samples]
-        self.partitions = list(data.partitions)
-
-    def setup_streams(self, eval_ids: Sequence[int]) -> None:
-        pass
-
-    def iterate(self, ids: Sequence[int], stream: str = "train") -> Iterator[TokenizedSample]:
-        return (self.samples[i] for i in ids)
-
-    def collate(self, samples: Sequence[TokenizedSample]) -> DrafterBatch:
-        return collate_tokenized_samples(
-            samples, self.settings.max_length, self.data.target_hidden_states, self.config
-        )
-
-
-def split_eval(num_samples: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
-    """(train ids, held-out ids): a fixed random choice for the seed, at least one sample left to train."""
-    count = min(eval_samples, num_samples - 1) if num_samples > 1 else 0
-    held_out = sorted(random.Random(f"dflash-eval:{seed}").sample(range(num_samples), count))
-    held = set(held_out)
-    return [i for i in range(num_samples) if i not in held], held_out
-
-
-def epoch_plan(
-    source_lengths: Sequence[int], train_ids: Sequence[int], settings: TrainSettings, epoch: int
-) -> list[list[int]]:
-    """Epoch `epoch`'s optimiser steps as lists of sample ids: a fresh shuffle for (seed, epoch), cut into
-    global batches of `global_batch_size` sequences (the last may be smaller). Within a step, samples
-    are ordered longest first, so micro-batches of neighbours carry little padding."""
-    order = list(train_ids)
-    random.Random(f"dflash-epoch:{settings.seed}:{epoch}").shuffle(order)
-    size = settings.global_batch_size
-    steps = [order[start : start + size] for start in range(0, len(order), size)]
-    return [sorted(step, key=lambda i: (-source_lengths[i], i)) for step in steps]
-
-
-def micro_batches(
-    ids: Sequence[int],
-    lengths: Sequence[int],
-    config: DrafterConfig,
-    settings: TrainSettings,
-    budget_bytes: int,
-) -> list[list[int]]:
-    """`ids` (longest first) cut into consecutive micro-batches whose estimated activation memory
-    (`estimate_step_bytes`, padded to the longest sample and its anchor count) fits `budget_bytes`.
-    A sample that alone exceeds the budget still gets a micro-batch of its own."""
-    batches: list[list[int]] = []
-    for index in ids:
-        candidate = [*batches[-1], index] if batches else [index]
-        longest = max(lengths[i] for i in candidate)
-        blocks = min(settings.num_anchors, max(longest - 1, 1))
-        if batches and estimate_step_bytes(config, len(candidate), longest, blocks) <= budget_bytes:
-            batches[-1] = candidate
-        else:
-            batches.append([index])
-    return batches
-
-
-def default_micro_batch_bytes(device: torch.device, reserved_bytes: int) -> int:
-    """Activation memory for one micro-batch: on CUDA, 70 % of what is free once weights and optimiser
-    state (`reserved_bytes`) are in place; on the CPU, 4 GiB."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(GIB // 4, int((free - reserved_bytes) * 0.7))
-    return 4 * GIB
-
-
-# --------------------------------------------------------------------------------------------------
-# Optimiser and schedule
-# --------------------------------------------------------------------------------------------------
-
-
-def build_optimizer(model: DFlashDrafter, settings: TrainSettings) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": settings.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.adam_eps)
-
-
-def lr_factor(step: int, total_steps: int, settings: TrainSettings) -> float:
-    """Multiplier of `settings.lr` for the update after `step` updates: linear warmup, then decay."""
-    warmup = max(1, math.ceil(settings.warmup_ratio * total_steps)) if settings.warmup_ratio > 0 else 0
-    if step < warmup:
-        return (step + 1) / warmup
-    if settings.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if settings.lr_schedule == "cosine" else 1 - progress
-    return settings.min_lr_ratio + (1 - settings.min_lr_ratio) * shape
-
-
-# --------------------------------------------------------------------------------------------------
-# Metrics
-# --------------------------------------------------------------------------------------------------
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
-
-
-class _Progress:
-    """Training loss and throughput over the current logging window and over the whole run."""
-
-    def __init__(self, block_size: int, start_step: int, total_steps: int) -> None:
-        self.block_size, self.start_step, self.total_steps = block_size, start_step, total_steps
-        self.run_started = time.monotonic()
-        self.run_tokens = 0
-        self.last_window: dict[str, Any] = {}
-        self._reset()
-
-    def _reset(self) -> None:
-        self.window = BlockMetrics(self.block_size)
-        self.window_started = time.monotonic()
-        self.window_steps = 0
-        self.window_micro_batches = 0
-
-    def add(self, output: BlockLossOutput, batch: DrafterBatch) -> None:
-        self.window.add(output, batch)
-        self.run_tokens += batch.num_tokens
-
-    def count_step(self, micro_batches: int) -> None:
-        self.window_steps += 1
-        self.window_micro_batches += micro_batches
-
-    @property
-    def tokens_per_second(self) -> float:
-        elapsed = time.monotonic() - self.run_started
-        return self.run_tokens / elapsed if elapsed > 0 else 0.0
-
-    def report(self, step: int, epoch: int, epochs: int, lr: float) -> str:
-        elapsed = time.monotonic() - self.window_started
-        steps_done = step - self.start_step
-        eta = (time.monotonic() - self.run_started) / max(1, steps_done) * (self.total_steps - step)
-        loss = self.window.loss
-        self.last_window = {
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "tokens_per_second": self.window.num_tokens / elapsed if elapsed > 0 else 0.0,
-            "per_position_accuracy": self.window.per_position_accuracy,
-            "teacher_forced_tau": self.window.teacher_forced_tau,
-            "sequences_per_step": self.window.num_samples / max(1, self.window_steps),
-            "micro_batches_per_step": self.window_micro_batches / max(1, self.window_steps),
-            "eta_seconds": eta,
-        }
-        self._reset()
-        loss_text = f"{loss:.4f}" if loss is not None else "n/a"
-        return (
-            f"step {step}/{self.total_steps} epoch {epoch + 1}/{epochs} loss {loss_text} lr {lr:.2e} "
-            f"{self.last_window['sequences_per_step']:.1f} sequences/step in "
-            f"{self.last_window['micro_batches_per_step']:.1f} micro-batches, "
-            f"tokens/s {self.last_window['tokens_per_second']:,.0f} eta {_duration(eta)}"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# The loop
-# --------------------------------------------------------------------------------------------------
+from dflash_assets.training.data import OfflineData, OfflineSource, OnlineData, OnlineSource
+from dflash_assets.training.metrics import TrainMetrics
+from dflash_assets.training.plan import GIB, default_micro_batch_bytes, epoch_plan, micro_batches, split_eval
+from dflash_assets.training.schedule import build_optimizer, lr_factor
+from dflash_assets.training.settings import TRAJECTORY_SETTINGS, TrainSettings
 
 
 @dataclass
@@ -514,7 +127,7 @@ class DrafterTrainer:
         )
 
         # Data: a fixed held-out set, then one shuffled order of global batches per epoch.
-        self.source = (_OfflineSource if isinstance(data, OfflineData) else _OnlineSource)(
+        self.source = (OfflineSource if isinstance(data, OfflineData) else OnlineSource)(
             data, config, settings
         )
         if not self.source.lengths:
@@ -558,7 +171,7 @@ class DrafterTrainer:
         self._pending_reports: list[dict[str, Any]] = []
         self._eval_prompts: list[list[int]] | None = None
         self._speculative: SpeculativeEvaluator | None = None
-        self.progress = _Progress(config.block_size, 0, self.total_steps)
+        self.progress = TrainMetrics(config.block_size, 0, self.total_steps)
         self.log(
             f"drafter: {config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} kv heads "
             f"x {config.head_dim} ({', '.join(sorted(set(config.layer_types)))}), mask token "
@@ -588,7 +201,7 @@ class DrafterTrainer:
         current = json.loads(json.dumps(self.settings.to_dict()))  # tuples -> lists, as saved
         changed = [
             f"{name}: {restored.settings.get(name)!r} -> {current[name]!r}"
-            for name in _TRAJECTORY_SETTINGS
+            for name in TRAJECTORY_SETTINGS
             if restored.settings.get(name) != current[name]
         ]
         if changed:
@@ -604,7 +217,7 @@ class DrafterTrainer:
         self.resumed_from = self.last_saved = restored.step
         self.baseline = restored.extra.get("baseline")
         self.checkpoints.start_from(self.step)
-        self.progress = _Progress(self.config.block_size, self.step, self.total_steps)
+        self.progress = TrainMetrics(self.config.block_size, self.step, self.total_steps)
         self.log(
             f"resuming run {self.run} from {self.store.uri(restored.ref.prefix)}: step {self.step}, "
             f"epoch {self.position.epoch + 1}, batch {self.position.batch_index}"

@@ -1,0 +1,78 @@
+"""The drafter as the engines load it: a model directory in the reference layout, and reading it back."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_assets.drafter.config import (
+    WEIGHTS_NAME,
+    DrafterConfig,
+    load_target_embeddings,
+)
+from dflash_assets.drafter.model import DFlashDrafter
+
+MODEL_CARD_NAME = "README.md"
+
+
+def export_drafter(
+    model: DFlashDrafter,
+    directory: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    provenance: dict[str, Any] | None = None,
+    model_card: str | None = None,
+) -> Path:
+    """Write the drafter as the engines load it: `config.json` (Qwen3 config with `architectures:
+    ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `dflash_config`), `model.safetensors` with
+    the reference weight names in `dtype` (bfloat16), and a model card `README.md`.
+
+    The weights are the drafter's own, like the published drafters: the shared embedding and LM head
+    stay in the target checkpoint. `provenance` is merged into the config's `dflash_assets` block.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in model.state_dict().items()
+    }
+    config = replace(model.config, extra={**model.config.extra, **(provenance or {})})
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    if model_card is not None:
+        (directory / MODEL_CARD_NAME).write_text(model_card)
+    config.save(directory)  # last: a directory with a config is complete
+    return directory
+
+
+def load_drafter(
+    directory: str | Path,
+    *,
+    target_model: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:
+    """An exported drafter, ready to run. `target_model` overrides where the shared embedding and LM
+    head come from (e.g. the target moved to another path); by default the export's recorded path."""
+    directory = Path(directory)
+    config = DrafterConfig.load(directory)
+    source = target_model or config.target_model
+    if not source:
+        raise ValueError(
+            f"{directory} names no target model for the shared embedding and LM head; pass target_model= "
+            "(the target checkpoint the drafter was trained for)"
+        )
+    embedding, lm_head = load_target_embeddings(source)
+    model = DFlashDrafter(config, embedding, lm_head)
+    tensors = load_file(str(directory / WEIGHTS_NAME))
+    missing = sorted(set(model.state_dict()) - set(tensors))
+    unexpected = sorted(set(tensors) - set(model.state_dict()))
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory / WEIGHTS_NAME} does not match its config: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}"
+        )
+    model.load_state_dict({name: tensor.to(dtype) for name, tensor in tensors.items()}, strict=True)
+    return model.to(device=device, dtype=dtype)

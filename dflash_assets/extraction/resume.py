@@ -1,0 +1,155 @@
+"""What a range's store prefix and staging directory already hold, so a rerun computes only the gaps.
+
+Steps 1, 2, 3 and 5 of `extract_range`: one listing that drops objects of another fingerprint, the
+objects already stored, finished files in staging (uploaded as they are), and the final check that
+the store holds every object this run needs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.extraction.monitor import UploadRecord
+from dflash_assets.extraction.sample_format import (
+    estimate_sample_nbytes,
+    parse_sample_object_name,
+    sample_object_name,
+    staged_file_problem,
+)
+from dflash_assets.storage.manifest import delete_partition
+from dflash_assets.storage.staging import FINGERPRINT_NAME, StagingDirectory
+from dflash_assets.storage.store import ObjectNotFound, ObjectStore, StoreError
+from dflash_assets.storage.uploader import Uploader
+
+
+class ExtractionIncomplete(StoreError):
+    """After the uploads finished, the store still lacks objects this range needs."""
+
+
+class RangeInStore:
+    """The range's prefix in the store: who made its objects, which are complete, and the final check."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        prefix: str,
+        fingerprint: dict[str, Any],
+        by_index: dict[int, TokenizedSample],
+        capture: HiddenStateCapture,
+        target_model_name: str,
+        warn: Callable[[str], None],
+    ) -> None:
+        self.store = store
+        self.base = prefix.strip("/") + "/"
+        self.where = store.uri(self.base.rstrip("/"))
+        self.fingerprint = fingerprint
+        self.by_index = by_index
+        self.num_layers = len(capture.target_layer_ids)
+        self.hidden_size = capture.hidden_size
+        self.metadata_nbytes = len(target_model_name.encode())
+        self.warn = warn
+
+    def reconcile_fingerprint(self) -> dict[str, int]:
+        """One listing of the prefix; objects made under another fingerprint (or none) are deleted."""
+        listed = {info.key[len(self.base) :]: info.size for info in self.store.list(self.base)}
+        stored = None
+        if FINGERPRINT_NAME in listed:
+            try:
+                stored = json.loads(self.store.get_bytes(self.base + FINGERPRINT_NAME))
+            except (ObjectNotFound, ValueError):
+                stored = {"unreadable": True}
+        if stored == self.fingerprint:
+            return listed
+        others = [name for name in listed if name != FINGERPRINT_NAME]
+        if stored is not None or others:
+            self.warn(
+                f"{self.where} holds {len(others)} objects made by "
+                f"{json.dumps(stored) if stored else 'an unknown producer (no fingerprint)'}, not by "
+                f"{json.dumps(self.fingerprint)}; deleting them (manifest first) and extracting from scratch"
+            )
+            delete_partition(self.store, self.base.rstrip("/"))
+            listed = {}
+        # Written before any sample object, so an object is never in the store without its fingerprint.
+        self.store.put_bytes(self.base + FINGERPRINT_NAME, json.dumps(self.fingerprint, indent=1).encode())
+        return listed
+
+    def objects_already_stored(self, listed: dict[str, int]) -> set[int]:
+        done: set[int] = set()
+        for name, size in listed.items():
+            index = parse_sample_object_name(name)
+            if index is None or index not in self.by_index:
+                continue
+            low, high = self._size_bounds(self.by_index[index].num_tokens)
+            if low <= size <= high:
+                done.add(index)
+            else:  # cannot be a complete object for this sample: recompute and overwrite it
+                self.warn(
+                    f"{self.store.uri(self.base + name)} has {size} bytes, expected {low}..{high}; redoing it"
+                )
+        return done
+
+    def _size_bounds(self, num_tokens: int) -> tuple[int, int]:
+        tensor_bytes = num_tokens * self.num_layers * self.hidden_size * 2 + num_tokens * 5
+        return tensor_bytes + 8, estimate_sample_nbytes(
+            num_tokens, self.num_layers, self.hidden_size, self.metadata_nbytes
+        )
+
+    def verify_store(self, uploaded_sizes: dict[str, int], dropped: dict[int, str]) -> dict[str, int]:
+        self.store.sync(self.base)  # before the manifest can be written: every object's name is durable
+        listed = {info.key[len(self.base) :]: info.size for info in self.store.list(self.base)}
+        expected = sorted(sample_object_name(i) for i in self.by_index if i not in dropped)
+        missing = [name for name in expected if name not in listed]
+        if missing:
+            raise ExtractionIncomplete(
+                f"{len(missing)} of {len(expected)} objects are missing from {self.where} after all uploads "
+                f"were confirmed (first: {missing[0]}); something else deleted them. Rerun the range: "
+                "finished objects are kept and only the gaps are redone"
+            )
+        for name in expected:
+            uploaded = uploaded_sizes.get(name)
+            if uploaded is not None and listed[name] != uploaded:
+                raise ExtractionIncomplete(
+                    f"{self.store.uri(self.base + name)} has {listed[name]} bytes but {uploaded} were "
+                    "uploaded; something else overwrote it. Rerun the range"
+                )
+        return {name: listed[name] for name in expected}
+
+
+def resubmit_staged(
+    staging: StagingDirectory,
+    partition: RangeInStore,
+    uploader: Uploader,
+    uploads: UploadRecord,
+    in_store: set[int],
+    log: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> set[int]:
+    """Upload the complete files an earlier run left behind; delete everything else in staging."""
+    resubmitted: set[int] = set()
+    removed: list[str] = []
+    for path in staging.sample_files():
+        index = parse_sample_object_name(path.name)
+        if index is None or index not in partition.by_index or index in in_store:
+            # Temp files of a killed writer, strays, or files uploaded just before a crash.
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+            continue
+        problem = staged_file_problem(
+            path,
+            partition.by_index[index],
+            partition.fingerprint,
+            partition.num_layers,
+            partition.hidden_size,
+        )
+        if problem is not None:
+            warn(f"staged {path.name} is unusable ({problem}); recomputing sample {index}")
+            path.unlink(missing_ok=True)
+            continue
+        uploader.submit(path, partition.base + path.name, on_uploaded=uploads)
+        resubmitted.add(index)
+    if removed:
+        log(f"staging: removed {len(removed)} leftover files that need no upload (e.g. {removed[0]})")
+    return resubmitted

@@ -1,0 +1,78 @@
+"""The settings of one training run: SpecForge's DFlash recipe by default, checked when made."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dflash_assets.training.checkpoints import (
+    CheckpointPolicy,
+)
+
+# Settings whose change between an interrupted run and its resumption changes the trajectory.
+TRAJECTORY_SETTINGS = (
+    "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
+    "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "gamma", "seed",
+    "eval_samples",
+)  # fmt: skip
+
+@dataclass
+class TrainSettings:
+    """SpecForge's DFlash recipe by default: AdamW at 6e-4 with betas (0.9, 0.999) and no weight decay,
+    4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 3072 tokens, 512 anchors
+    per sequence, gamma 7, and a global batch of 32 sequences per optimiser step (4 per GPU x 8 GPUs)
+    reached by gradient accumulation over micro-batches that fit the device's memory."""
+
+    mode: str = "offline"  # "offline" (hidden states from the store) or "online" (target runs alongside)
+    max_steps: int | None = None  # None: `epochs` full passes decide; set: exactly this many steps
+    epochs: int = 6
+    global_batch_size: int = 32  # sequences per optimiser step
+    micro_batch_bytes: int | None = None  # activation memory per micro-batch; None: from the device
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04  # of the total steps, linear from 0
+    lr_schedule: str = "cosine"  # "cosine", "linear" or "constant" after warmup
+    min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
+    weight_decay: float = 0.0  # on matrices only, never on norms
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    max_length: int = 3072  # longer samples are truncated (their tail is not trained on)
+    num_anchors: int = 512  # per sequence, capped by the positions that qualify
+    gamma: float = 7.0  # position weight exp(-(p-1)/gamma)
+    block_size: int = 16  # must equal the drafter config's
+    seed: int = 0
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_minutes: float | None = 30.0
+    log_every_steps: int = 10
+    eval_samples: int = 16  # held out from training, evaluated at every checkpoint
+    spec_eval_prompts: int = 8  # held-out prompts decoded speculatively with the target (0: off)
+    spec_eval_max_new_tokens: int = 64
+    device: str = "cpu"  # the drafter's device; online targets may live elsewhere
+    attention: str = "auto"  # drafter attention: "flex" (CUDA's fused kernel), "materialised", "auto"
+    bf16_autocast: bool = True  # CUDA only: float32 master weights, bf16 matmuls
+    max_consecutive_nonfinite: int = 10  # skipped non-finite steps in a row before giving up
+
+    def __post_init__(self) -> None:
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if self.mode not in ("offline", "online"):
+            raise ValueError(f"train mode {self.mode!r} is not 'offline' or 'online' (DFLASH_TRAIN_MODE)")
+        if self.lr_schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"lr_schedule {self.lr_schedule!r} is not 'cosine', 'linear' or 'constant'")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ValueError(
+                f"max_steps must be positive or None, got {self.max_steps} (DFLASH_TRAIN_MAX_STEPS)"
+            )
+        for name in ("epochs", "global_batch_size", "max_length", "num_anchors", "log_every_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"train setting {name} must be positive, got {getattr(self, name)}")
+        if self.micro_batch_bytes is not None and self.micro_batch_bytes <= 0:
+            raise ValueError(f"micro_batch_bytes must be positive or None, got {self.micro_batch_bytes}")
+        if self.gamma <= 0:
+            raise ValueError(f"gamma must be positive, got {self.gamma}")
+        if self.spec_eval_prompts < 0 or self.spec_eval_max_new_tokens <= 0:
+            raise ValueError("spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens positive")
+        # Raises early on bad checkpoint intervals rather than at the first checkpoint.
+        CheckpointPolicy(self.checkpoint_every_steps, self.checkpoint_every_minutes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
