@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_assets.core import demo_model
+from dflash_assets.target import demo_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash_assets.conversations.datasets import Dropped, bundled_dataset_path, iter_rows
