@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from dflash_assets.storage.moto_server import MotoServer, start_moto_server
-from dflash_assets_tests.s3_server import FaultyProxy
+from dflash_assets_tests.support.s3_server import FaultyProxy
 
 # Dummy credentials moto accepts; tests assert this secret never shows up in messages.
 TEST_ACCESS_KEY_ID = "testing"
@@ -147,7 +147,7 @@ def _one_torch_thread() -> None:
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny hybrid target of the extraction tests (a test module may define its own)."""
-    from dflash_assets_tests.test_capture import save_tiny_target
+    from dflash_assets_tests.support.targets import save_tiny_target
 
     return save_tiny_target(tmp_path_factory.mktemp("extract-target"))
 

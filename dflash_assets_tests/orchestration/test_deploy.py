@@ -18,8 +18,8 @@ from dagster._config import process_config
 from dagster._core.instance.config import dagster_instance_config
 
 from dflash_assets.k8s import GPU_RESOURCE, STAGING_MOUNT
+from dflash_assets_tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 INSTANCE_FILES = [REPO / "dagster.yaml", DEPLOY / "dagster-postgres.yaml"]
 

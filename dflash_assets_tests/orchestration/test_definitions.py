@@ -14,7 +14,7 @@ from dagster import AssetKey, DagsterInstance
 
 from dflash_assets.definitions import defs
 from dflash_assets.partitions import PARTITIONS_NAME, NotASampleRange, check_sample_range_key
-from dflash_assets_tests.s3_server import free_port
+from dflash_assets_tests.support.s3_server import free_port
 
 
 def test_the_definitions_load_with_the_three_assets_the_sensors_and_the_resources():

@@ -20,7 +20,7 @@ import pytest
 from dagster import AssetKey
 
 from dflash_assets_tests.conftest import REPO, open_instance
-from dflash_assets_tests.s3_server import free_port
+from dflash_assets_tests.support.s3_server import free_port
 
 KEY = "00000000-00000023"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -22,7 +22,7 @@ from dflash_assets.drafter.objective import (
     position_weights,
     sample_anchors,
 )
-from dflash_assets_tests.drafter_fixtures import (
+from dflash_assets_tests.support.drafter_fixtures import (
     MASK_TOKEN_ID,
     TARGET_LAYER_IDS,
     build_tiny_target,

@@ -23,7 +23,7 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
-from dflash_assets_tests.reference_dflash import ReferenceDrafter
+from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
 
 RANGES = ["00000000-00000023", "00000024-00000047"]
 TRAIN = {

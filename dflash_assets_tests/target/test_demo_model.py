@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_assets.target import demo_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash_assets.conversations.datasets import Dropped, bundled_dataset_path, iter_rows
+from dflash_assets.target import demo_model
 
 
 def file_hashes(directory: Path) -> dict[str, str]:

@@ -40,5 +40,5 @@ def test_no_product_module_imports_the_test_package():
 
 def test_the_scan_sees_lazy_imports_inside_functions():
     # The old offence was an import inside a function body; the scan must not miss that shape.
-    source = "def f():\n    from dflash_assets_tests.s3_server import start_moto_server\n"
-    assert (2, "dflash_assets_tests.s3_server") in _imported_modules(ast.parse(source))
+    source = "def f():\n    from dflash_assets_tests.support.s3_server import start_moto_server\n"
+    assert (2, "dflash_assets_tests.support.s3_server") in _imported_modules(ast.parse(source))

@@ -20,7 +20,7 @@ from dflash_assets.training.plan import epoch_plan, micro_batches
 from dflash_assets.training.schedule import lr_factor
 from dflash_assets.training.settings import TrainSettings
 from dflash_assets.training.train import TrainResult, train_drafter
-from dflash_assets_tests.drafter_fixtures import (
+from dflash_assets_tests.support.drafter_fixtures import (
     build_tiny_target,
     counting_samples,
     load_capture,

@@ -14,8 +14,8 @@ from dflash_assets.extraction.host_transfer import HostTransfer
 from dflash_assets.extraction.sample_format import read_sample, sample_object_name
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.target.model import load_target_model
-from dflash_assets_tests.test_capture import reference_hidden_states, save_tiny_target
-from dflash_assets_tests.test_extract import Extraction, make_samples, stored_objects
+from dflash_assets_tests.support.extraction import Extraction, make_samples, stored_objects
+from dflash_assets_tests.support.targets import reference_hidden_states, save_tiny_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -23,7 +23,7 @@ from dflash_assets.storage.open_store import open_store
 from dflash_assets.training.data import OnlineData
 from dflash_assets.training.settings import TrainSettings
 from dflash_assets.training.train import train_drafter
-from dflash_assets_tests.drafter_fixtures import (
+from dflash_assets_tests.support.drafter_fixtures import (
     CYCLE_START,
     MASK_TOKEN_ID,
     build_counting_target,

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 from dagster import AssetKey
 
-from dflash_assets_tests.conftest import open_instance
-
-REPO = Path(__file__).resolve().parent.parent
+from dflash_assets_tests.conftest import REPO, open_instance
 
 
 def _postgres_available() -> bool:

@@ -1,10 +1,9 @@
 """The README is a contract: every setting is documented, and CI runs the test command it gives."""
 
-from pathlib import Path
 
 from dflash_assets import settings
+from dflash_assets_tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 
 

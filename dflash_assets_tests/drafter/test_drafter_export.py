@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.export import export_drafter, load_drafter
 from dflash_assets.drafter.model import DFlashDrafter
-from dflash_assets_tests.drafter_fixtures import MASK_TOKEN_ID, build_tiny_target, tiny_drafter_config
-from dflash_assets_tests.reference_dflash import ReferenceDrafter
+from dflash_assets_tests.support.drafter_fixtures import MASK_TOKEN_ID, build_tiny_target, tiny_drafter_config
+from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from dflash_assets.storage.staging import (
 )
 from dflash_assets.storage.store import source_will_be_deleted
 from dflash_assets.target.model import load_target_model
-from dflash_assets_tests.test_extract import DEFAULT_LAYERS as LAYERS
-from dflash_assets_tests.test_extract import PREFIX, Extraction, make_samples, stored_objects
+from dflash_assets_tests.support.extraction import DEFAULT_LAYERS as LAYERS
+from dflash_assets_tests.support.extraction import PREFIX, Extraction, make_samples, stored_objects
 
 
 def test_a_batch_goes_to_the_host_as_bf16_with_non_finite_rows_flagged_and_padding_ignored():

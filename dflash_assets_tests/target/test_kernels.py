@@ -9,31 +9,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash_assets.target.kernels import FALLBACK, fallback_warning, kernel_paths, report_kernel_paths
-from dflash_assets_tests.test_capture import tiny_text_config_kwargs
-
-
-def tiny_hybrid() -> torch.nn.Module:
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**tiny_text_config_kwargs(4)))
-
-
-def tiny_dense() -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
-    return Qwen3ForCausalLM(config)
+from dflash_assets_tests.support.targets import tiny_dense, tiny_hybrid
 
 
 def fast_kernels_installed() -> bool:
@@ -95,7 +73,7 @@ def test_installed_flash_linear_attention_is_what_transformers_picks_and_what_is
     code = textwrap.dedent(
         """
         from dflash_assets.target.kernels import kernel_paths
-        from dflash_assets_tests.test_kernels import tiny_hybrid
+        from dflash_assets_tests.support.targets import tiny_hybrid
         print(kernel_paths(tiny_hybrid()).linear_attention["chunk_gated_delta_rule"])
         """
     )

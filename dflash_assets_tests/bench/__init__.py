@@ -1,0 +1,1 @@
+"""Tests that the benchmarks run and print their ratios."""

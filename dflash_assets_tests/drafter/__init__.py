@@ -1,0 +1,1 @@
+"""Tests of the drafter: the model and objective, the export, the mask token, speculative decoding."""

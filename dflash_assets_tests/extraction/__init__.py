@@ -1,0 +1,1 @@
+"""Tests of the extraction stage: capture, batching, the sample format, extracting a range."""

@@ -1,0 +1,1 @@
+"""Tests of the project as a whole: imports, pinned dependencies, the README's claims."""

@@ -1,0 +1,1 @@
+"""Tests of the target stage: device leases, kernel paths, the demo target."""

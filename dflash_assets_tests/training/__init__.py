@@ -1,0 +1,1 @@
+"""Tests of training: the loop, checkpoints, streaming from the store."""
