@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.batching import pad_batch, padding_fraction, plan_batches
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.host_transfer import HostTransfer
+from dflash_assets.target.batching import pad_batch, padding_fraction, plan_batches
 
 ANCHOR_BATCH_SIZE = 8  # the public pipelines' way: fixed-size batches in dataset order
 

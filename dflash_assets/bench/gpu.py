@@ -27,9 +27,9 @@ from torch import nn
 
 from dflash_assets.bench.capture_ways import ANCHOR_BATCH_SIZE, run_anchors_way, run_capture, synchronize
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.batching import padding_fraction, plan_batches
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.uploader import Uploader
+from dflash_assets.target.batching import padding_fraction, plan_batches
 from dflash_assets.target.kernels import kernel_paths
 from dflash_assets.target.layer_ids import dflash_target_layer_ids
 

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.batching import padding_fraction, plan_batches
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.monitor import (
     ExtractionCounters,
@@ -34,6 +33,7 @@ from dflash_assets.storage.staging import FINGERPRINT_NAME, PartitionBusy, Stagi
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.units import human_bytes
 from dflash_assets.storage.uploader import Uploader
+from dflash_assets.target.batching import padding_fraction, plan_batches
 from dflash_assets.target.kernels import report_kernel_paths
 
 __all__ = [

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.extraction.batching import pad_batch
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.host_transfer import HostBatch, HostTransfer, PendingHostBatch
 from dflash_assets.extraction.monitor import ExtractionCounters, UploadRecord
@@ -25,6 +24,7 @@ from dflash_assets.extraction.sample_format import (
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.staging import StagingDirectory
 from dflash_assets.storage.uploader import Uploader
+from dflash_assets.target.batching import pad_batch
 
 # Samples go to a writer thread in chunks of about this many bytes; at most two chunks per writer thread
 # wait, which bounds the host memory that finished batches hold.

@@ -16,9 +16,9 @@ import torch
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.objective import DrafterBatch
-from dflash_assets.extraction.batching import pad_batch
 from dflash_assets.extraction.sample_format import HiddenStateSample, parse_sample_object_name
 from dflash_assets.storage.store import ObjectStore
+from dflash_assets.target.batching import pad_batch
 from dflash_assets.training.sample_stream import SampleStream, partition_of
 from dflash_assets.training.settings import TrainSettings
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.extraction.batching import pad_batch
 from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.target.batching import pad_batch
 from dflash_assets.target.layer_ids import dflash_target_layer_ids, parse_layer_ids, resolve_target_layer_ids
 from dflash_assets.target.model import TargetModelError, load_target_model
 from dflash_assets_tests.support.targets import (

@@ -2,8 +2,8 @@
 
 import torch
 
-from dflash_assets.extraction.batching import pad_batch
 from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture
+from dflash_assets.target.batching import pad_batch
 from dflash_assets.target.model import load_target_model
 
 

@@ -1,4 +1,4 @@
-"""Length-bucketed batching under a token budget, so forward passes carry little padding.
+"""Length-bucketed batching under a token budget, so the target's forward passes carry little padding.
 
 A batch costs `batch_size * longest_sample` tokens (right padding); `plan_batches` keeps that under
 the budget. Extraction plans its forward passes with it (training plans by memory: `train.micro_batches`).

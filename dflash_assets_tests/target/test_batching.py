@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dflash_assets.extraction.batching import pad_batch, padding_fraction, plan_batches
+from dflash_assets.target.batching import pad_batch, padding_fraction, plan_batches
 
 
 def random_lengths(n: int = 300, seed: int = 0) -> list[int]:
