@@ -6,7 +6,6 @@ the store holds every object this run needs."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +18,9 @@ from dflash_assets.extraction.sample_format import (
     sample_object_name,
     staged_file_problem,
 )
-from dflash_assets.storage.manifest import delete_partition
-from dflash_assets.storage.staging import FINGERPRINT_NAME, StagingDirectory
-from dflash_assets.storage.store import ObjectNotFound, ObjectStore, StoreError
+from dflash_assets.storage.fingerprint import claim_prefix
+from dflash_assets.storage.staging import StagingDirectory
+from dflash_assets.storage.store import ObjectStore, StoreError
 from dflash_assets.storage.uploader import Uploader
 
 
@@ -54,27 +53,8 @@ class RangeInStore:
 
     def reconcile_fingerprint(self) -> dict[str, int]:
         """One listing of the prefix; objects made under another fingerprint (or none) are deleted."""
-        listed = {info.key[len(self.base) :]: info.size for info in self.store.list(self.base)}
-        stored = None
-        if FINGERPRINT_NAME in listed:
-            try:
-                stored = json.loads(self.store.get_bytes(self.base + FINGERPRINT_NAME))
-            except (ObjectNotFound, ValueError):
-                stored = {"unreadable": True}
-        if stored == self.fingerprint:
-            return listed
-        others = [name for name in listed if name != FINGERPRINT_NAME]
-        if stored is not None or others:
-            self.warn(
-                f"{self.where} holds {len(others)} objects made by "
-                f"{json.dumps(stored) if stored else 'an unknown producer (no fingerprint)'}, not by "
-                f"{json.dumps(self.fingerprint)}; deleting them (manifest first) and extracting from scratch"
-            )
-            delete_partition(self.store, self.base.rstrip("/"))
-            listed = {}
-        # Written before any sample object, so an object is never in the store without its fingerprint.
-        self.store.put_bytes(self.base + FINGERPRINT_NAME, json.dumps(self.fingerprint, indent=1).encode())
-        return listed
+        # The fingerprint is written before any sample object, so an object never lacks one.
+        return claim_prefix(self.store, self.base, self.fingerprint, self.warn)
 
     def objects_already_stored(self, listed: dict[str, int]) -> set[int]:
         done: set[int] = set()

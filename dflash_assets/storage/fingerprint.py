@@ -1,0 +1,45 @@
+"""Who made a prefix's objects: `_fingerprint.json`, written before any object, so two producers
+(another target, other layers, other generation settings) never share a partition."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from dflash_assets.storage.manifest import delete_partition
+from dflash_assets.storage.staging import FINGERPRINT_NAME
+from dflash_assets.storage.store import ObjectNotFound, ObjectStore
+
+
+def read_fingerprint(store: ObjectStore, base: str, listed: dict[str, int]) -> dict[str, Any] | None:
+    if FINGERPRINT_NAME not in listed:
+        return None
+    try:
+        return json.loads(store.get_bytes(base + FINGERPRINT_NAME))
+    except (ObjectNotFound, ValueError):
+        return {"unreadable": True}
+
+
+def claim_prefix(
+    store: ObjectStore, prefix: str, fingerprint: dict[str, Any], warn: Callable[[str], None]
+) -> dict[str, int]:
+    """One listing of `prefix`; returns its objects (name -> size) if they carry `fingerprint`. Objects
+    made under another fingerprint (or none) are deleted, manifest first, and an empty listing returned.
+    The fingerprint is (re)written before the caller writes any object."""
+    base = prefix.strip("/") + "/"
+    listed = {info.key[len(base) :]: info.size for info in store.list(base)}
+    stored = read_fingerprint(store, base, listed)
+    if stored == fingerprint:
+        return listed
+    others = [name for name in listed if name != FINGERPRINT_NAME]
+    if stored is not None or others:
+        warn(
+            f"{store.uri(base.rstrip('/'))} holds {len(others)} objects made by "
+            f"{json.dumps(stored) if stored else 'an unknown producer (no fingerprint)'}, not by "
+            f"{json.dumps(fingerprint)}; deleting them (manifest first) and starting the range from scratch"
+        )
+        delete_partition(store, base.rstrip("/"))
+        listed = {}
+    store.put_bytes(base + FINGERPRINT_NAME, json.dumps(fingerprint, indent=1).encode())
+    return listed
