@@ -149,8 +149,12 @@ class OpenAIEngine(Engine):
                     f"{server.base_url}/models answered HTTP {status} ({_detail(body)}); is "
                     f"{server.base_url} an OpenAI-compatible base URL (ending in /v1)? Fix {URL_SETTING}"
                 )
-            served = [str(entry.get("id")) for entry in (body or {}).get("data", []) if entry.get("id")]
-            server.model = self._choose_model(server, served)
+            entries = [entry for entry in (body or {}).get("data", []) if entry.get("id")]
+            server.model = self._choose_model(server, [str(entry["id"]) for entry in entries])
+            # Only vLLM is known to return token ids (`return_token_ids`); others are not asked, so no
+            # request is spent on a refusal (one that refuses anyway is asked again without it).
+            if not any(entry.get("owned_by") == "vllm" for entry in entries):
+                server.optional_fields.clear()
 
     def _choose_model(self, server: Server, served: list[str]) -> str:
         if self.requested_model:
