@@ -19,11 +19,12 @@ from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord,
 from dflash_assets.generation.regenerate import completions_fingerprint, regenerate_range
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.storage.local_store import LocalStore
-from dflash_assets.storage.manifest import MANIFEST_NAME, new_manifest, write_manifest
+from dflash_assets.storage.manifest import new_manifest, write_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets_tests.support.engines import ScriptedEngine, never_opened, scripted_content
+from dflash_assets_tests.support.stores import WatchedStore
 
 PREFIX = "target-completions/00000000-00000099"
 SETTINGS = GenerationSettings(max_new_tokens=16)
@@ -200,23 +201,15 @@ def test_a_torn_last_journal_line_is_generated_again_and_the_rest_kept(tmp_path)
 
 
 def test_answers_made_under_other_settings_are_deleted_manifest_first_and_regenerated(tmp_path):
-    store = LocalStore(tmp_path / "store")
+    store = WatchedStore(tmp_path / "store")
     rows = make_rows(6, unreadable=())
     regenerate(store, tmp_path / "staging", rows, ScriptedEngine())
     write_manifest(store, PREFIX, new_manifest("target_completions", "00000000-00000099", {}))
-    deleted: list[str] = []
-    real_delete = store.delete
-
-    def recording_delete(key: str) -> None:
-        deleted.append(key.rsplit("/", 1)[-1])
-        real_delete(key)
-
-    store.delete = recording_delete  # type: ignore[method-assign]
     sampled = completions_fingerprint("tiny@0123", GenerationSettings(temperature=0.7, max_new_tokens=16))
     again = ScriptedEngine()
     regenerate(store, tmp_path / "staging", rows, again, fingerprint=sampled)
 
-    assert deleted[0] == MANIFEST_NAME  # un-committed before anything else goes
+    assert store.deletions and store.objects_deleted_under_a_manifest() == []  # un-committed first
     assert len(again.asked) == turns_of(rows)  # every answer made again under the new settings
     assert json.loads(store.get_bytes(f"{PREFIX}/_fingerprint.json")) == sampled
 

@@ -54,28 +54,23 @@ def _materialize(asset: str, env: dict[str, str], partition: str | None = None, 
 
 
 @pytest.fixture(scope="module")
-def ranges(tmp_path_factory, moto_endpoint):
-    """Two tokenized and extracted ranges in a bucket, shared by every training test here."""
-    from dflash_assets.target.demo_model import ensure_demo_model
-
+def ranges(tmp_path_factory, moto_endpoint, demo_ranges, demo_model_dir):
+    """The shared tokenized and extracted ranges (conftest's `demo_ranges`) copied into a bucket, read
+    by every training test here."""
     root = tmp_path_factory.mktemp("train")
-    model_dir = ensure_demo_model(root / "cache")
     create_bucket(moto_endpoint, "train-ranges")
     env = {
         **os.environ,
         **aws_env(moto_endpoint),
         "DFLASH_HOME": str(root / "home"),
-        "DFLASH_CACHE_DIR": str(root / "cache"),
+        "DFLASH_CACHE_DIR": str(demo_model_dir.parent),
         "DFLASH_SAMPLES_PER_PARTITION": "24",
-        "DFLASH_STORE_URL": "s3://train-ranges/shared",
+        "DFLASH_STORE_URL": ranges_store_url(),
         "OMP_NUM_THREADS": "1",
     }
     with aws_env_set(moto_endpoint):
-        for key in RANGES:
-            for asset in ("tokenized_completions", "hidden_state_partitions"):
-                done = _materialize(asset, {**env, "DAGSTER_HOME": make_dagster_home(root / "setup")}, key)
-                assert done.returncode == 0, done.stderr[-4000:]
-        yield {"env": env, "root": root, "model_dir": model_dir}
+        demo_ranges.copy_to(open_store(ranges_store_url()))
+        yield {"env": env, "root": root, "model_dir": demo_model_dir}
 
 
 def _train(

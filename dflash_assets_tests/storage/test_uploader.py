@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from pathlib import Path
@@ -14,50 +13,13 @@ from dflash_assets.storage.s3_store import S3Settings
 from dflash_assets.storage.store import ObjectInfo
 from dflash_assets.storage.uploader import Uploader, UploadError
 from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY
+from dflash_assets_tests.support.stores import Sampler, staged_disk_bytes
 
 
 def write_file(path: Path, size: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(os.urandom(size))
     return path
-
-
-def staged_disk_bytes(directory: Path) -> int:
-    total = 0
-    for entry in os.scandir(directory):
-        with contextlib.suppress(FileNotFoundError):  # uploaded and deleted while we looked
-            total += entry.stat().st_size
-    return total
-
-
-class Sampler:
-    """Calls `sample()` in a loop on another thread until stopped; keeps what the test asks for."""
-
-    def __init__(self, sample) -> None:
-        self._sample = sample
-        self._stop = threading.Event()
-        self.samples = 0
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._sample()
-                self.samples += 1
-                self._stop.wait(0.002)
-        except BaseException as err:  # surfaced by stop()
-            self.error = err
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        if self.error is not None:
-            raise self.error
 
 
 def slow_s3_store(s3_store_url: str, proxy, **settings):
