@@ -45,6 +45,17 @@ _REAL_AWS_VARIABLES = (
 )
 
 
+# Folders whose tests run the product end to end (CLI runs, servers, browsers): `pytest -m "not slow"`
+# leaves them out for a quick loop; the README's test command runs everything.
+SLOW_FOLDERS = frozenset({"orchestration"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FOLDERS & set(item.path.parts):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Process-wide, before any fixture: session-scoped fixtures create clients too.
     for name in _REAL_AWS_VARIABLES:

@@ -25,6 +25,7 @@ from dflash_assets.target.model import load_target_model
 from dflash_assets_tests.generation.test_in_process import bundled_conversations
 from dflash_assets_tests.support.inference_server import TransformersServer
 
+pytestmark = pytest.mark.slow  # a real server process per module
 SETTINGS = GenerationSettings(max_new_tokens=12)
 CONVERSATIONS = 6
 
