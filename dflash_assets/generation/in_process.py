@@ -77,18 +77,25 @@ class InProcessEngine(Engine):
         self.generation_config = self._generation_config()
 
     def _generation_config(self) -> Any:
+        """The target's own generation config (what `generate` and the servers start from: a
+        `repetition_penalty` there applies to every engine alike), with the sampling chosen here."""
+        import copy
+
         from transformers import GenerationConfig
 
-        values: dict[str, Any] = {
-            "max_new_tokens": self.settings.max_new_tokens,
-            "eos_token_id": sorted(self.stop_ids),
-            "pad_token_id": self.pad_id,
-            "do_sample": not self.settings.greedy,
-        }
-        if not self.settings.greedy:
-            values |= {"temperature": self.settings.temperature, "top_p": self.settings.top_p}
-            values["top_k"] = self.settings.top_k or None
-        return GenerationConfig(**values)
+        base = getattr(self.model, "generation_config", None)
+        config = copy.deepcopy(base) if base is not None else GenerationConfig()
+        config.max_new_tokens = self.settings.max_new_tokens
+        config.max_length = None
+        config.eos_token_id = sorted(self.stop_ids)
+        config.pad_token_id = self.pad_id
+        config.do_sample = not self.settings.greedy
+        if self.settings.greedy:
+            config.temperature = config.top_p = config.top_k = None  # greedy: none of them applies
+        else:
+            config.temperature, config.top_p = self.settings.temperature, self.settings.top_p
+            config.top_k = self.settings.top_k or None
+        return config
 
     def run(self, scheduler: TurnScheduler, tick: Callable[[], None]) -> None:
         while requests := scheduler.take():
