@@ -260,3 +260,80 @@ def test_the_api_key_comes_from_the_environment_and_only_goes_in_the_authorizati
         wrong._request(wrong.servers[0], request)
     assert "DFLASH_GENERATE_API_KEY" in str(refused.value) and "sk-wrong-key-x" not in str(refused.value)
     assert _RecordingServer.key not in capsys.readouterr().out
+
+
+def test_a_retry_goes_to_the_next_server(
+    server, tokenizer, demo_model_dir, in_process_answers, faulty_proxy, tmp_path
+):
+    failing, healthy = (faulty_proxy(server.base_url.removesuffix("/v1")) for _ in range(2))
+    failing.fail_share(1.0, "503", methods=["POST"])
+    urls = [failing.endpoint_url + "/v1", healthy.endpoint_url + "/v1"]
+    engine = server_engine(urls, tokenizer, demo_model_dir, concurrency=1, max_attempts=3)
+    served = regenerate(engine, tmp_path, "next-url")
+    assert {i: r.messages for i, r in served.items()} == {
+        i: r.messages for i, r in in_process_answers.items()
+    }
+    assert failing.counters.injected_503 > 0 and failing.counters.forwarded == 1  # its /models only
+    assert engine.stats.retries == failing.counters.injected_503
+
+
+class _FakeVLLM(BaseHTTPRequestHandler):
+    """Speaks as vLLM does: `owned_by: vllm`, and with `return_token_ids` the exact prompt and answer
+    ids beside the text. With `knows_token_ids` off it refuses the field, as an older vLLM would."""
+
+    knows_token_ids = True
+    bodies: list[dict] = []
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._answer(200, {"object": "list", "data": [{"id": "org/demo-target", "owned_by": "vllm"}]})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        type(self).bodies.append(body)
+        if "return_token_ids" in body and not self.knows_token_ids:
+            self._answer(400, {"message": "unknown field return_token_ids"})
+            return
+        answer: dict = {
+            "choices": [{"message": {"content": "four"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        }
+        if body.get("return_token_ids"):
+            answer["prompt_token_ids"] = [5, 6, 7]
+            answer["choices"][0]["token_ids"] = [11, 2]
+        self._answer(200, answer)
+
+    _answer = _RecordingServer._answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("knows_token_ids", [True, False])
+def test_vllm_is_asked_for_token_ids_and_a_server_that_refuses_the_field_is_asked_again_without_it(
+    knows_token_ids, monkeypatch
+):
+    from dflash_assets.generation.conversation import Regeneration
+    from dflash_assets.generation.engine import TurnRequest
+
+    monkeypatch.setattr(_FakeVLLM, "knows_token_ids", knows_token_ids)
+    _FakeVLLM.bodies = []
+    httpd = ThreadingHTTPServer((LOOPBACK, 0), _FakeVLLM)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://{LOOPBACK}:{httpd.server_address[1]}/v1"
+        warnings: list[str] = []
+        engine = OpenAIEngine([url], SETTINGS, target_name="/models/demo-target", warn=warnings.append)
+        engine.check()
+        conversation = Regeneration(0, [{"role": "user", "content": "2+2?"}])
+        answer = engine._answer(TurnRequest(conversation, 0, conversation.next_prompt()))
+    finally:
+        httpd.shutdown()
+    assert engine.servers[0].model == "org/demo-target"  # the served name, matched by the target's
+    assert _FakeVLLM.bodies[0]["return_token_ids"] is True
+    if knows_token_ids:
+        assert (answer.completion_token_ids, answer.prompt_token_ids) == ([11, 2], [5, 6, 7])
+        assert len(_FakeVLLM.bodies) == 1 and not warnings
+    else:
+        assert answer.completion_token_ids is None and answer.content == "four"
+        assert len(_FakeVLLM.bodies) == 2 and "return_token_ids" not in _FakeVLLM.bodies[1]
+        assert any("does not take ['return_token_ids']" in w for w in warnings)
