@@ -225,6 +225,9 @@ def drafter_checkpoints(
                 on_checkpoint=on_checkpoint,
                 uploader=uploader,
                 target_verifier=verifier,
+                # Offline: a speculative evaluation that does not fit beside the drafter may borrow a
+                # free device for the target (training/memory.py).
+                spare_device=lambda: devices.try_lease(holder=holder, exclude=[device, *target_devices]),
             )
             export_dir, metrics = export_trained_drafter(
                 result, drafter_config, work_dir / "export", run=config.run_name,
