@@ -4,6 +4,7 @@ from dagster import AssetExecutionContext, Config, MetadataValue, asset
 from pydantic import Field
 
 from dflash_assets import settings
+from dflash_assets.capacity_plan import range_plan_metadata
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.conversations.tokenize import tokenize_range, write_shard
 from dflash_assets.io_manager import PartitionOutput
@@ -72,6 +73,11 @@ def tokenized_completions(
             "truncated": result.truncated,
             "dropped": len(result.dropped),
             **{f"dropped_{reason}": count for reason, count in sorted(result.dropped_by_reason.items())},
+            # What this range, and the whole run, will take in the later stages (capacity_plan.py).
+            **range_plan_metadata(
+                result.samples, sample_range.key, store=store, dataset=dataset, target_model=target_model,
+                warn=context.log.warning,
+            ),  # fmt: skip
         }
     )
     return PartitionOutput(

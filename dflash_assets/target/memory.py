@@ -9,6 +9,7 @@ check before a speculative evaluation need, not an allocator's exact peak.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,3 +111,19 @@ def logits_bytes(config: dict[str, Any], tokens: int) -> int:
     """LM-head output for `tokens` positions, counted at 4 bytes a logit (bf16 logits and the working
     copies of the reduction over them)."""
     return tokens * int(config["vocab_size"]) * 4
+
+
+def host_available_bytes() -> int:
+    """Memory the host can still give (Linux `MemAvailable`), for runs on the CPU."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_total_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

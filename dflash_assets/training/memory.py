@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from dflash_assets.drafter.objective import estimate_step_bytes
 from dflash_assets.storage.units import human_bytes
 from dflash_assets.target.memory import (
     forward_activation_bytes,
+    host_available_bytes,
     kv_cache_bytes_per_token,
     logits_bytes,
     recurrent_state_bytes,
@@ -139,17 +139,6 @@ class DeviceMemory(Protocol):
     def pool(self, device: str) -> str: ...
 
 
-def _host_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 class TorchDeviceMemory:
     """What torch reports: a CUDA device's free memory after returning its cached blocks, or the host's
     available memory for a CPU lease (every `cpu:N` lease shares the host's memory)."""
@@ -161,7 +150,7 @@ class TorchDeviceMemory:
         if target.type == "cuda":
             torch.cuda.empty_cache()
             return int(torch.cuda.mem_get_info(target)[0])
-        return _host_available_bytes()
+        return host_available_bytes()
 
     def pool(self, device: str) -> str:
         return "host" if device == "cpu" or device.startswith("cpu:") else device

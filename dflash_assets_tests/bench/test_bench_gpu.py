@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dflash_assets import cli
-from dflash_assets.bench.gpu import TINY_SHAPES, VARIANTS, build_random_target, forward_flops
+from dflash_assets.bench.gpu import TINY_SHAPES, VARIANTS, build_random_target
+from dflash_assets.target.flops import forward_flops
 
 
 def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_ratios(capsys, monkeypatch):
