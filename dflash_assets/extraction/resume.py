@@ -29,6 +29,15 @@ class ExtractionIncomplete(StoreError):
     """After the uploads finished, the store still lacks objects this range needs."""
 
 
+def earlier_fingerprints(fingerprint: dict[str, Any]) -> list[dict[str, Any]]:
+    """Fingerprints earlier versions wrote for objects this one would make the same way: format 1 was
+    bf16 only and named no dtype. Such a range is kept (its objects are read as they are), not redone."""
+    if fingerprint["hidden_state_dtype"] != "bf16":
+        return []
+    legacy = {key: value for key, value in fingerprint.items() if key != "hidden_state_dtype"}
+    return [{**legacy, "format": "dflash-assets.hidden-states/1"}]
+
+
 class RangeInStore:
     """The range's prefix in the store: who made its objects, which are complete, and the final check."""
 
@@ -56,7 +65,8 @@ class RangeInStore:
     def reconcile_fingerprint(self) -> dict[str, int]:
         """One listing of the prefix; objects made under another fingerprint (or none) are deleted."""
         # The fingerprint is written before any sample object, so an object never lacks one.
-        return claim_prefix(self.store, self.base, self.fingerprint, self.warn)
+        earlier = earlier_fingerprints(self.fingerprint)
+        return claim_prefix(self.store, self.base, self.fingerprint, self.warn, equivalent=earlier)
 
     def objects_already_stored(self, listed: dict[str, int]) -> set[int]:
         done: set[int] = set()

@@ -175,3 +175,32 @@ def test_the_range_check_passes_an_fp8_range_and_flags_an_object_in_another_dtyp
     report = verify_hidden_state_partition(store, PREFIX, hidden_state_dtype="fp8", **check)
     assert not report.passed and any(name in p and "stored as bf16" in p for p in report.problems)
     assert json.loads(store.get_bytes(f"{PREFIX}/_fingerprint.json"))["hidden_state_dtype"] == "fp8"
+
+
+def test_a_range_from_before_fp8_is_kept_by_a_bf16_rerun_and_redone_by_an_fp8_one(target, tmp_path):
+    store = LocalStore(tmp_path / "store")
+    samples = make_samples(4)
+    Extraction(store, tmp_path / "staging").run(target, samples)
+    # What the previous version wrote: format 1, no dtype (bf16 was the only one).
+    legacy = {
+        k: v
+        for k, v in extraction_fingerprint(MODEL_NAME, DEFAULT_LAYERS, 64).items()
+        if k != "hidden_state_dtype"
+    }
+    store.put_bytes(
+        f"{PREFIX}/_fingerprint.json",
+        json.dumps({**legacy, "format": "dflash-assets.hidden-states/1"}).encode(),
+    )
+
+    kept = Extraction(store, tmp_path / "staging")
+    result = kept.run(target, samples)
+    assert result.reused_from_store == 4 and result.extracted_now == 0 and kept.uploader.stats.uploaded == 0
+    upgraded = json.loads(store.get_bytes(f"{PREFIX}/_fingerprint.json"))
+    assert upgraded == extraction_fingerprint(MODEL_NAME, DEFAULT_LAYERS, 64, "bf16")
+
+    store.put_bytes(
+        f"{PREFIX}/_fingerprint.json",
+        json.dumps({**legacy, "format": "dflash-assets.hidden-states/1"}).encode(),
+    )
+    redone = Extraction(store, tmp_path / "staging").run(target, samples, hidden_state_dtype="fp8")
+    assert redone.extracted_now == 4 and redone.reused_from_store == 0
