@@ -64,12 +64,12 @@ class EncodedStates:
 
 def quantize_e4m3(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`hidden` [..., H] (any float dtype) -> (float8_e4m3fn [..., H], float32 scale [...]), on its device."""
-    # One float32 working copy, scaled in place: on a GPU the batch is ~0.4 G values at the 27B shape.
-    rows = hidden.to(torch.float32, copy=True)
-    amax = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1)  # max |x| without a copy of |x|
+    # max |x| from two reductions (no |x| copy), exact in the input's dtype; then one float32 temporary,
+    # clamped in place: on a GPU a batch is ~0.4 G values at the 27B shape.
+    amax = torch.maximum(hidden.amax(dim=-1), hidden.amin(dim=-1).neg()).float()
     scale = amax.div_(E4M3_MAX).clamp_(min=MIN_SCALE)
-    rows.div_(scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)
-    return rows.to(torch.float8_e4m3fn), scale
+    scaled = torch.div(hidden, scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX)  # float32 by promotion
+    return scaled.to(torch.float8_e4m3fn), scale
 
 
 def encode_states(hidden: torch.Tensor, dtype: str) -> EncodedStates:
