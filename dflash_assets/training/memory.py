@@ -120,12 +120,24 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Every tensor of the optimiser's state to `device` (values unchanged; AdamW's `step` counters too)."""
+def offload_optimizer_state(
+    optimizer: torch.optim.Optimizer, device: torch.device | str = "cpu"
+) -> Callable[[], None]:
+    """Move the optimiser's state tensors to `device`; returns the function that puts each back where it
+    was (values unchanged; AdamW's step counters, already on the host, are not touched)."""
+    target = torch.device(device)
+    moved = []
     for state in optimizer.state.values():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != torch.device(device):
-                state[key] = value.to(device)
+            if isinstance(value, torch.Tensor) and value.device != target:
+                moved.append((state, key, value.device))
+                state[key] = value.to(target)
+
+    def restore() -> None:
+        for state, key, original in moved:
+            state[key] = state[key].to(original)
+
+    return restore
 
 
 # ------------------------------------------------------------------------------------ device memory
@@ -265,8 +277,7 @@ def target_for_evaluation(
             yield None
             return
         if placement.action == "offload":
-            move_optimizer_state(optimizer, "cpu")
-            stack.callback(move_optimizer_state, optimizer, torch_device(drafter_device))
+            stack.callback(offload_optimizer_state(optimizer, "cpu"))
         stack.callback(_release_memory, device_type)
         try:
             target = load(placement.device)
