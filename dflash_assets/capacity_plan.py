@@ -45,8 +45,11 @@ def build_plan(
     except StoreError as error:  # the plan still works from the dataset alone
         log(f"the store is unreachable ({error}); planning from the dataset alone")
         object_store = None
+    from dflash_assets.partitions import dataset_row_count
+
     workload = build_workload(
         dataset_uri=dataset.uri(),
+        rows=dataset_row_count(dataset.uri()),  # counted once per version of the file
         samples_per_partition=settings.samples_per_partition(),
         max_length=settings.MAX_LENGTH.get_int(),
         tokenizer=target_model.load_tokenizer() if tokenize else None,

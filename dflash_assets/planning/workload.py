@@ -128,6 +128,7 @@ def build_workload(
     overlong: str = "truncate",
     seed: int = 0,
     cache_dir: Path | None = None,
+    rows: int | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> Workload:
     """The workload of every range covering `dataset_uri` (see the module docstring).
@@ -135,9 +136,10 @@ def build_workload(
     `known` gives ranges already tokenized in this process (partition -> kept samples), e.g. the range
     `tokenized_completions` is materialising. Without a `tokenizer` nothing is tokenized: ranges not
     known or in the store are estimated from the ranges that are. `sample_rows=0` tokenizes every row.
+    `rows` is the dataset's row count when the caller knows it (counting a large file takes a scan).
     """
     path = resolve_dataset(dataset_uri, cache_dir=cache_dir)
-    rows = count_rows(str(path))
+    rows = count_rows(str(path)) if rows is None else rows
     if rows == 0:
         raise ValueError(f"dataset {dataset_uri!r} has no rows: check DFLASH_DATASET")
     ranges: dict[str, RangeWorkload] = {}

@@ -255,12 +255,13 @@ def target_for_evaluation(
         needed = None
         log(f"WARNING: cannot estimate the target's memory ({error}); loading it beside the drafter")
     with contextlib.ExitStack() as stack:
+        spare_lease = stack.enter_context(contextlib.ExitStack())  # given back early when not used
         placement = EvalPlacement("here", drafter_device, "no estimate")
         if needed is not None:
             free = memory.free_bytes(drafter_device)
             spare = None
             if with_headroom(needed) > free and spare_device is not None:
-                leased = stack.enter_context(spare_device())
+                leased = spare_lease.enter_context(spare_device())
                 if leased is not None and memory.pool(leased) != memory.pool(drafter_device):
                     spare = (leased, memory.free_bytes(leased))
             separate = memory.pool(drafter_device) != memory.pool("cpu")
@@ -273,6 +274,8 @@ def target_for_evaluation(
                 spare=spare,
             )
             log(("WARNING: " if placement.action == "skip" else "") + placement.message)
+        if placement.action != "spare":
+            spare_lease.close()
         if placement.action == "skip":
             yield None
             return
