@@ -240,13 +240,14 @@ def range_plan_metadata(
         **{f"plan_run_hidden_state_bytes_{d}": n for d, n in f["hidden_state_bytes_by_dtype"].items()},
         "plan_run_ranges_estimated": sum(entry["source"] == "estimated" for entry in f["per_range"]),
         "plan_staging_bytes_needed": f["staging_bytes_needed"],
+        "plan_devices": f["extraction_hours"]["devices"],
         "plan_offline_read_bytes_per_s": float(f["offline_read_bytes_per_s"]),
         "plan_warnings": "\n".join(plan.warnings) or "none",
     }
     hours = f["extraction_hours"]
     optional = {
         "plan_run_extraction_hours_1_device": hours["devices_1"],
-        f"plan_run_extraction_hours_{hours['devices']}_devices": hours["devices_n"],
+        "plan_run_extraction_hours_all_devices": hours["devices_n"],
         "plan_upload_bytes_per_s_needed": f["upload_bytes_per_s_needed"],
     }
     metadata.update({name: float(value) for name, value in optional.items() if value is not None})
