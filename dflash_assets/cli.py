@@ -1,4 +1,5 @@
-"""`dflash-assets`: the headless demo, range registration, the reaper, the demo model, the benchmark."""
+"""`dflash-assets`: the headless demo, range registration, the reaper, the demo model, the benchmark, and
+the capacity plan."""
 
 from __future__ import annotations
 
@@ -141,6 +142,34 @@ def _print_failure(result) -> None:
             )
 
 
+def run_plan(args: argparse.Namespace) -> int:
+    """`dflash-assets plan`: the table (or `--json`) for the configured dataset, target and settings."""
+    import json
+
+    from dflash_assets.capacity_plan import build_plan, format_plan, plan_environment_note
+    from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log(f"planning for {plan_environment_note()}")
+    plan = build_plan(
+        store=StoreResource(),
+        dataset=DatasetResource(),
+        target_model=TargetModelResource(),
+        devices=args.devices,
+        device_name=args.device,
+        device_memory_gib=args.device_memory_gib,
+        sample_rows=args.sample_rows,
+        train_tokens_per_s=args.train_tokens_per_s,
+        mfu=args.mfu,
+        gpu_result=args.gpu_result,
+        log=log,
+    )
+    print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-assets", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("directory", nargs="?", default=None)
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
-    bench.add_argument("--only", choices=["extraction", "training", "generation"], default=None)
+    bench.add_argument("--only", choices=["extraction", "training", "generation", "fidelity"], default=None)
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
     bench.add_argument(
         "--gpu",
@@ -160,6 +189,25 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--tiny", action="store_true", help="with --gpu: tiny shapes, runs on the CPU too")
     bench.add_argument("--tokens", type=int, default=None, help="with --gpu: tokens per variant and target")
     bench.add_argument("--rounds", type=int, default=None, help="with --gpu: interleaved rounds")
+    bench.add_argument(
+        "--result",
+        default=None,
+        help="with --gpu: where to save the figures for `plan` (default "
+        "$DFLASH_CACHE_DIR/bench/gpu-bench.json; --tiny saves only when given)",
+    )
+    plan = sub.add_parser("plan", help="what the configured run will take: bytes, hours, bandwidth, memory")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan.add_argument(
+        "--devices", type=int, default=None, help="devices extracting at once (default: DFLASH_DEVICES)"
+    )
+    plan.add_argument("--device", default=None, help="plan for this device: H200, H100, A100, L40S or cpu")
+    plan.add_argument("--device-memory-gib", type=float, default=None, help="the device's memory, GiB")
+    plan.add_argument(
+        "--sample-rows", type=int, default=5000, help="rows tokenized to estimate the rest (0: every row)"
+    )
+    plan.add_argument("--train-tokens-per-s", type=float, default=None, help="offline training's token rate")
+    plan.add_argument("--mfu", type=float, default=None, help="extraction MFU without a bench --gpu result")
+    plan.add_argument("--gpu-result", default=None, help="a saved `bench --gpu` result to plan from")
     sub.add_parser(
         "reap", help="mark runs whose worker on this host died as failed (and free any pool slots they hold)"
     )
@@ -191,14 +239,19 @@ def main(argv: list[str] | None = None) -> int:
         new = register_sample_ranges(_instance(), keys)
         print(f"{len(keys)} sample ranges cover the dataset ({keys[0]} .. {keys[-1]}); {len(new)} new")
         return 0
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "bench":
         if args.gpu:
+            from dflash_assets import settings
             from dflash_assets.bench.gpu import run_gpu_bench
+            from dflash_assets.planning.gpu_result import gpu_result_path
 
-            run_gpu_bench(tiny=args.tiny, tokens=args.tokens, rounds=args.rounds)
+            result = args.result or (None if args.tiny else gpu_result_path(settings.cache_dir()))
+            run_gpu_bench(tiny=args.tiny, tokens=args.tokens, rounds=args.rounds, result_path=result)
             return 0
-        if args.tiny or args.tokens or args.rounds:
-            parser.error("--tiny, --tokens and --rounds go with --gpu")
+        if args.tiny or args.tokens or args.rounds or args.result:
+            parser.error("--tiny, --tokens, --rounds and --result go with --gpu")
         from dflash_assets.bench.run import run_bench
 
         return run_bench(quick=args.quick, only=args.only, threads=args.threads)

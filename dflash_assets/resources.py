@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,15 @@ class DeviceLeaseResource(ConfigurableResource):
         ) as device:
             yield device
 
+    @contextlib.contextmanager
+    def try_lease(self, holder: str = "", exclude: Sequence[str] = ()) -> Iterator[str | None]:
+        """A device other than `exclude` if one is free now, else None (never waits)."""
+        from dflash_assets.target.devices import available_devices, try_lease_device
+
+        candidates = [d.strip() for d in self.devices.split(",") if d.strip()] or available_devices()
+        others = [d for d in candidates if d not in set(exclude)]
+        with try_lease_device(others, lock_dir=Path(self.lock_dir).expanduser(), holder=holder) as device:
+            yield device
 
 class GenerationResource(ConfigurableResource):
     """How `target_completions` asks the target: OpenAI-compatible servers when `urls` is set, else the

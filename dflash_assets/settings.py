@@ -143,6 +143,12 @@ DEVICES = Setting(
 MAX_TOKENS_PER_BATCH = Setting(
     "DFLASH_MAX_TOKENS_PER_BATCH", "16384", "Extraction token budget per forward (padded tokens included)."
 )
+HIDDEN_STATE_DTYPE = Setting(
+    "DFLASH_HIDDEN_STATE_DTYPE",
+    "bf16",
+    "How hidden-state objects store the states: `bf16`, or `fp8` (e4m3 with a float32 scale per token and "
+    "layer: half the bytes). Part of a range's fingerprint: changing it re-extracts a range.",
+)
 TRAIN_MODE = Setting(
     "DFLASH_TRAIN_MODE", "offline", "`offline` (stored hidden states) or `online` (target runs)."
 )

@@ -89,13 +89,19 @@ def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, 
             "materialise hidden_state_partitions for some ranges first, or set DFLASH_TRAIN_MODE=online "
             "(run config `mode: online`) to run the target beside the trainer."
         )
-    objects = [
-        (key, size)
-        for partition in hidden_states
-        for key, size in partition.object_keys()
-        if parse_sample_object_name(key.rsplit("/", 1)[-1]) is not None
-    ]
-    return OfflineData(store=store, objects=objects, cache_dir=cache_dir, cache_budget_bytes=budget)
+    objects, dtypes = [], []
+    for partition in hidden_states:
+        for key, size in partition.object_keys():
+            if parse_sample_object_name(key.rsplit("/", 1)[-1]) is not None:
+                objects.append((key, size))
+                dtypes.append(partition.manifest.get("hidden_state_dtype", "bf16"))  # bf16 before fp8 existed
+    return OfflineData(
+        store=store,
+        objects=objects,
+        cache_dir=cache_dir,
+        cache_budget_bytes=budget,
+        hidden_state_dtypes=dtypes,
+    )
 
 
 def _data_source(tokenized: list[StoredPartition]) -> dict:
@@ -233,6 +239,9 @@ def drafter_checkpoints(
                 on_checkpoint=on_checkpoint,
                 uploader=uploader,
                 target_verifier=verifier,
+                # Offline: a speculative evaluation that does not fit beside the drafter may borrow a
+                # free device for the target (training/memory.py).
+                spare_device=lambda: devices.try_lease(holder=holder, exclude=[device, *target_devices]),
             )
             export_dir, metrics = export_trained_drafter(
                 result, drafter_config, work_dir / "export", run=config.run_name,

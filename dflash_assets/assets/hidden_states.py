@@ -40,6 +40,10 @@ class ExtractConfig(Config):
         default=60.0, description="Seconds between progress observations of the range (and one at the end)."
     )
     check_decode_samples: int = Field(default=8, description="Objects the asset check decodes fully.")
+    hidden_state_dtype: str = Field(
+        default=settings.HIDDEN_STATE_DTYPE.get(),
+        description="`bf16` or `fp8` (e4m3 + a float32 scale per token and layer; half the bytes).",
+    )
 
 
 def load_tokenized(partition: StoredPartition, cache_dir: Path):
@@ -69,6 +73,7 @@ def hidden_state_partitions(
     devices: DeviceLeaseResource,
 ):
     from dflash_assets.extraction.extract import extract_range
+    from dflash_assets.extraction.object_size import check_hidden_state_dtype
     from dflash_assets.extraction.verify import verify_hidden_state_partition
     from dflash_assets.target.model import load_target_model
 
@@ -76,6 +81,7 @@ def hidden_state_partitions(
     progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
     object_store = store.check()
     layer_ids = target_model.layer_ids()  # validated before anything touches a device
+    dtype = check_hidden_state_dtype(config.hidden_state_dtype)
     samples = load_tokenized(tokenized, Path(target_model.cache_dir).expanduser() / "read-cache")
     if not samples:
         raise ValueError(
@@ -110,6 +116,7 @@ def hidden_state_partitions(
                 warn=context.log.warning,
                 progress_every_s=config.progress_every_s,
                 on_progress=progress,
+                hidden_state_dtype=dtype,
             )
             upload_retries = uploader.stats.retries
 
@@ -127,6 +134,7 @@ def hidden_state_partitions(
                 "target_model": target_model.name,
                 "target_layer_ids": layer_ids,
                 "tokens": result.tokens,
+                "hidden_state_dtype": dtype,
             },
         ),
         metadata={
@@ -146,6 +154,7 @@ def hidden_state_partitions(
             "padding_fraction": MetadataValue.float(result.padding_fraction),
             "device": device,
             "target_layer_ids": MetadataValue.json(layer_ids),
+            "hidden_state_dtype": dtype,
         },
     )
 
@@ -155,6 +164,7 @@ def hidden_state_partitions(
         expected_indices=[s.sample_index for s in samples],
         target_layer_ids=layer_ids,
         decode_samples=config.check_decode_samples,
+        hidden_state_dtype=dtype,
     )
     yield AssetCheckResult(
         check_name="range_complete",

@@ -11,6 +11,7 @@ from dagster import AssetExecutionContext, AssetIn, Config, MetadataValue, asset
 from pydantic import Field
 
 from dflash_assets import settings
+from dflash_assets.capacity_plan import range_plan_metadata
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.conversations.tokenize import TokenizeResult, tokenize_range, write_shard
 from dflash_assets.io_manager import PartitionOutput
@@ -111,6 +112,11 @@ def _tokenize(
             "completions": source["completions"],
             "exact_target_ids": result.exact_ids,
             **{f"dropped_{reason}": count for reason, count in sorted(result.dropped_by_reason.items())},
+            # What this range, and the whole run, will take in the later stages (capacity_plan.py).
+            **range_plan_metadata(
+                result.samples, sample_range.key, store=store, dataset=dataset, target_model=target_model,
+                warn=context.log.warning,
+            ),  # fmt: skip
         }
     )
     return PartitionOutput(

@@ -50,7 +50,7 @@ def _timed(fn: Callable[[], tuple[int, float]]) -> tuple[float, float]:
 
 
 def _extract_with_io(
-    model, samples, layer_ids, store_url: str, staging: Path, budget: int
+    model, samples, layer_ids, store_url: str, staging: Path, budget: int, hidden_state_dtype: str = "bf16"
 ) -> tuple[float, int]:
     from dflash_assets.extraction.extract import extract_range
 
@@ -70,6 +70,7 @@ def _extract_with_io(
             max_tokens_per_batch=TOKEN_BUDGET,
             log=lambda message: None,
             progress_every_s=3600,
+            hidden_state_dtype=hidden_state_dtype,
         )
         elapsed = time.perf_counter() - start
     return result.tokens / elapsed, result.peak_staging_bytes
@@ -142,6 +143,7 @@ def _moto_store() -> tuple[str, Callable[[], None]] | None:
 
 
 WITH_WRITES_FIGURE = "extraction with writes (local store) / capture alone (target >= 0.9)"
+FP8_WRITES_FIGURE = "extraction with writes, fp8 / bf16 (local store, same run)"
 
 
 def bench_extraction(count: int, rounds: int) -> dict[str, float]:
@@ -160,20 +162,23 @@ def bench_extraction(count: int, rounds: int) -> dict[str, float]:
 
     budget = 4 * 2**20
     speedups, local_ratios, local_vs_forward, s3_ratios, peaks, cpu_ratios = [], [], [], [], [], []
+    fp8_ratios, fp8_cpu_ratios = [], []
     ours_padding = anchor_padding = 0.0
     moto = _moto_store()
     # Capture alone and with writes run back to back in every round, so they see the same load.
-    kinds = ["anchors", "forward", "capture", "local"] + (["s3"] if moto else [])
+    kinds = ["anchors", "forward", "capture", "local", "local_fp8"] + (["s3"] if moto else [])
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(rounds):
             rate: dict[str, float] = {}
             cpu: dict[str, float] = {}  # process CPU seconds (every thread): load elsewhere hardly moves it
             for kind in kinds if round_index % 2 == 0 else reversed(kinds):
                 cpu_started = time.process_time()
-                if kind in ("local", "s3"):
-                    url = moto[0] if kind == "s3" else str(Path(tmp) / f"store-{round_index}")
+                if kind in ("local", "local_fp8", "s3"):
+                    url = moto[0] if kind == "s3" else str(Path(tmp) / f"store-{kind}-{round_index}")
                     staging = Path(tmp) / f"staging-{kind}-{round_index}"
-                    rate[kind], peak = _extract_with_io(model, samples, layer_ids, url, staging, budget)
+                    dtype = "fp8" if kind == "local_fp8" else "bf16"
+                    io = (url, staging, budget, dtype)
+                    rate[kind], peak = _extract_with_io(model, samples, layer_ids, *io)
                     peaks.append(peak)
                 elif kind == "anchors":
                     rate[kind], anchor_padding = _timed(partial(_anchors, model, samples, layer_ids))
@@ -185,11 +190,13 @@ def bench_extraction(count: int, rounds: int) -> dict[str, float]:
             local_ratios.append(rate["local"] / rate["capture"])
             local_vs_forward.append(rate["local"] / rate["forward"])
             cpu_ratios.append(cpu["capture"] / cpu["local"])
+            fp8_ratios.append(rate["local_fp8"] / rate["local"])
+            fp8_cpu_ratios.append(cpu["local"] / cpu["local_fp8"])
             if moto:
                 s3_ratios.append(rate["s3"] / rate["capture"])
             print(
                 f"  round {round_index + 1}: tokens/s forward alone {rate['forward']:,.0f}, capture alone "
-                f"{rate['capture']:,.0f}, with writes {rate['local']:,.0f}"
+                f"{rate['capture']:,.0f}, with writes {rate['local']:,.0f} (fp8 {rate['local_fp8']:,.0f})"
                 + (f", with S3 uploads {rate['s3']:,.0f}" if moto else "")
                 + f", anchors' way {rate['anchors']:,.0f}; CPU s capture {cpu['capture']:.2f}, "
                 f"with writes {cpu['local']:.2f}",
@@ -203,6 +210,9 @@ def bench_extraction(count: int, rounds: int) -> dict[str, float]:
         "capture tokens/s, ours / anchors' way (target >= 1.0)": statistics.median(speedups),
         WITH_WRITES_FIGURE: statistics.median(local_ratios),
         "extraction with writes (local store) / forward alone": statistics.median(local_vs_forward),
+        FP8_WRITES_FIGURE: statistics.median(fp8_ratios),
+        # On a CPU the quantisation runs on the cores the forward uses; on a GPU it runs on the device.
+        "CPU time, extraction with writes bf16 / fp8": statistics.median(fp8_cpu_ratios),
         # The same comparison in process CPU time (capture's ÷ with writes'): what the writes cost in
         # work, which other processes' load on a shared machine hardly moves. A cross-check of the above.
         "CPU time, capture alone / extraction with writes (local store)": statistics.median(cpu_ratios),

@@ -5,15 +5,16 @@ an 8B dense Qwen3 and a Qwen3.6-27B-shaped hybrid (gated-delta-net + full attent
 64 layers. For each, on the same synthetic samples and in interleaved rounds (median reported):
 capture ÷ the anchors' way (full forward with `output_hidden_states=True`, batches of 8 in dataset
 order), extraction with writes ÷ the forward alone (hooks + early stop, nothing copied to the host),
-model FLOPs utilisation of each and peak device memory above the weights. `--tiny` runs the same code
-on tiny shapes on whatever device there is (the CPU included): what tests and GPU-less machines run.
+extraction with writes in fp8 ÷ in bf16, model FLOPs utilisation of each and peak device memory above
+the weights. `--tiny` runs the same code on tiny shapes on whatever device there is (the CPU
+included): what tests and GPU-less machines run. A full run saves what it measured where
+`dflash-assets plan` reads it (`planning/gpu_result.py`).
 
 The drafter training step has its own section at the end of this file.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -30,12 +31,10 @@ from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.batching import padding_fraction, plan_batches
+from dflash_assets.target.flops import PEAK_SETTING, forward_flops, peak_flops
 from dflash_assets.target.kernels import kernel_paths
 from dflash_assets.target.layer_ids import dflash_target_layer_ids
 
-# Dense bf16 peak of one device (tensor cores, no sparsity), from the vendors' data sheets.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
-PEAK_SETTING = "DFLASH_PEAK_TFLOPS"
 EXTRACTION_TOKEN_BUDGET = 16384  # the product's default DFLASH_MAX_TOKENS_PER_BATCH
 
 
@@ -167,62 +166,16 @@ def synthetic_samples(shape: TargetShape, total_tokens: int, seed: int = 0) -> l
     return samples
 
 
-# ------------------------------------------------------------------------------------- FLOP counting
-
-
-def _linear_weights(module: nn.Module) -> int:
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
-
-
-def forward_flops(
-    model: nn.Module, lengths: Sequence[int], through_layer: int | None, lm_head: bool
-) -> float:
-    """Model FLOPs of a forward over sequences of `lengths` (real tokens only, padding excluded).
-
-    2 per weight per token for every linear layer run; causal attention scores and values
-    (2 * 2 * heads * head_dim per query-key pair, L(L+1)/2 pairs); gated-delta-net state reads and updates
-    counted as 4 * value heads * key dim * value dim per token (the chunked kernel's extra work is not
-    model work). `through_layer`: the forward stops after that decoder layer (None: all of them)."""
-    from dflash_assets.target.model import find_decoder
-
-    _, layers = find_decoder(model)
-    run = layers if through_layer is None else layers[: through_layer + 1]
-    config = model.config
-    tokens = sum(lengths)
-    pairs = sum(n * (n + 1) / 2 for n in lengths)
-    flops = 0.0
-    for layer in run:
-        flops += 2.0 * tokens * _linear_weights(layer)
-        if hasattr(layer, "self_attn"):
-            flops += 4.0 * pairs * config.num_attention_heads * config.head_dim
-        else:  # gated-delta-net
-            flops += (
-                4.0
-                * tokens
-                * config.linear_num_value_heads
-                * config.linear_key_head_dim
-                * config.linear_value_head_dim
-            )
-    if lm_head:
-        flops += 2.0 * tokens * model.get_output_embeddings().weight.numel()
-    return flops
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak: `DFLASH_PEAK_TFLOPS`, else known data-sheet values, else None."""
-    if os.environ.get(PEAK_SETTING):
-        return float(os.environ[PEAK_SETTING]) * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
 # ---------------------------------------------------------------------------------------- variants
 
 
 def run_extraction(
-    model: nn.Module, samples: Sequence[TokenizedSample], layer_ids: list[int], directory: Path, budget: int
+    model: nn.Module,
+    samples: Sequence[TokenizedSample],
+    layer_ids: list[int],
+    directory: Path,
+    budget: int,
+    hidden_state_dtype: str = "bf16",
 ) -> None:
     """`extract_range` into a local store on this machine's disk, staging beside it."""
     from dflash_assets.extraction.extract import extract_range
@@ -242,6 +195,7 @@ def run_extraction(
             max_tokens_per_batch=budget,
             log=lambda message: None,
             progress_every_s=3600,
+            hidden_state_dtype=hidden_state_dtype,
         )
     if result.samples != len(samples):  # a benchmark of an extraction that lost samples means nothing
         raise RuntimeError(f"extraction stored {result.samples} of {len(samples)} samples")
@@ -260,17 +214,22 @@ class TargetFigures:
     mfu: dict[str, float | None] = field(default_factory=dict)
     peak_memory_bytes: dict[str, int | None] = field(default_factory=dict)  # above the weights
     padding: dict[str, float] = field(default_factory=dict)
+    flops_per_token: dict[str, float] = field(default_factory=dict)  # model FLOPs per real token
+    model_type: str = ""
+    layer_ids: list[int] = field(default_factory=list)
 
     def ratio(self, numerator: str, denominator: str) -> float:
         return self.tokens_per_s[numerator] / self.tokens_per_s[denominator]
 
 
-VARIANTS = ("anchors", "forward", "capture", "extraction")
+VARIANTS = ("anchors", "forward", "capture", "extraction", "extraction_fp8")
+EXTRACTION_VARIANTS = ("forward", "capture", "extraction", "extraction_fp8")
 VARIANT_NAMES = {
     "anchors": "anchors' way (full forward + output_hidden_states)",
     "forward": "forward alone (hooks + early stop, nothing to host)",
     "capture": "capture (forward + bf16 to host)",
     "extraction": "extraction with writes (extract_range, local store)",
+    "extraction_fp8": "extraction with writes, fp8 (quantised on device)",
 }
 
 
@@ -282,16 +241,19 @@ def bench_target(
     samples = synthetic_samples(shape, total_tokens)
     lengths = [s.num_tokens for s in samples]
     figures = TargetFigures(
-        shape.name, kernel_paths(model).describe(), tokens=sum(lengths), samples=len(samples)
+        shape.name,
+        kernel_paths(model).describe(),
+        tokens=sum(lengths),
+        samples=len(samples),
+        model_type=shape.model_type,
+        layer_ids=list(layer_ids),
     )
     last = layer_ids[-1]
     flops = {
         "anchors": forward_flops(model, lengths, None, lm_head=True),
-        **{
-            v: forward_flops(model, lengths, last, lm_head=False)
-            for v in ("forward", "capture", "extraction")
-        },
+        **{v: forward_flops(model, lengths, last, lm_head=False) for v in EXTRACTION_VARIANTS},
     }
+    figures.flops_per_token = {variant: value / figures.tokens for variant, value in flops.items()}
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
     with tempfile.TemporaryDirectory(prefix="dflash-bench-gpu-") as tmp:
@@ -301,6 +263,9 @@ def bench_target(
             "capture": lambda r: run_capture(model, samples, layer_ids, True, budget),
             "extraction": lambda r: run_extraction(
                 model, samples, layer_ids, Path(tmp) / f"round-{r}", budget
+            ),
+            "extraction_fp8": lambda r: run_extraction(
+                model, samples, layer_ids, Path(tmp) / f"round-{r}-fp8", budget, "fp8"
             ),
         }
         warm = samples[: max(2, len(samples) // 16)]
@@ -363,6 +328,10 @@ def print_target(figures: TargetFigures, rounds: int, print_fn: Callable[[str], 
     )
     print_fn(f"  extraction with writes / capture alone:    {figures.ratio('extraction', 'capture'):.2f}")
     print_fn(
+        f"  extraction with writes, fp8 / bf16:        {figures.ratio('extraction_fp8', 'extraction'):.2f}  "
+        "(half the bytes copied, written and uploaded)"
+    )
+    print_fn(
         f"  padding, ours / anchors' way:              {figures.padding['ours']:.3f} / "
         f"{figures.padding['anchors']:.3f}"
     )
@@ -374,8 +343,10 @@ def run_gpu_bench(
     rounds: int | None = None,
     device: str | None = None,
     print_fn: Callable[[str], None] = print,
+    result_path: Path | None = None,
 ) -> list[TargetFigures]:
-    """Every target shape, one after the other, each in its own interleaved rounds."""
+    """Every target shape, one after the other, each in its own interleaved rounds; with `result_path`,
+    the figures are saved there for `dflash-assets plan` (`planning/gpu_result.py`)."""
     target_device = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     if not tiny and target_device.type != "cuda":
         raise SystemExit(
@@ -405,7 +376,45 @@ def run_gpu_bench(
             torch.cuda.empty_cache()  # the next target's weights need the room
     for line in drafter_step_figures(tiny, target_device):
         print_fn(line)
+    if result_path is not None:
+        saved = save_bench_result(result_path, results, target_device, tokens)
+        print_fn(f"\nsaved for `dflash-assets plan`: {saved}")
     return results
+
+
+def save_bench_result(
+    path: Path, results: Sequence[TargetFigures], device: torch.device, tokens: int
+) -> Path:
+    """The figures in the format `planning/gpu_result.py` documents."""
+    from dflash_assets.planning.gpu_result import save_gpu_result
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        from dflash_assets.target.memory import host_total_bytes
+
+        name, total = "CPU", host_total_bytes()
+    targets = [
+        {
+            "shape": figures.shape,
+            "model_type": figures.model_type,
+            "layer_ids": figures.layer_ids,
+            "tokens": figures.tokens,
+            "samples": figures.samples,
+            "tokens_per_s": figures.tokens_per_s,
+            "mfu": figures.mfu,
+            "flops_per_token": figures.flops_per_token,
+            "peak_memory_bytes": figures.peak_memory_bytes,
+        }
+        for figures in results
+    ]
+    peak = peak_flops(device)
+    return save_gpu_result(
+        path,
+        {"device": name, "total_memory_bytes": int(total), "peak_flops": peak, "tokens_per_variant": tokens,
+         "targets": targets},
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------- drafter training step

@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from dflash_assets.bench.extraction import WITH_WRITES_FIGURE, bench_extraction
+from dflash_assets.bench.extraction import FP8_WRITES_FIGURE, WITH_WRITES_FIGURE, bench_extraction
+from dflash_assets.bench.fidelity import bench_fidelity
 from dflash_assets.bench.generation import bench_generation
 from dflash_assets.bench.training import bench_training
 
@@ -33,6 +34,9 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
         figures.update(bench_training(count, steps=4 if quick else 10, rounds=2 if quick else 3))
     if only in (None, "generation"):
         figures.update(bench_generation(16 if quick else 64, rounds=2 if quick else 3))
+    if only in (None, "fidelity"):
+        # As the demo trains: every bundled conversation, 240 steps of 4 (quick: a smoke run).
+        figures.update(bench_fidelity(64 if quick else 500, steps=12 if quick else 240))
     print("")
     for name, value in figures.items():
         print(f"  {value:10.3f}  {name}")
@@ -42,4 +46,6 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
             f"store / the same capture alone; same samples, median of {rounds} interleaved rounds; "
             "target >= 0.9)"
         )
+    if FP8_WRITES_FIGURE in figures:
+        print(f"fp8 / bf16 with-writes ratio: {figures[FP8_WRITES_FIGURE]:.3f} (same rounds)")
     return 0

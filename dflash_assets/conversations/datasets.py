@@ -11,7 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -183,6 +183,55 @@ def iter_rows(
     if dataset_format(path) == "parquet":
         return _iter_parquet(path, start, end, require_assistant)
     return _iter_jsonl(path, start, end, require_assistant)
+
+
+def iter_rows_at(
+    uri: str | Path | None, indices: Iterable[int], *, s3: Any = None, cache_dir: Path | None = None
+) -> Iterator[tuple[int, Messages | Dropped]]:
+    """`(index, messages or Dropped)` for the given row indices that exist, in ascending order, in one
+    pass: only the chosen rows are parsed (JSONL) or read (Parquet: their row groups). For sampling a
+    large dataset, e.g. the capacity plan's estimate."""
+    path = resolve_dataset(uri, s3=s3, cache_dir=cache_dir)
+    wanted = sorted(set(indices))
+    if not wanted:
+        return iter(())
+    if dataset_format(path) == "parquet":
+        return _iter_parquet_at(path, wanted)
+    return _iter_jsonl_at(path, wanted)
+
+
+def _iter_jsonl_at(path: Path, wanted: list[int]) -> Iterator[tuple[int, Messages | Dropped]]:
+    chosen = set(wanted)
+    with _open_binary(path) as handle:
+        for index, raw_line in enumerate(handle):
+            if index in chosen:
+                yield index, parse_jsonl_line(raw_line, first_line=index == 0)
+            if index >= wanted[-1]:
+                return
+
+
+def _iter_parquet_at(path: Path, wanted: list[int]) -> Iterator[tuple[int, Messages | Dropped]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if "messages" not in parquet.schema_arrow.names:
+        raise DatasetError(
+            f"Parquet dataset {path} has no 'messages' column (columns: {parquet.schema_arrow.names})"
+        )
+    group_start, position = 0, 0
+    for group in range(parquet.num_row_groups):
+        group_end = group_start + parquet.metadata.row_group(group).num_rows - 1
+        here = []
+        while position < len(wanted) and wanted[position] <= group_end:
+            here.append(wanted[position])
+            position += 1
+        if here:
+            column = parquet.read_row_group(group, columns=["messages"]).column("messages")
+            for index in here:
+                yield index, _parse_parquet_value(column[index - group_start].as_py())
+        if position == len(wanted):
+            return
+        group_start = group_end + 1
 
 
 def row_location(path: Path, index: int) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,27 +107,20 @@ def tokenize_conversation(
     return _tokenize_batch(tokenizer, [(sample_index, messages)], max_length, overlong)[0][0]
 
 
-def tokenize_range(
+def tokenize_rows(
     tokenizer: Any,
-    dataset_uri: str | Path | None,
-    sample_range: SampleRange,
+    rows: Iterable[tuple[int, Messages | Dropped]],
+    path: Path,
+    dataset_name: str,
     *,
     max_length: int = DEFAULT_MAX_LENGTH,
     overlong: str = "truncate",
-    max_bad_fraction: float = 0.5,
-    s3: Any = None,
-    cache_dir: Path | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> TokenizeResult:
-    """Tokenize the rows of `sample_range` that exist in the dataset (None = the bundled sample).
-
-    Raises TooManyBadRows, naming the file and its first bad line, when more than `max_bad_fraction`
-    of the range's rows are dropped. `on_progress(rows_done, rows_kept)` is called after each batch.
-    """
+    """Tokenize `(index, messages or Dropped)` rows of the dataset at `path` (e.g. `iter_rows`, or a
+    sample of rows from `iter_rows_at`), in batches the Rust tokenizer encodes together."""
     _check_tokenizer(tokenizer)
     _check_overlong(overlong, max_length)
-    path = resolve_dataset(dataset_uri, s3=s3, cache_dir=cache_dir)
-    dataset_name = str(dataset_uri) if dataset_uri else str(path)
     result = TokenizeResult()
     drop_counts: Counter[str] = Counter()
 
@@ -154,7 +147,7 @@ def tokenize_range(
         if on_progress is not None:
             on_progress(result.rows, len(result.samples))
 
-    for index, row in iter_rows(path, sample_range):
+    for index, row in rows:
         result.rows += 1
         batch.append((index, row))
         if len(batch) >= _ENCODE_BATCH:
@@ -162,7 +155,34 @@ def tokenize_range(
     if batch:
         run_batch()
     result.dropped_by_reason = dict(sorted(drop_counts.items()))
+    return result
 
+
+def tokenize_range(
+    tokenizer: Any,
+    dataset_uri: str | Path | None,
+    sample_range: SampleRange,
+    *,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    overlong: str = "truncate",
+    max_bad_fraction: float = 0.5,
+    s3: Any = None,
+    cache_dir: Path | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> TokenizeResult:
+    """Tokenize the rows of `sample_range` that exist in the dataset (None = the bundled sample).
+
+    Raises TooManyBadRows, naming the file and its first bad line, when more than `max_bad_fraction`
+    of the range's rows are dropped. `on_progress(rows_done, rows_kept)` is called after each batch.
+    """
+    _check_tokenizer(tokenizer)
+    _check_overlong(overlong, max_length)
+    path = resolve_dataset(dataset_uri, s3=s3, cache_dir=cache_dir)
+    dataset_name = str(dataset_uri) if dataset_uri else str(path)
+    rows = iter_rows(path, sample_range)
+    result = tokenize_rows(
+        tokenizer, rows, path, dataset_name, max_length=max_length, overlong=overlong, on_progress=on_progress
+    )
     if result.rows and result.bad_fraction > max_bad_fraction:
         counts = ", ".join(f"{reason}={count}" for reason, count in result.dropped_by_reason.items())
         raise TooManyBadRows(

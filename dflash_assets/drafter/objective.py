@@ -27,13 +27,23 @@ class DrafterBatch:
 
     input_ids: torch.Tensor  # [B, T] long (padding: 0)
     loss_mask: torch.Tensor  # [B, T] bool, False on padding
-    hidden_states: torch.Tensor  # [B, T, K, H] bfloat16, the stored format's precision (padding: 0)
+    hidden_states: torch.Tensor  # [B, T, K, H] as stored: bfloat16, or float8_e4m3fn (padding: 0)
     lengths: torch.Tensor  # [B] long
     sample_indices: list[int]
+    hidden_states_scale: torch.Tensor | None = None  # [B, T, K] float32 for fp8 states, else None
 
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
+
+    def context_states(self, device: torch.device) -> torch.Tensor:
+        """The captured target layers on `device`: bf16 as stored, or fp8 dequantised there (float32),
+        so what crosses to the device is the stored bytes (see `extraction/fp8.py` for the format)."""
+        if self.hidden_states_scale is None:
+            return self.hidden_states.to(device)
+        values = self.hidden_states.to(device, non_blocking=True)
+        scale = self.hidden_states_scale.to(device, non_blocking=True)
+        return values.float() * scale.unsqueeze(-1)
 
 
 @dataclass
@@ -142,7 +152,7 @@ def dflash_loss(
     hidden = model(
         block_input_ids,
         slot_positions,
-        batch.hidden_states.to(device),
+        batch.context_states(device),
         torch.arange(length, device=device).expand(batch_size, -1),
         torch.where(keep, anchors.positions.to(device), 0),
     )[:, :, 1:]  # [B, N, S-1, D]

@@ -23,6 +23,7 @@ from dflash_assets.extraction.monitor import (
     UploadRecord,
     wait_for_uploads,
 )
+from dflash_assets.extraction.object_size import check_hidden_state_dtype
 from dflash_assets.extraction.resume import ExtractionIncomplete, RangeInStore, resubmit_staged
 from dflash_assets.extraction.sample_format import (
     SAMPLE_FORMAT,
@@ -71,14 +72,16 @@ class ExtractionResult:
 
 
 def extraction_fingerprint(
-    target_model: str, target_layer_ids: Sequence[int], hidden_size: int
+    target_model: str, target_layer_ids: Sequence[int], hidden_size: int, hidden_state_dtype: str = "bf16"
 ) -> dict[str, Any]:
-    """What must be equal for two objects to belong to the same partition."""
+    """What must be equal for two objects to belong to the same partition: a range is never a mix of
+    targets, layer sets or stored dtypes (a changed `DFLASH_HIDDEN_STATE_DTYPE` re-extracts it)."""
     return {
         "format": SAMPLE_FORMAT,
         "target_model": target_model,
         "target_layer_ids": [int(i) for i in target_layer_ids],
         "hidden_size": int(hidden_size),
+        "hidden_state_dtype": check_hidden_state_dtype(hidden_state_dtype),
     }
 
 
@@ -100,6 +103,7 @@ def extract_range(
     drop_non_finite: bool = False,
     warn: Callable[[str], None] | None = None,
     on_progress: Callable[[ExtractionProgress], None] | None = None,
+    hidden_state_dtype: str = "bf16",
 ) -> ExtractionResult:
     """Make `<prefix>/hs_<index>.safetensors` exist in `store` for every sample, computing only the gaps.
 
@@ -109,6 +113,8 @@ def extract_range(
     fails the run, naming it; with `drop_non_finite` it is left out and reported in `result.dropped`.
     `log` gets progress lines, `warn` (default: `log` with a "WARNING: " prefix) what needs attention,
     `on_progress` the same progress as an `ExtractionProgress` (e.g. for asset observations).
+    `hidden_state_dtype` is how the objects store the states: `bf16`, or `fp8` (e4m3 with a float32
+    scale per token and layer, quantised on the device before the copy to the host: half the bytes).
 
     The steps, in order: (1) one listing of the prefix, deleting objects another producer made;
     (2) what the store already holds; (3) finished files in staging, uploaded as they are; (4) the
@@ -121,7 +127,9 @@ def extract_range(
     capture = HiddenStateCapture(model, target_layer_ids)
     staging_dir = Path(staging_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint = extraction_fingerprint(target_model_name, capture.target_layer_ids, capture.hidden_size)
+    fingerprint = extraction_fingerprint(
+        target_model_name, capture.target_layer_ids, capture.hidden_size, hidden_state_dtype
+    )
     partition = RangeInStore(store, prefix, fingerprint, by_index, capture, target_model_name, warn)
     staging = StagingDirectory(staging_dir, fingerprint)
     uploads = UploadRecord(partition.base)
@@ -140,7 +148,7 @@ def extract_range(
         log(
             f"{partition.where}: {len(samples)} samples; {len(in_store)} already stored, "
             f"{len(from_staging)} finished in staging (uploading), {len(missing)} to extract on {device} "
-            f"(layers {capture.target_layer_ids})"
+            f"(layers {capture.target_layer_ids}, stored as {fingerprint['hidden_state_dtype']})"
         )
         if missing:
             report_kernel_paths(model, capture.device, log=log, warn=warn)

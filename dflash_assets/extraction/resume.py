@@ -12,6 +12,7 @@ from typing import Any
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.monitor import UploadRecord
+from dflash_assets.extraction.object_size import min_sample_nbytes
 from dflash_assets.extraction.sample_format import (
     estimate_sample_nbytes,
     parse_sample_object_name,
@@ -26,6 +27,15 @@ from dflash_assets.storage.uploader import Uploader
 
 class ExtractionIncomplete(StoreError):
     """After the uploads finished, the store still lacks objects this range needs."""
+
+
+def earlier_fingerprints(fingerprint: dict[str, Any]) -> list[dict[str, Any]]:
+    """Fingerprints earlier versions wrote for objects this one would make the same way: format 1 was
+    bf16 only and named no dtype. Such a range is kept (its objects are read as they are), not redone."""
+    if fingerprint["hidden_state_dtype"] != "bf16":
+        return []
+    legacy = {key: value for key, value in fingerprint.items() if key != "hidden_state_dtype"}
+    return [{**legacy, "format": "dflash-assets.hidden-states/1"}]
 
 
 class RangeInStore:
@@ -49,12 +59,14 @@ class RangeInStore:
         self.num_layers = len(capture.target_layer_ids)
         self.hidden_size = capture.hidden_size
         self.metadata_nbytes = len(target_model_name.encode())
+        self.hidden_state_dtype: str = fingerprint["hidden_state_dtype"]  # bf16 or fp8, the whole range
         self.warn = warn
 
     def reconcile_fingerprint(self) -> dict[str, int]:
         """One listing of the prefix; objects made under another fingerprint (or none) are deleted."""
         # The fingerprint is written before any sample object, so an object never lacks one.
-        return claim_prefix(self.store, self.base, self.fingerprint, self.warn)
+        earlier = earlier_fingerprints(self.fingerprint)
+        return claim_prefix(self.store, self.base, self.fingerprint, self.warn, equivalent=earlier)
 
     def objects_already_stored(self, listed: dict[str, int]) -> set[int]:
         done: set[int] = set()
@@ -72,10 +84,10 @@ class RangeInStore:
         return done
 
     def _size_bounds(self, num_tokens: int) -> tuple[int, int]:
-        tensor_bytes = num_tokens * self.num_layers * self.hidden_size * 2 + num_tokens * 5
-        return tensor_bytes + 8, estimate_sample_nbytes(
-            num_tokens, self.num_layers, self.hidden_size, self.metadata_nbytes
-        )
+        """Sizes a complete object of this sample can have, in the range's stored dtype."""
+        shape = (num_tokens, self.num_layers, self.hidden_size)
+        low = min_sample_nbytes(*shape, self.hidden_state_dtype)
+        return low, estimate_sample_nbytes(*shape, self.metadata_nbytes, self.hidden_state_dtype)
 
     def verify_store(self, uploaded_sizes: dict[str, int], dropped: dict[int, str]) -> dict[str, int]:
         self.store.sync(self.base)  # before the manifest can be written: every object's name is durable

@@ -1,8 +1,11 @@
 """The hidden-state object: one safetensors file per sample, written atomically and checked finite.
 
-Tensors: `input_ids` int32 [T], `loss_mask` uint8 [T], `hidden_states` bfloat16 [T, K, H] where
-`[:, j]` is the raw output of decoder layer `target_layer_ids[j]`. Metadata (str -> str) carries
-`format`, `sample_index`, `target_layer_ids` (JSON), `target_model`, `hidden_size` and `num_tokens`.
+Tensors: `input_ids` int32 [T], `loss_mask` uint8 [T], `hidden_states` [T, K, H] where `[:, j]` is the
+raw output of decoder layer `target_layer_ids[j]`: bfloat16, or (`DFLASH_HIDDEN_STATE_DTYPE=fp8`)
+float8_e4m3fn beside `hidden_states_scale` float32 [T, K], one scale per (token, layer), so the states
+are `hidden_states.float() * hidden_states_scale[..., None]` (see `fp8.py`). Metadata (str -> str)
+carries `format`, `sample_index`, `target_layer_ids` (JSON), `target_model`, `hidden_size`,
+`num_tokens` and `hidden_state_dtype` (`bf16`/`fp8`). The byte layout itself is in `object_size.py`.
 """
 
 from __future__ import annotations
@@ -24,14 +27,33 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors_bytes
 
 from dflash_assets.conversations.samples import TokenizedSample
-
-SAMPLE_FORMAT = "dflash-assets.hidden-states/1"
-RESERVED_METADATA_KEYS = frozenset(
-    {"format", "sample_index", "target_layer_ids", "target_model", "hidden_size", "num_tokens"}
+from dflash_assets.extraction.fp8 import EncodedStates, encode_states
+from dflash_assets.extraction.object_size import (
+    READABLE_FORMATS,
+    RESERVED_METADATA_KEYS,
+    SAMPLE_FORMAT,
+    SCALE_TENSOR,
+    check_hidden_state_dtype,
+    estimate_sample_nbytes,
+    safetensors_header,
+    sample_metadata,
+    tensor_specs,
 )
-# Room for the JSON header beyond the caller's metadata: three tensor entries, the reserved keys and
-# alignment padding take well under this; the surplus only over-reserves staging space a little.
-_HEADER_ALLOWANCE_BYTES = 4096
+
+__all__ = [
+    "SAMPLE_FORMAT",
+    "CorruptSampleError",
+    "HiddenStateSample",
+    "NonFiniteHiddenStates",
+    "estimate_sample_nbytes",
+    "parse_sample_object_name",
+    "read_sample",
+    "read_sample_metadata",
+    "sample_object_name",
+    "staged_file_problem",
+    "write_sample",
+]
+
 _OBJECT_NAME = re.compile(r"^hs_(\d{8,})\.safetensors$")
 _TEMP_MARKER = ".tmp-"
 
@@ -53,15 +75,28 @@ class HiddenStateSample:
     sample_index: int
     input_ids: torch.Tensor  # int32 [T]
     loss_mask: torch.Tensor  # uint8 [T]
-    hidden_states: torch.Tensor  # bfloat16 [T, K, H]
+    hidden_states: torch.Tensor  # as stored: bfloat16 [T, K, H], or float8_e4m3fn with the scale below
     target_layer_ids: list[int]
     target_model: str
     hidden_size: int
     metadata: dict[str, str] = field(repr=False)
+    hidden_states_scale: torch.Tensor | None = None  # float32 [T, K] for fp8 objects, else None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def hidden_state_dtype(self) -> str:
+        return "fp8" if self.hidden_states_scale is not None else "bf16"
+
+    @property
+    def states(self) -> EncodedStates:
+        return EncodedStates(self.hidden_states, self.hidden_states_scale)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The hidden states as `dtype` [T, K, H] (fp8 values times their scales)."""
+        return self.states.dequantize(dtype)
 
 
 def sample_object_name(index: int) -> str:
@@ -76,16 +111,8 @@ def parse_sample_object_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def estimate_sample_nbytes(
-    num_tokens: int, num_layers: int, hidden_size: int, metadata_nbytes: int = 0
-) -> int:
-    """Upper bound on a sample file's size, header included: what to reserve before writing it."""
-    tensor_bytes = num_tokens * num_layers * hidden_size * 2 + num_tokens * 4 + num_tokens
-    return 8 + _HEADER_ALLOWANCE_BYTES + 2 * metadata_nbytes + tensor_bytes
-
-
-def _check_finite(sample_index: int, hidden_states: torch.Tensor, target_layer_ids: Sequence[int]) -> None:
-    finite = torch.isfinite(hidden_states)
+def _check_finite(sample_index: int, states: EncodedStates, target_layer_ids: Sequence[int]) -> None:
+    finite = torch.isfinite(states.values if states.scale is None else states.dequantize(torch.float32))
     if bool(finite.all()):
         return
     bad = (~finite).nonzero()
@@ -104,14 +131,19 @@ def write_sample(
     sample_index: int,
     input_ids: Sequence[int] | torch.Tensor,
     loss_mask: Sequence[int] | torch.Tensor,
-    hidden_states: torch.Tensor,
+    hidden_states: torch.Tensor | EncodedStates,
     target_layer_ids: Sequence[int],
     target_model: str,
     extra_metadata: Mapping[str, str] | None = None,
     check_finite: bool = True,
     durable: bool = True,
+    hidden_state_dtype: str = "bf16",
 ) -> int:
     """Write one sample atomically (temp name in the same directory, then rename); returns its size.
+
+    `hidden_states` is a float tensor [T, K, H], stored as `hidden_state_dtype` (`bf16` or `fp8`,
+    quantised here on the host), or states already encoded (`EncodedStates`: extraction quantises on
+    the device), stored as they are.
 
     A reader never sees a half-written file under the final name, so "the file exists" means "done".
     `check_finite=False` is for callers that already checked the values where they were computed
@@ -121,11 +153,15 @@ def write_sample(
     reboot).
     """
     path = Path(path)
-    if hidden_states.ndim != 3:
+    if isinstance(hidden_states, EncodedStates):
+        encoded = hidden_states
+    else:
+        encoded = encode_states(hidden_states.detach(), check_hidden_state_dtype(hidden_state_dtype))
+    if encoded.values.ndim != 3:
         raise ValueError(
-            f"sample {sample_index}: hidden_states must be [T, K, H], got shape {tuple(hidden_states.shape)}"
+            f"sample {sample_index}: hidden_states must be [T, K, H], got shape {tuple(encoded.values.shape)}"
         )
-    num_tokens, num_layers, hidden_size = hidden_states.shape
+    num_tokens, num_layers, hidden_size = encoded.values.shape
     ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64).reshape(-1), dtype="<i4")
     mask = np.asarray(loss_mask).reshape(-1)
     if ids.shape[0] != num_tokens or mask.shape[0] != num_tokens:
@@ -147,32 +183,44 @@ def write_sample(
     if not all(isinstance(key, str) and isinstance(value, str) for key, value in extra.items()):
         raise TypeError("extra_metadata must map str to str (safetensors metadata is text)")
 
-    # No-ops (no copy) for what extraction passes: a contiguous bf16 view of a host batch buffer.
-    states = hidden_states.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    # No-ops (no copy) for what extraction passes: contiguous views of a host batch buffer.
+    states = EncodedStates(
+        encoded.values.to("cpu").contiguous(),
+        encoded.scale.to(device="cpu", dtype=torch.float32).contiguous()
+        if encoded.scale is not None
+        else None,
+    )
+    if states.scale is not None and tuple(states.scale.shape) != (num_tokens, num_layers):
+        raise ValueError(
+            f"sample {sample_index}: fp8 hidden states need one scale per (token, layer), shape "
+            f"{(num_tokens, num_layers)}, got {tuple(states.scale.shape)}"
+        )
     if check_finite:
         _check_finite(sample_index, states, target_layer_ids)
 
-    metadata = {
-        **extra,
-        "format": SAMPLE_FORMAT,
-        "sample_index": str(sample_index),
-        "target_layer_ids": json.dumps([int(i) for i in target_layer_ids]),
-        "target_model": target_model,
-        "hidden_size": str(hidden_size),
-        "num_tokens": str(num_tokens),
+    metadata = sample_metadata(
+        sample_index=sample_index,
+        num_tokens=num_tokens,
+        target_layer_ids=target_layer_ids,
+        target_model=target_model,
+        hidden_size=hidden_size,
+        dtype=states.dtype,
+        extra_metadata=extra,
+    )
+    data = {
+        "input_ids": memoryview(ids).cast("B"),
+        SCALE_TENSOR: _bytes_of(states.scale) if states.scale is not None else None,
+        "hidden_states": _bytes_of(states.values),
+        "loss_mask": memoryview(np.ascontiguousarray(mask, dtype=np.uint8)).cast("B"),
     }
-    # Widest alignment first, so every tensor starts aligned to its element size.
-    tensors = [
-        ("input_ids", "I32", [num_tokens], memoryview(ids).cast("B")),
-        ("hidden_states", "BF16", list(states.shape), _bytes_of(states)),
-        ("loss_mask", "U8", [num_tokens], memoryview(np.ascontiguousarray(mask, dtype=np.uint8)).cast("B")),
-    ]
+    specs = tensor_specs(num_tokens, num_layers, hidden_size, states.dtype)
+    buffers = [data[name] for name, _, _, _ in specs]
 
     temp = path.with_name(f".{path.name}{_TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            size = _write_all(fd, _safetensors_buffers(tensors, metadata))
+            size = _write_all(fd, _safetensors_buffers(specs, buffers, metadata))
             if durable:
                 os.fsync(fd)
         finally:
@@ -193,26 +241,19 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _safetensors_buffers(
-    tensors: list[tuple[str, str, list[int], memoryview]], metadata: dict
-) -> list[bytes | memoryview]:
+def _safetensors_buffers(specs: list, buffers: list[memoryview], metadata: dict) -> list[bytes | memoryview]:
     """The safetensors layout as a list of buffers, so the bytes are deterministic and never copied.
 
-    `safetensors.torch.save_file` orders metadata keys at random (a Rust HashMap), so the same sample
-    would give different bytes on every run; a sorted header makes objects reproducible and comparable.
-    """
+    The header is `object_size.safetensors_header` (sorted keys: `safetensors.torch.save_file` orders
+    them at random, so the same sample would give different bytes on every run)."""
     if sys.byteorder != "little":
         raise RuntimeError(
             "safetensors files are little-endian; this writer only runs on little-endian hosts"
         )
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, dtype, shape, data in tensors:
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + data.nbytes]}
-        offset += data.nbytes
-    encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
-    return [struct.pack("<Q", len(encoded)), encoded, *(data for _, _, _, data in tensors if data.nbytes)]
+    for (name, _, _, nbytes), data in zip(specs, buffers, strict=True):
+        if data.nbytes != nbytes:
+            raise ValueError(f"tensor {name} has {data.nbytes} bytes, its header entry says {nbytes}")
+    return [safetensors_header(specs, metadata), *(data for data in buffers if data.nbytes)]
 
 
 # Linux caps one writev at IOV_MAX buffers and just under 2 GiB; larger samples take several calls.
@@ -282,10 +323,12 @@ def _parse_header(raw: bytes, where: str) -> tuple[dict[str, Any], int]:
 
 def _metadata_from_header(header: dict[str, Any], where: str) -> dict[str, str]:
     metadata = header.get("__metadata__") or {}
-    if metadata.get("format") != SAMPLE_FORMAT:
+    if metadata.get("format") not in READABLE_FORMATS:
         raise CorruptSampleError(
             f"{where}: format {metadata.get('format')!r} is not {SAMPLE_FORMAT!r}; not a hidden-state object"
         )
+    if metadata.get("hidden_state_dtype", "bf16") not in ("bf16", "fp8"):
+        raise CorruptSampleError(f"{where}: unknown hidden_state_dtype {metadata['hidden_state_dtype']!r}")
     missing = [
         key
         for key in ("sample_index", "target_layer_ids", "target_model", "hidden_size")
@@ -331,7 +374,10 @@ def read_sample(source: str | Path | bytes) -> HiddenStateSample:
         metadata = read_sample_metadata(source)
         with safe_open(str(source), framework="pt") as handle:
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
-    for key in ("input_ids", "loss_mask", "hidden_states"):
+    required = ["input_ids", "loss_mask", "hidden_states"]
+    if metadata.get("hidden_state_dtype") == "fp8":
+        required.append(SCALE_TENSOR)
+    for key in required:
         if key not in tensors:
             raise CorruptSampleError(f"{where}: tensor {key!r} is missing")
     return HiddenStateSample(
@@ -343,6 +389,9 @@ def read_sample(source: str | Path | bytes) -> HiddenStateSample:
         target_model=metadata["target_model"],
         hidden_size=int(metadata["hidden_size"]),
         metadata=metadata,
+        hidden_states_scale=tensors.get(SCALE_TENSOR)
+        if metadata.get("hidden_state_dtype") == "fp8"
+        else None,
     )
 
 
@@ -362,6 +411,7 @@ def staged_file_problem(
         "target_model": metadata.get("target_model"),
         "target_layer_ids": json.loads(metadata.get("target_layer_ids", "null")),
         "hidden_size": int(metadata.get("hidden_size", -1)),
+        "hidden_state_dtype": metadata.get("hidden_state_dtype", "bf16"),
     }
     if made_by != fingerprint:
         return f"made by {made_by}"
@@ -370,10 +420,17 @@ def staged_file_problem(
             input_ids = handle.get_tensor("input_ids").tolist()
             loss_mask = handle.get_tensor("loss_mask").tolist()
             shape = list(handle.get_slice("hidden_states").get_shape())
+            scale_shape = (
+                list(handle.get_slice(SCALE_TENSOR).get_shape())
+                if metadata.get("hidden_state_dtype") == "fp8"
+                else None
+            )
     except Exception as error:  # safetensors raises its own error types for damaged files
         return f"unreadable ({error})"
     if input_ids != list(sample.input_ids) or loss_mask != list(sample.loss_mask):
         return "its tokens differ from the tokenized sample (the tokenized range changed)"
     if shape != [sample.num_tokens, num_layers, hidden_size]:
         return f"hidden_states shape {shape}"
+    if scale_shape is not None and scale_shape != [sample.num_tokens, num_layers]:
+        return f"{SCALE_TENSOR} shape {scale_shape}"
     return None

@@ -1,4 +1,5 @@
-"""Verification of a committed hidden-state partition: complete, present, decodable, finite."""
+"""Verification of a committed hidden-state partition: complete, present, decodable, finite, and stored
+in the dtype the range was extracted in (bf16, or fp8 with its per-token-and-layer scales)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ def verify_hidden_state_partition(
     target_layer_ids: list[int],
     decode_samples: int = 8,
     seed: int = 0,
+    hidden_state_dtype: str | None = None,
 ) -> PartitionReport:
+    """`hidden_state_dtype` (`bf16`/`fp8`): the dtype every decoded object must be stored in (None:
+    either, as long as the objects agree with each other)."""
     report = PartitionReport(prefix=prefix, samples_expected=len(expected_indices))
     manifest = read_manifest(store, prefix)
     if manifest is None:
@@ -88,12 +92,14 @@ def verify_hidden_state_partition(
 
     rng = random.Random(seed)
     names = sorted(n for n in listed.values() if n in present)
+    expected_dtype = hidden_state_dtype or manifest.get("hidden_state_dtype")
     for name in rng.sample(names, min(decode_samples, len(names))):
         problem = _decode_problem(
             store,
             f"{prefix}/{name}",
             listed_index=parse_sample_object_name(name),
             target_layer_ids=target_layer_ids,
+            hidden_state_dtype=expected_dtype,
         )
         if problem:
             report.problems.append(f"{name}: {problem}")
@@ -103,7 +109,12 @@ def verify_hidden_state_partition(
 
 
 def _decode_problem(
-    store: ObjectStore, key: str, *, listed_index: int | None, target_layer_ids: list[int]
+    store: ObjectStore,
+    key: str,
+    *,
+    listed_index: int | None,
+    target_layer_ids: list[int],
+    hidden_state_dtype: str | None,
 ) -> str | None:
     try:
         sample = read_sample(store.get_bytes(key))
@@ -115,7 +126,19 @@ def _decode_problem(
         return f"hidden_states shape {tuple(hidden.shape)}, expected [{tokens}, {len(target_layer_ids)}, H]"
     if sample.loss_mask.shape[0] != tokens:
         return f"loss_mask has {sample.loss_mask.shape[0]} entries for {tokens} tokens"
-    if not bool(torch.isfinite(hidden.float()).all()):
+    if hidden_state_dtype is not None and sample.hidden_state_dtype != hidden_state_dtype:
+        return f"stored as {sample.hidden_state_dtype}, but the range was extracted as {hidden_state_dtype}"
+    expected_dtype = torch.float8_e4m3fn if sample.hidden_state_dtype == "fp8" else torch.bfloat16
+    if hidden.dtype != expected_dtype:
+        return f"hidden_states are {hidden.dtype}, expected {expected_dtype} for {sample.hidden_state_dtype}"
+    scale = sample.hidden_states_scale
+    if scale is not None:
+        if tuple(scale.shape) != (tokens, len(target_layer_ids)):
+            expected = [tokens, len(target_layer_ids)]
+            return f"hidden_states_scale shape {tuple(scale.shape)}, expected {expected}"
+        if not bool((scale > 0).all()):
+            return "hidden_states_scale holds a zero, negative or NaN scale"
+    if not bool(torch.isfinite(sample.dequantized()).all()):
         return "hidden_states contain non-finite values"
     if sample.sample_index != listed_index:
         return f"metadata sample_index {sample.sample_index} != name index {listed_index}"

@@ -12,6 +12,7 @@ import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.extraction.fp8 import EncodedStates
 from dflash_assets.extraction.host_transfer import HostBatch, HostTransfer, PendingHostBatch
 from dflash_assets.extraction.monitor import ExtractionCounters, UploadRecord
 from dflash_assets.extraction.resume import RangeInStore
@@ -62,7 +63,7 @@ class GapExtraction:
         self.progress = progress
         self.warn = warn
         self.drop_non_finite = drop_non_finite
-        self.transfer = HostTransfer(capture.device)
+        self.transfer = HostTransfer(capture.device, partition.hidden_state_dtype)
         self.writes = SampleWrites(
             staging=staging, partition=partition, uploader=uploader, uploads=uploads, progress=progress
         )
@@ -114,9 +115,9 @@ class GapExtraction:
         yield batch, captured
 
     def _store(self, part: list[TokenizedSample], host: HostBatch) -> None:
-        ready: list[tuple[TokenizedSample, torch.Tensor]] = []
+        ready: list[tuple[TokenizedSample, EncodedStates]] = []
         for row, sample in enumerate(part):
-            hidden: torch.Tensor | None = host.sample(row)
+            hidden: EncodedStates | None = host.sample(row)
             if host.suspect[row]:
                 hidden = self._settle_suspect(sample, host, row, alone=len(part) == 1)
                 if hidden is None:
@@ -128,7 +129,7 @@ class GapExtraction:
 
     def _settle_suspect(
         self, sample: TokenizedSample, host: HostBatch, row: int, alone: bool
-    ) -> torch.Tensor | None:
+    ) -> EncodedStates | None:
         """A row the batch-wide check flagged: count exactly, retry alone, then fail or drop it."""
         bad = host.non_finite_count(row)
         if bad == 0:  # the cheap check over-reports only for values near float32's limit
@@ -188,12 +189,12 @@ class SampleWrites:
         self.pending: list[PendingWrite] = []
         self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="hs-writer")
 
-    def submit(self, items: Sequence[tuple[TokenizedSample, torch.Tensor]]) -> None:
-        """Write `(sample, hidden [T, K, H] bf16 on the host)` pairs, in chunks of up to `_CHUNK_BYTES`.
+    def submit(self, items: Sequence[tuple[TokenizedSample, EncodedStates]]) -> None:
+        """Write `(sample, states [T, K, H] on the host, as stored)` pairs, in chunks of up to `_CHUNK_BYTES`.
 
         A chunk starts as soon as the next sample's space cannot be reserved: its own reservations may
         be what fills the budget, and only its written, uploaded files can free it."""
-        chunk: list[tuple[TokenizedSample, torch.Tensor]] = []
+        chunk: list[tuple[TokenizedSample, EncodedStates]] = []
         reserved: list[int] = []
         chunk_bytes = 0
         try:
@@ -203,6 +204,7 @@ class SampleWrites:
                     self.partition.num_layers,
                     self.partition.hidden_size,
                     self.partition.metadata_nbytes,
+                    self.partition.hidden_state_dtype,
                 )
                 if not self.uploader.try_reserve(nbytes):
                     if chunk:
@@ -212,7 +214,7 @@ class SampleWrites:
                     self.uploader.reserve(nbytes)  # backpressure: wait for uploads to free space
                 chunk.append((sample, hidden))
                 reserved.append(nbytes)
-                chunk_bytes += hidden.numel() * hidden.element_size()
+                chunk_bytes += hidden.nbytes
                 if chunk_bytes >= _CHUNK_BYTES:
                     self._start(chunk, reserved)
                     chunk, reserved, chunk_bytes = [], [], 0
@@ -222,13 +224,13 @@ class SampleWrites:
             self.uploader.release(sum(reserved))  # reserved for a chunk that never started
             raise
 
-    def _start(self, chunk: list[tuple[TokenizedSample, torch.Tensor]], reserved: list[int]) -> None:
+    def _start(self, chunk: list[tuple[TokenizedSample, EncodedStates]], reserved: list[int]) -> None:
         self.drain(keep=2 * self.threads - 1)
         future = self.executor.submit(self._write_and_submit, list(chunk), list(reserved))
         self.pending.append(PendingWrite(future, list(reserved)))
 
     def _write_and_submit(
-        self, chunk: list[tuple[TokenizedSample, torch.Tensor]], reserved: list[int]
+        self, chunk: list[tuple[TokenizedSample, EncodedStates]], reserved: list[int]
     ) -> None:
         for position, ((sample, hidden), nbytes) in enumerate(zip(chunk, reserved, strict=True)):
             name = sample_object_name(sample.sample_index)

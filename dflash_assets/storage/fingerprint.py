@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dflash_assets.storage.manifest import delete_partition
@@ -22,15 +22,23 @@ def read_fingerprint(store: ObjectStore, base: str, listed: dict[str, int]) -> d
 
 
 def claim_prefix(
-    store: ObjectStore, prefix: str, fingerprint: dict[str, Any], warn: Callable[[str], None]
+    store: ObjectStore,
+    prefix: str,
+    fingerprint: dict[str, Any],
+    warn: Callable[[str], None],
+    equivalent: Sequence[dict[str, Any]] = (),
 ) -> dict[str, int]:
-    """One listing of `prefix`; returns its objects (name -> size) if they carry `fingerprint`. Objects
-    made under another fingerprint (or none) are deleted, manifest first, and an empty listing returned.
-    The fingerprint is (re)written before the caller writes any object."""
+    """One listing of `prefix`; returns its objects (name -> size) if they carry `fingerprint`, or one of
+    `equivalent` (what an earlier version wrote for the same objects: the fingerprint is then upgraded
+    and the objects kept). Objects made under another fingerprint (or none) are deleted, manifest first,
+    and an empty listing returned. The fingerprint is (re)written before the caller writes any object."""
     base = prefix.strip("/") + "/"
     listed = {info.key[len(base) :]: info.size for info in store.list(base)}
     stored = read_fingerprint(store, base, listed)
     if stored == fingerprint:
+        return listed
+    if stored is not None and stored in list(equivalent):
+        store.put_bytes(base + FINGERPRINT_NAME, json.dumps(fingerprint, indent=1).encode())
         return listed
     others = [name for name in listed if name != FINGERPRINT_NAME]
     if stored is not None or others:

@@ -166,3 +166,20 @@ def lease_device(
             )
             next_reminder = time.monotonic() + remind_every_s
         time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+
+
+@contextlib.contextmanager
+def try_lease_device(
+    devices: Sequence[str], lock_dir: str | Path | None = None, holder: str = ""
+) -> Iterator[str | None]:
+    """Hold one of `devices` if one is free right now, else yield None: never waits (e.g. a spare
+    device for a speculative evaluation that does not fit beside the drafter)."""
+    with contextlib.ExitStack() as stack:
+        device = None
+        if devices:
+            try:
+                lease = lease_device(devices, lock_dir=lock_dir, timeout_s=0, holder=holder)
+                device = stack.enter_context(lease)
+            except DeviceLeaseTimeout:
+                device = None
+        yield device

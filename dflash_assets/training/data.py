@@ -16,6 +16,7 @@ import torch
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.objective import DrafterBatch
+from dflash_assets.extraction.object_size import estimate_num_tokens
 from dflash_assets.extraction.sample_format import HiddenStateSample, parse_sample_object_name
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.target.batching import pad_batch
@@ -36,6 +37,8 @@ class OfflineData:
     # Token count of each object (e.g. from the partition manifest), for length bucketing. Without it,
     # lengths are estimated from object sizes: close enough to bucket, never used for correctness.
     num_tokens: Sequence[int] | None = None
+    # Stored dtype of each object (`bf16`/`fp8`, from its partition's manifest), for those estimates.
+    hidden_state_dtypes: Sequence[str] | None = None
     prefetch_objects: int = 16
     download_threads: int = 8
     mode: ClassVar[str] = "offline"
@@ -53,16 +56,27 @@ class OnlineData:
 
 
 def collate_hidden_state_samples(samples: Sequence[HiddenStateSample], max_length: int) -> DrafterBatch:
-    """Right-pad stored samples (truncated to `max_length`) into one batch."""
+    """Right-pad stored samples (truncated to `max_length`) into one batch, in their stored dtype: fp8
+    samples stay fp8 with their scales, dequantised on the training device (`context_states`). A batch
+    mixing bf16 and fp8 ranges (a dtype changed between ranges) is collated in bf16."""
     lengths = [min(sample.num_tokens, max_length) for sample in samples]
     input_ids, attention_mask = pad_batch(
         [s.input_ids[:n].tolist() for s, n in zip(samples, lengths, strict=True)], 0
     )
+    fp8 = all(sample.hidden_state_dtype == "fp8" for sample in samples)
     first = samples[0].hidden_states
-    hidden_states = torch.zeros((len(samples), input_ids.shape[1], *first.shape[1:]), dtype=torch.bfloat16)
+    shape = (len(samples), input_ids.shape[1], *first.shape[1:])
+    hidden_states = torch.zeros(shape, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    scale = torch.zeros(shape[:3], dtype=torch.float32) if fp8 else None
     loss_mask = torch.zeros(input_ids.shape, dtype=torch.bool)
     for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
-        hidden_states[row, :length] = sample.hidden_states[:length]
+        if scale is not None:
+            hidden_states[row, :length] = sample.hidden_states[:length]
+            scale[row, :length] = sample.hidden_states_scale[:length]
+        elif sample.hidden_state_dtype == "fp8":
+            hidden_states[row, :length] = sample.dequantized(torch.bfloat16)[:length]
+        else:
+            hidden_states[row, :length] = sample.hidden_states[:length]
         loss_mask[row, :length] = sample.loss_mask[:length].bool()
     return DrafterBatch(
         input_ids=input_ids,
@@ -70,6 +84,7 @@ def collate_hidden_state_samples(samples: Sequence[HiddenStateSample], max_lengt
         hidden_states=hidden_states,
         lengths=torch.tensor(lengths, dtype=torch.long),
         sample_indices=[sample.sample_index for sample in samples],
+        hidden_states_scale=scale,
     )
 
 
@@ -115,9 +130,10 @@ class OfflineSource:
         if data.num_tokens is not None:
             lengths = list(data.num_tokens)
         else:
-            # bf16 states + int32 id + uint8 mask per token, plus a header of ~450 bytes.
-            per_token = config.num_context_layers * config.target_hidden_size * 2 + 5
-            lengths = [max(1, round((size - 512) / per_token)) for _, size in self.objects]
+            dtypes = list(data.hidden_state_dtypes or ["bf16"] * len(self.objects))
+            shape = (config.num_context_layers, config.target_hidden_size)
+            sizes = [size for _, size in self.objects]
+            lengths = [estimate_num_tokens(n, *shape, d) for n, d in zip(sizes, dtypes, strict=True)]
         self.lengths = [min(n, settings.max_length) for n in lengths]
         parsed = [parse_sample_object_name(key.rsplit("/", 1)[-1]) for key, _ in self.objects]
         self.sample_indices = [index if index is not None else pos for pos, index in enumerate(parsed)]

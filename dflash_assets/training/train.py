@@ -11,7 +11,6 @@ checkpoint, a resumed run continues exactly where the interrupted one stopped.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import math
 import random
@@ -50,6 +49,7 @@ from dflash_assets.training.checkpoints import (
     restore_rng_state,
 )
 from dflash_assets.training.data import OfflineData, OfflineSource, OnlineData, OnlineSource
+from dflash_assets.training.memory import DeviceMemory, TorchDeviceMemory, target_for_evaluation
 from dflash_assets.training.metrics import TrainMetrics
 from dflash_assets.training.plan import GIB, default_micro_batch_bytes, epoch_plan, micro_batches, split_eval
 from dflash_assets.training.schedule import build_optimizer, lr_factor
@@ -106,6 +106,8 @@ class DrafterTrainer:
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
         uploader: Uploader | None = None,
         target_verifier: Callable[[], TargetVerifier] | None = None,
+        device_memory: DeviceMemory | None = None,
+        spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None = None,
     ) -> None:
         if data.mode != settings.mode:
             raise ValueError(f"train mode is {settings.mode!r} but the data given is {data.mode!r}")
@@ -119,12 +121,13 @@ class DrafterTrainer:
         self.on_checkpoint = on_checkpoint
         self.device = torch.device(settings.device)
         self.autocast_bf16 = self.device.type == "cuda" and settings.bf16_autocast
+        # Offline, the trainer loads the target for each speculative evaluation itself, where it fits
+        # (`training/memory.py`): beside the drafter, on a spare leased device, or after moving the
+        # optimiser state to the host. Online, the caller's target is already loaded.
         self._owns_target = target_verifier is None
-        self._target_verifier = target_verifier or (
-            lambda: TargetVerifier(
-                load_target_model(config.target_model, self.device), config.target_layer_ids
-            )
-        )
+        self._target_verifier = target_verifier
+        self._device_memory = device_memory or TorchDeviceMemory()
+        self._spare_device = spare_device
 
         # Data: a fixed held-out set, then one shuffled order of global batches per epoch.
         self.source = (OfflineSource if isinstance(data, OfflineData) else OnlineSource)(
@@ -340,24 +343,46 @@ class DrafterTrainer:
         prompts = (self._eval_prompts or [])[: self.settings.spec_eval_prompts]
         if not prompts:
             return None
+        if not self._owns_target:
+            verifier = self._speculative.verifier if self._speculative is not None else None
+            return self._decode(verifier or self._target_verifier(), prompts)
+        # Offline, the target is loaded for this evaluation only and its memory given back to training
+        # after it (a 27B target is ~54 GB in bf16); it is loaded again at the next checkpoint. Where it
+        # does not fit, the evaluation is skipped with a warning, never the run.
+        result = None
+        with target_for_evaluation(
+            load=lambda device: TargetVerifier(
+                load_target_model(self.config.target_model, device), self.config.target_layer_ids
+            ),
+            target_model=self.config.target_model,
+            prompts=prompts,
+            new_tokens=self.settings.spec_eval_max_new_tokens,
+            drafter_device=self.settings.device,
+            optimizer=self.optimizer,
+            memory=self._device_memory,
+            spare_device=self._spare_device,
+            log=self.log,
+        ) as verifier:
+            if verifier is not None:
+                try:
+                    result = self._decode(verifier, prompts)
+                finally:
+                    if self._speculative is not None:
+                        self._speculative.verifier = None
+        return result
+
+    def _decode(self, verifier: TargetVerifier, prompts: list[list[int]]) -> dict[str, Any]:
         if self._speculative is None:
             self._speculative = SpeculativeEvaluator(
-                self._target_verifier(),
+                verifier,
                 prompts,
                 max_new_tokens=self.settings.spec_eval_max_new_tokens,
                 stop_token_ids=stop_token_ids_of(self.config.target_model),
             )
-        elif self._speculative.verifier is None:
-            self._speculative.verifier = self._target_verifier()
+        else:
+            self._speculative.verifier = verifier
         with self._autocast():
             result = self._speculative.evaluate(self.model)
-        if self._owns_target:
-            # Offline, the target was loaded for this evaluation only: give its memory back to training
-            # (a 27B target is ~54 GB in bf16); it is loaded again at the next checkpoint.
-            self._speculative.verifier = None
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
         if not result["matches_target_greedy"]:
             self.log(
                 "WARNING: speculative decoding differs from the target's greedy decoding on held-out "
@@ -494,13 +519,17 @@ def train_drafter(
     on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
     uploader: Uploader | None = None,
     target_verifier: Callable[[], TargetVerifier] | None = None,
+    device_memory: DeviceMemory | None = None,
+    spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None = None,
 ) -> TrainResult:
     """Train a drafter, resuming from the newest complete checkpoint of `run` in `store` if any.
 
     Checkpoints go to `checkpoints/<run>/`. `log` gets a progress line every `log_every_steps` steps;
     `on_checkpoint` gets a dict (step, checkpoint URI, training and held-out metrics) once each
     checkpoint is committed. Uploads run in the background while training continues; the final
-    checkpoint is committed before this returns.
+    checkpoint is committed before this returns. Offline, `spare_device` leases another device for a
+    speculative evaluation that does not fit beside the drafter (`training/memory.py`), and
+    `device_memory` reports free memory (default: what torch reports).
     """
     trainer = DrafterTrainer(
         config,
@@ -513,6 +542,8 @@ def train_drafter(
         on_checkpoint=on_checkpoint,
         uploader=uploader,
         target_verifier=target_verifier,
+        device_memory=device_memory,
+        spare_device=spare_device,
     )
     trainer.resume()
     return trainer.train()

@@ -8,17 +8,45 @@ import pytest
 import torch
 
 from dflash_assets import cli
-from dflash_assets.bench.gpu import TINY_SHAPES, VARIANTS, build_random_target, forward_flops
+from dflash_assets.bench.gpu import TINY_SHAPES, VARIANTS, build_random_target
+from dflash_assets.planning.capacity import PlanSettings, TargetFacts, extraction_rate
+from dflash_assets.planning.gpu_result import load_gpu_result
+from dflash_assets.planning.inputs import device_profile
+from dflash_assets.target.flops import forward_flops
 
 
-def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_ratios(capsys, monkeypatch):
+def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_ratios(
+    capsys, monkeypatch, tmp_path
+):
     monkeypatch.setenv("DFLASH_PEAK_TFLOPS", "1")  # a made-up peak, so the MFU column is exercised
-    assert cli.main(["bench", "--gpu", "--tiny", "--tokens", "150", "--rounds", "1"]) == 0
+    saved = tmp_path / "gpu-bench.json"
+    args = ["bench", "--gpu", "--tiny", "--tokens", "150", "--rounds", "1", "--result", str(saved)]
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     for shape in TINY_SHAPES:
         assert shape.name in out
     assert out.count("extraction with writes / forward alone:") == 2
+    assert out.count("extraction with writes, fp8 / bf16:") == 2
     assert out.count("capture, ours / anchors' way:") == 2
+    # What the plan reads back: every variant's rate, MFU and FLOPs per token, for both targets.
+    result = load_gpu_result(saved)
+    assert result["device"] == "CPU" and [t["shape"] for t in result["targets"]] == [
+        s.name for s in TINY_SHAPES
+    ]
+    for target in result["targets"]:
+        assert (
+            set(target["tokens_per_s"]) == set(VARIANTS) and target["flops_per_token"]["extraction_fp8"] > 0
+        )
+        assert target["mfu"]["extraction"] > 0
+    # Planning on this machine's CPU, the plan takes its extraction rate from the saved measurement.
+    profile = device_profile(
+        device_name=None, device_memory_bytes=None, gpu_result=result, configured_devices=[]
+    )
+    hybrid = result["targets"][1]
+    facts = TargetFacts(tmp_path, "t", [1, 3], 64, "qwen3_5_text", hybrid["flops_per_token"]["extraction"], 0)
+    settings = PlanSettings("bf16", 1024, 2**30, tmp_path, str(tmp_path), devices=1)
+    rate, source = extraction_rate(facts, profile, settings, result)
+    assert rate == pytest.approx(hybrid["tokens_per_s"]["extraction"]) and "bench --gpu" in source
     assert "gated-delta-net layers" in out  # the hybrid's kernel path
     targets, drafter = out.split("drafter training step")
     table_rows = [line for line in targets.splitlines() if "tokens/s" not in line and "%" in line]

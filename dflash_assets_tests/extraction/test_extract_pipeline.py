@@ -30,11 +30,24 @@ def test_a_batch_goes_to_the_host_as_bf16_with_non_finite_rows_flagged_and_paddi
     captured[1, 2, 0, 3] = float("nan")
     captured[2, 5, 1, 1] = float("inf")  # row 2 has 4 real tokens: position 5 is padding
     batch = HostTransfer("cpu").start(captured, [6, 6, 4]).wait()
-    assert batch.hidden.dtype == torch.bfloat16
+    assert batch.hidden.values.dtype == torch.bfloat16 and batch.hidden.scale is None
     assert batch.suspect == [False, True, False]
     assert batch.non_finite_count(1) == 1
-    assert batch.sample(2).shape == (4, 2, 4)
-    assert torch.equal(batch.sample(0), captured[0].bfloat16())
+    assert batch.sample(2).values.shape == (4, 2, 4)
+    assert torch.equal(batch.sample(0).values, captured[0].bfloat16())
+
+
+def test_an_fp8_batch_goes_to_the_host_quantised_with_a_scale_per_token_and_layer_and_the_same_flags():
+    captured = torch.randn(3, 6, 2, 4) * 1000  # far beyond e4m3's 448: only the scale keeps it in range
+    captured[1, 2, 0, 3] = float("nan")
+    captured[2, 5, 1, 1] = float("inf")  # padding: never stored, never flagged
+    batch = HostTransfer("cpu", "fp8").start(captured, [6, 6, 4]).wait()
+    assert batch.hidden.values.dtype == torch.float8_e4m3fn and batch.hidden.scale.shape == (3, 6, 2)
+    assert batch.suspect == [False, True, False]
+    assert batch.non_finite_count(1) > 0 and batch.non_finite_count(0) == 0
+    sample = batch.sample(0)
+    assert sample.values.shape == (6, 2, 4) and sample.scale.shape == (6, 2)
+    torch.testing.assert_close(sample.dequantize(), captured[0], rtol=2**-4, atol=0.0)
 
 
 def test_a_batch_that_runs_out_of_memory_is_halved_until_it_fits_and_every_sample_is_stored_once(

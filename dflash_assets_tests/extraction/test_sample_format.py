@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from dflash_assets.extraction.object_size import sample_object_nbytes
 from dflash_assets.extraction.sample_format import (
     SAMPLE_FORMAT,
     CorruptSampleError,
@@ -18,6 +19,7 @@ from dflash_assets.extraction.sample_format import (
     sample_object_name,
     write_sample,
 )
+from dflash_assets_tests.support.targets import assert_within_e4m3_rounding
 
 LAYERS = [1, 3, 5]
 
@@ -48,7 +50,8 @@ def test_a_sample_round_trips_with_the_contracted_dtypes_shapes_and_metadata(tmp
         assert torch.equal(loaded.hidden_states, sample["hidden_states"].bfloat16())
         assert loaded.target_layer_ids == LAYERS and loaded.target_model == "tiny/qwen3_5"
         assert loaded.hidden_size == 8 and loaded.num_tokens == 11
-        assert loaded.metadata["format"] == SAMPLE_FORMAT == "dflash-assets.hidden-states/1"
+        assert loaded.metadata["format"] == SAMPLE_FORMAT == "dflash-assets.hidden-states/2"
+        assert loaded.metadata["hidden_state_dtype"] == "bf16" and loaded.hidden_states_scale is None
         assert json.loads(loaded.metadata["target_layer_ids"]) == LAYERS
         assert loaded.metadata["sample_index"] == "17" and loaded.metadata["tokenizer"] == "demo"
 
@@ -135,13 +138,77 @@ def test_truncated_or_foreign_files_are_reported_as_corrupt(tmp_path):
         read_sample(path)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize(("num_tokens", "hidden_size"), [(1, 8), (11, 8), (300, 64), (2048, 96)])
-def test_the_size_estimate_is_an_upper_bound_close_to_the_real_size(tmp_path, num_tokens, hidden_size):
+def test_the_size_estimate_is_an_upper_bound_close_to_the_real_size(tmp_path, num_tokens, hidden_size, dtype):
     sample = make_sample(num_tokens=num_tokens, hidden_size=hidden_size)
     sample["target_model"] = "/very/long/path/" + "x" * 400
-    size = write_sample(tmp_path / "s.safetensors", **sample)
-    estimate = estimate_sample_nbytes(num_tokens, len(LAYERS), hidden_size, len(sample["target_model"]))
+    size = write_sample(tmp_path / "s.safetensors", **sample, hidden_state_dtype=dtype)
+    name_bytes = len(sample["target_model"])
+    estimate = estimate_sample_nbytes(num_tokens, len(LAYERS), hidden_size, name_bytes, dtype)
     assert size <= estimate <= size + 8192
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    ("sample_index", "num_tokens", "target_model"),
+    [(0, 1, "m"), (17, 11, "tiny/qwen3_5"), (12_345_678, 3072, "Qwen3.6-27B@0123456789ab"), (9, 4, "é" * 9)],
+)
+def test_the_object_size_is_known_exactly_before_the_object_is_written(
+    tmp_path, dtype, sample_index, num_tokens, target_model
+):
+    sample = make_sample(num_tokens=num_tokens, hidden_size=16)
+    sample.update(sample_index=sample_index, target_model=target_model)
+    extra = {"tokenizer": "demo"}
+    path = tmp_path / "s.safetensors"
+    written = write_sample(path, **sample, hidden_state_dtype=dtype, extra_metadata=extra)
+    predicted = sample_object_nbytes(
+        sample_index=sample_index,
+        num_tokens=num_tokens,
+        target_layer_ids=LAYERS,
+        target_model=target_model,
+        hidden_size=16,
+        dtype=dtype,
+        extra_metadata=extra,
+    )
+    assert predicted == written == path.stat().st_size
+
+
+def test_an_fp8_object_round_trips_its_scales_and_dequantises_near_the_original(tmp_path):
+    sample = make_sample(num_tokens=20, hidden_size=32)
+    sample["hidden_states"] = sample["hidden_states"] * 2000
+    path = tmp_path / sample_object_name(17)
+    write_sample(path, **sample, hidden_state_dtype="fp8")
+    for source in (path, path.read_bytes()):
+        loaded = read_sample(source)
+        assert loaded.hidden_state_dtype == "fp8" and loaded.metadata["hidden_state_dtype"] == "fp8"
+        assert loaded.hidden_states.dtype == torch.float8_e4m3fn and loaded.hidden_states.shape == (20, 3, 32)
+        scale = loaded.hidden_states_scale
+        assert scale.dtype == torch.float32 and scale.shape == (20, 3)
+        assert_within_e4m3_rounding(loaded.dequantized(), sample["hidden_states"], slack=0.0)
+
+
+def test_a_format_1_object_from_before_fp8_is_still_read_as_bf16(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "hs_00000017.safetensors"
+    hidden = torch.randn(4, 3, 8).bfloat16()
+    metadata = {
+        "format": "dflash-assets.hidden-states/1",
+        "sample_index": "17",
+        "target_layer_ids": json.dumps(LAYERS),
+        "target_model": "old",
+        "hidden_size": "8",
+        "num_tokens": "4",
+    }
+    tensors = {
+        "input_ids": torch.arange(4, dtype=torch.int32),
+        "loss_mask": torch.ones(4, dtype=torch.uint8),
+        "hidden_states": hidden,
+    }
+    save_file(tensors, str(path), metadata=metadata)
+    loaded = read_sample(path)
+    assert loaded.hidden_state_dtype == "bf16" and torch.equal(loaded.dequantized(torch.bfloat16), hidden)
 
 
 def test_object_names_are_zero_padded_indices_and_parse_back():

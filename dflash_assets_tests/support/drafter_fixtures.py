@@ -118,8 +118,10 @@ def write_hidden_state_partition(
     scratch: Path,
     *,
     target_layer_ids: list[int] | None = None,
+    hidden_state_dtype: str = "bf16",
 ) -> list[tuple[str, int]]:
-    """Capture each sample alone (as extraction does) and put it in the store; returns (key, size)."""
+    """Capture each sample alone (as extraction does) and put it in the store, stored as
+    `hidden_state_dtype`; returns (key, size)."""
     scratch.mkdir(parents=True, exist_ok=True)
     objects = []
     for sample in samples:
@@ -134,6 +136,7 @@ def write_hidden_state_partition(
             hidden_states=hidden,
             target_layer_ids=target_layer_ids or TARGET_LAYER_IDS,
             target_model=target_model,
+            hidden_state_dtype=hidden_state_dtype,
         )
         key = f"hidden-states/{partition}/{path.name}"
         info = store.put_file(key, path)

@@ -90,3 +90,24 @@ def tiny_dense() -> torch.nn.Module:
         head_dim=16,
     )
     return Qwen3ForCausalLM(config)
+
+
+# e4m3 keeps 3 mantissa bits: a value scaled into its normal range is off by at most 2^-4 of itself, one
+# in its subnormal range (below 2^-6 after scaling) by at most half the smallest step, 2^-10 scales.
+E4M3_RELATIVE_ROUNDING = 2**-4
+E4M3_SUBNORMAL_ROUNDING = 2**-10
+
+
+def assert_within_e4m3_rounding(actual: torch.Tensor, expected: torch.Tensor, slack: float = 1e-5) -> None:
+    """`actual` [..., H] (dequantised fp8) is within e4m3's rounding of `expected`, element by element, for
+    a scale of amax/448 per row of H; `slack` (relative to the row's amax) absorbs the float32 difference
+    between a batched forward and the lone reference one."""
+    expected = expected.float()
+    amax = expected.abs().amax(dim=-1, keepdim=True)
+    bound = (
+        expected.abs() * E4M3_RELATIVE_ROUNDING * (1 + 1e-3)
+        + amax / 448 * E4M3_SUBNORMAL_ROUNDING
+        + amax * slack
+    )
+    excess = (actual.float() - expected).abs() - bound
+    assert float(excess.max()) <= 0, f"off by up to {float(excess.max())} beyond e4m3 rounding"

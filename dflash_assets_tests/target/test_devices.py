@@ -17,6 +17,7 @@ from dflash_assets.target.devices import (
     available_devices,
     lease_device,
     torch_device,
+    try_lease_device,
 )
 
 # A separate Python process that leases a device the way a run started from its own shell would.
@@ -148,3 +149,18 @@ def test_the_lease_is_released_when_the_block_raises(tmp_path):
         raise RuntimeError("run failed")
     with lease_device(["cpu:0"], lock_dir=tmp_path, timeout_s=0) as device:
         assert device == "cpu:0"
+
+
+def test_a_spare_device_is_leased_only_when_one_is_free_now_and_never_waited_for(tmp_path):
+    with lease_device(["cpu:0"], lock_dir=tmp_path) as held:
+        started = time.monotonic()
+        with try_lease_device(["cpu:0", "cpu:1"], lock_dir=tmp_path, holder="spare") as spare:
+            assert held == "cpu:0" and spare == "cpu:1"
+            with try_lease_device(["cpu:0", "cpu:1"], lock_dir=tmp_path) as none_left:
+                assert none_left is None
+        assert time.monotonic() - started < 5  # answered at once, never a wait for a release
+        with try_lease_device(["cpu:1"], lock_dir=tmp_path) as released:
+            assert released == "cpu:1"  # the spare was given back
+    with try_lease_device([], lock_dir=tmp_path) as nothing:
+        assert nothing is None
+

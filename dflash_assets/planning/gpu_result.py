@@ -1,0 +1,55 @@
+"""Where `dflash-assets bench --gpu` saves what it measured, and how the plan reads it back.
+
+The file is `$DFLASH_CACHE_DIR/bench/gpu-bench.json` (one per machine: the last run wins), JSON:
+
+    format          "dflash-assets.gpu-bench/1"
+    measured_at     ISO time
+    device          e.g. "NVIDIA H200"; total_memory_bytes; peak_flops (dense bf16, or null)
+    targets         one entry per benchmarked target shape:
+        shape, model_type ("qwen3" dense / "qwen3_5_text" hybrid), layer_ids, tokens, samples,
+        tokens_per_s  {variant: median tokens/s}; mfu {variant: fraction or null};
+        flops_per_token  {variant: model FLOPs per real token}; peak_memory_bytes {variant: bytes or null}
+
+Variants: `anchors`, `forward`, `capture`, `extraction` (with writes, bf16) and `extraction_fp8`. The
+plan scales a measured extraction rate to the configured target by FLOPs per token (same device, same
+kind of architecture), so the shapes measured need not be the target's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+GPU_RESULT_FORMAT = "dflash-assets.gpu-bench/1"
+GPU_RESULT_NAME = "gpu-bench.json"
+
+
+def gpu_result_path(cache_dir: str | Path) -> Path:
+    return Path(cache_dir).expanduser() / "bench" / GPU_RESULT_NAME
+
+
+def save_gpu_result(path: str | Path, result: dict[str, Any]) -> Path:
+    """Write `result` (the fields above, less `format` and `measured_at`) atomically to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {
+        "format": GPU_RESULT_FORMAT,
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **result,
+    }
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(body, indent=1))
+    partial.replace(path)
+    return path
+
+
+def load_gpu_result(path: str | Path) -> dict[str, Any] | None:
+    """The saved result, or None when there is none (or it is not this format)."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) and result.get("format") == GPU_RESULT_FORMAT else None

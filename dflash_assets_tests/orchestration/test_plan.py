@@ -1,0 +1,136 @@
+"""`dflash-assets plan` as a user runs it, checked against what materialising through the CLI stores: the
+plan's bytes are the store's, in bf16 and in fp8, and `tokenized_completions` records the same totals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dagster import AssetKey
+
+from dflash_assets.extraction.sample_format import parse_sample_object_name, read_sample
+from dflash_assets.storage.open_store import open_store
+from dflash_assets_tests.conftest import make_dagster_home, open_instance
+
+KEY = "00000000-00000023"
+PLAN_KEYS = (
+    "samples",
+    "tokens",
+    "bytes_per_token",
+    "hidden_state_bytes",
+    "staging_bytes_needed",
+    "extraction_hours",
+    "upload_bytes_per_s_needed",
+    "offline_read_bytes_per_s",
+    "warnings",
+)
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    completed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, (completed.stdout[-2000:], completed.stderr[-4000:])
+    return completed
+
+
+def _plan(env: dict[str, str], *extra: str) -> dict:
+    command = Path(sys.executable).with_name("dflash-assets")
+    return json.loads(_run([str(command), "plan", "--json", *extra], env).stdout)
+
+
+def _materialize(env: dict[str, str]) -> None:
+    dagster = Path(sys.executable).with_name("dagster")
+    select = "tokenized_completions,hidden_state_partitions"
+    _run([str(dagster), "asset", "materialize", "-m", "dflash_assets.definitions", "--select", select,
+          "--partition", KEY], env)  # fmt: skip
+
+
+def _stored_objects(store_url: str) -> dict[str, int]:
+    store = open_store(store_url)
+    return {
+        info.key: info.size
+        for info in store.list(f"hidden-states/{KEY}/")
+        if parse_sample_object_name(info.key.rsplit("/", 1)[-1]) is not None
+    }
+
+
+@pytest.fixture(scope="module")
+def planned_and_stored(tmp_path_factory, demo_model_dir):
+    """The plan on embedded defaults (24-sample ranges), then one range materialised in each dtype."""
+    root = tmp_path_factory.mktemp("plan")
+    env = {
+        **os.environ,
+        "DFLASH_HOME": str(root / "home"),
+        "DFLASH_CACHE_DIR": str(demo_model_dir.parent),
+        "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
+        "DFLASH_SAMPLES_PER_PARTITION": "24",
+        "OMP_NUM_THREADS": "1",
+    }
+    plan = _plan(env)
+    stores = {}
+    for dtype in ("bf16", "fp8"):
+        dtype_env = {
+            **env,
+            "DFLASH_HIDDEN_STATE_DTYPE": dtype,
+            "DFLASH_STORE_URL": str(root / f"store-{dtype}"),
+        }
+        _materialize(dtype_env)
+        stores[dtype] = dtype_env
+    return {"plan": plan, "stores": stores, "env": env}
+
+
+def test_the_plan_has_every_figure_the_issue_names_and_is_exact_when_every_row_is_tokenized(
+    planned_and_stored,
+):
+    plan = planned_and_stored["plan"]
+    assert all(key in plan for key in PLAN_KEYS)
+    assert plan["estimate"]["exact"] and plan["rows"] == 500 and plan["ranges"] == 21
+    assert plan["hidden_state_dtype"] == "bf16" and plan["bytes_per_token"] == 5 * 64 * 2 + 5
+    assert set(plan["device_memory"]) == {"extraction", "regeneration", "training", "evaluation"}
+    assert plan["extraction_hours"]["devices_1"] > 0 and plan["offline_read_bytes_per_s"] > 0
+    assert any("DFLASH_HIDDEN_STATE_DTYPE=fp8" in warning for warning in plan["warnings"])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_the_planned_bytes_are_the_bytes_the_store_holds_after_materialising(planned_and_stored, dtype):
+    planned = next(r for r in planned_and_stored["plan"]["per_range"] if r["partition"] == KEY)
+    stored = _stored_objects(planned_and_stored["stores"][dtype]["DFLASH_STORE_URL"])
+    assert len(stored) == planned["objects"]
+    assert sum(stored.values()) == planned["hidden_state_bytes_by_dtype"][dtype]  # to the byte
+    store = open_store(planned_and_stored["stores"][dtype]["DFLASH_STORE_URL"])
+    assert read_sample(store.get_bytes(next(iter(stored)))).hidden_state_dtype == dtype
+
+
+def test_fp8_objects_are_about_half_the_bf16_ones(planned_and_stored):
+    sizes = {
+        d: sum(_stored_objects(env["DFLASH_STORE_URL"]).values())
+        for d, env in planned_and_stored["stores"].items()
+    }
+    assert 0.5 < sizes["fp8"] / sizes["bf16"] < 0.56
+
+
+def test_tokenized_completions_records_the_range_and_run_totals_and_a_replan_reads_the_store(
+    planned_and_stored,
+):
+    env = planned_and_stored["stores"]["bf16"]
+    planned = next(r for r in planned_and_stored["plan"]["per_range"] if r["partition"] == KEY)
+    with open_instance(env["DAGSTER_HOME"]) as instance:
+        events = instance.fetch_materializations(AssetKey("tokenized_completions"), limit=10).records
+    metadata = [e.asset_materialization.metadata for e in events if e.asset_materialization.partition == KEY]
+    recorded = {m["plan_hidden_state_dtype"].value: m for m in metadata}
+    for dtype in ("bf16", "fp8"):
+        assert (
+            recorded[dtype]["plan_range_hidden_state_bytes"].value
+            == planned["hidden_state_bytes_by_dtype"][dtype]
+        )
+    whole_run = recorded["bf16"]["plan_run_hidden_state_bytes"].value
+    exact_total = planned_and_stored["plan"]["hidden_state_bytes"]
+    assert whole_run == pytest.approx(exact_total, rel=0.25)  # the other 20 ranges extrapolated from this one
+    assert recorded["bf16"]["plan_run_ranges_estimated"].value == 20
+
+    replanned = _plan(env)
+    sources = {r["partition"]: r["source"] for r in replanned["per_range"]}
+    assert sources[KEY] == "tokenized" and replanned["hidden_state_bytes"] == exact_total
