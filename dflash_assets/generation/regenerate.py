@@ -331,7 +331,11 @@ class _Journal:
                 warn(f"staged {path.name} is unusable ({error}); its rows are generated again")
                 path.unlink(missing_ok=True)
                 continue
-            recovered |= {line.sample_index for line in lines}
+            rows = {line.sample_index for line in lines}
+            if rows <= in_store:  # uploaded just before the crash, not yet deleted here
+                path.unlink(missing_ok=True)
+                continue
+            recovered |= rows
             self.uploader.submit(path, f"{self.base}{CHUNKS_DIR}/{path.name}")
         if self.path.exists():
             try:
