@@ -7,6 +7,8 @@ from dflash_assets import settings
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.conversations.tokenize import tokenize_range, write_shard
 from dflash_assets.io_manager import PartitionOutput
+from dflash_assets.k8s import cpu_step_tags
+from dflash_assets.nodes import step_node
 from dflash_assets.partitions import SAMPLE_RANGES
 from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import partition_prefix
@@ -26,6 +28,7 @@ class TokenizeConfig(Config):
     partitions_def=SAMPLE_RANGES,
     io_manager_key="store_io_manager",
     group_name="dflash",
+    op_tags=cpu_step_tags(),
     kinds={"parquet", "s3"},
     description="Chat conversations tokenized with the target's chat template; loss mask = assistant tokens.",
 )
@@ -37,6 +40,7 @@ def tokenized_completions(
     target_model: TargetModelResource,
 ) -> PartitionOutput:
     sample_range = SampleRange.parse(context.partition_key)
+    node = step_node(context)
     store.check()
     tokenizer = target_model.load_tokenizer()
 
@@ -71,6 +75,7 @@ def tokenized_completions(
             "max_length": result.max_length,
             "truncated": result.truncated,
             "dropped": len(result.dropped),
+            "node": node,
             **{f"dropped_{reason}": count for reason, count in sorted(result.dropped_by_reason.items())},
         }
     )

@@ -5,7 +5,6 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,45 +26,18 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
+from dflash_assets_tests.support.cli import dagster as _dagster
+from dflash_assets_tests.support.cli import kill_when as _kill_when
+from dflash_assets_tests.support.cli import materialize_args
+from dflash_assets_tests.support.cli import run_cli as _run_cli
 
 KEY = "00000000-00000023"  # 24 samples per range keeps each run to seconds
 HS_PREFIX = f"hidden-states/{KEY}"
 TOK_PREFIX = f"tokenized-completions/{KEY}"
 
 
-def _dagster(args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
-    dagster = Path(sys.executable).with_name("dagster")
-    return subprocess.Popen(
-        [str(dagster), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        **popen,
-    )
-
-
 def _materialize_args(asset: str, partition: str = KEY, config: dict | None = None) -> list[str]:
-    args = [
-        "asset",
-        "materialize",
-        "-m",
-        "dflash_assets.definitions",
-        "--select",
-        asset,
-        "--partition",
-        partition,
-    ]
-    if config:
-        args += ["--config-json", json.dumps({"ops": {asset: {"config": config}}})]
-    return args
-
-
-def _run_cli(args: list[str], env: dict[str, str]) -> tuple[int, str]:
-    process = _dagster(args, env)
-    output, _ = process.communicate(timeout=300)
-    return process.returncode, output
+    return materialize_args(asset, partition, config)
 
 
 def _object_digests(store_url: str) -> dict[str, str]:
@@ -208,20 +180,6 @@ def test_a_range_stores_one_object_per_sample_equal_to_the_target_and_passes_its
 def metadata_sizes(pipeline) -> list[int]:
     store = open_store(pipeline["base"])
     return list(read_manifest(store, HS_PREFIX)["objects"].values())
-
-
-def _kill_when(process: subprocess.Popen, condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError("the run finished before the kill point:\n" + process.stdout.read()[-3000:])
-        if condition():
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    raise AssertionError("kill point never reached")
 
 
 @pytest.mark.parametrize("crash", ["mid-forward", "mid-upload", "before-manifest"])

@@ -1,0 +1,128 @@
+"""Worker nodes on loopback: `dflash-assets worker` processes started as a user starts one on each
+node (a session of its own, so a test can kill its whole process group), and a Redis database of
+their own as the broker."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+_CLAIM_KEY = "dflash-test:claimed"
+
+
+@contextlib.contextmanager
+def redis_database() -> Iterator[int]:
+    """An empty database number of the Redis server on loopback, flushed afterwards (skips the test
+    when no server is reachable)."""
+    import redis
+
+    try:
+        redis.Redis(host=REDIS_HOST, port=REDIS_PORT, socket_connect_timeout=3).ping()
+    except redis.RedisError:
+        pytest.skip(f"no Redis on {REDIS_HOST}:{REDIS_PORT} (the CI machine provides one)")
+    numbers = list(range(1, 16))
+    random.shuffle(numbers)
+    for number in numbers:
+        client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=number)
+        if client.dbsize() == 0 and client.set(_CLAIM_KEY, str(os.getpid()), nx=True):
+            break
+    else:
+        pytest.skip("every Redis database 1..15 is in use")
+    try:
+        yield number
+    finally:
+        client.flushdb()
+        client.close()
+
+
+def process_children(pid: int) -> list[int]:
+    """The direct children of `pid` (Linux procfs)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Node:
+    """One `dflash-assets worker --queue … --name NAME` process and its log file."""
+
+    def __init__(
+        self,
+        name: str,
+        env: dict[str, str],
+        log_path: Path,
+        queues: Sequence[str] = ("gpu", "default"),
+        concurrency: int | None = None,
+    ):
+        self.name, self.env, self.log_path = name, env, log_path
+        self.args = [str(Path(sys.executable).with_name("dflash-assets")), "worker"]
+        for queue in queues:
+            self.args += ["--queue", queue]
+        self.args += ["--name", name]
+        if concurrency is not None:
+            self.args += ["--concurrency", str(concurrency)]
+        self.process: subprocess.Popen | None = None
+
+    def start(self, ready_timeout_s: float = 180.0) -> Node:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + ready_timeout_s
+        while f"{self.name}@" not in self.log or " ready." not in self.log:
+            if self.process.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited with {self.process.returncode}:\n{self.log}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker {self.name} not ready after {ready_timeout_s}s:\n{self.log}")
+            time.sleep(0.2)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def step_processes(self) -> list[int]:
+        """The worker's pool processes: where its steps run."""
+        return process_children(self.pid)
+
+    def kill_group(self) -> None:
+        """The node lost: SIGKILL to every process of the worker's group at once."""
+        os.killpg(self.pid, signal.SIGKILL)
+        assert self.process is not None
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
