@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 TASK_NAME = "dflash_assets.execute_step"
 REDIS_SCHEMES = ("redis", "rediss", "sentinel")
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
+MAX_PRIORITY = 10  # dagster_celery's `task_queue_max_priority`
 
 
 def _scheme(url: str) -> str:
@@ -59,11 +60,11 @@ def is_redis(url: str) -> bool:
 
 
 def step_queue(name: str) -> Queue:
-    """A queue exactly as Celery declares one it was not told about, so that the run worker (which
-    publishes through dagster_celery's app) and the nodes declare the same queue on RabbitMQ."""
+    """A queue as dagster_celery's app declares one when it publishes to it (the run worker publishes
+    through that app): RabbitMQ refuses to declare one queue two ways."""
     from kombu import Exchange, Queue
 
-    return Queue(name, Exchange(name), routing_key=name)
+    return Queue(name, Exchange(name), routing_key=name, queue_arguments={"x-max-priority": MAX_PRIORITY})
 
 
 def celery_settings(broker: str) -> dict:
