@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 from dflash_assets import settings
 
-RUN_CHECK_S = 10.0  # how often a running step checks that its run still waits for it
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -112,7 +111,7 @@ def _stop_when_run_ends(
     from dagster import DagsterInstance, DagsterRunStatus
 
     with DagsterInstance.from_ref(instance_ref) as instance:
-        while not step_done.wait(RUN_CHECK_S):
+        while not step_done.wait(settings.CELERY_RUN_CHECK_S.get_float()):
             try:
                 run = instance.get_run_by_id(run_id)
             except Exception:  # the instance unreachable for a moment is no reason to stop

@@ -171,6 +171,12 @@ CELERY_STEP_RESUBMITS = Setting(
     "2",
     "Times one run submits a step again after losing its node, before the run fails. Read when a run starts.",
 )
+CELERY_RUN_CHECK_S = Setting(
+    "DFLASH_CELERY_RUN_CHECK_S",
+    "10",
+    "Seconds between a worker node's checks that a running step's run still waits for it; a step whose "
+    "run has ended (its run worker died and was reaped, or it was terminated) stops.",
+)
 NODE = Setting(
     "DFLASH_NODE",
     "",

@@ -8,10 +8,15 @@ node finishes the range from the store, and nothing it had uploaded is written a
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +27,7 @@ from dagster import AssetKey, AssetRecordsFilter, DagsterRunStatus, RunsFilter
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import TEST_REGION, aws_env, aws_env_set, create_bucket, open_instance
-from dflash_assets_tests.support.celery_nodes import Node, redis_database
+from dflash_assets_tests.support.celery_nodes import Node, process_alive, rabbitmq_vhost, redis_database
 from dflash_assets_tests.support.cli import dagster, materialize_args
 from dflash_assets_tests.support.postgres import postgres_dagster_home
 
@@ -56,21 +61,20 @@ class Cluster:
         }
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, moto_endpoint, demo_model_dir):
-    root = tmp_path_factory.mktemp("celery-nodes")
+@contextlib.contextmanager
+def _cluster(root: Path, moto_endpoint: str, model_dir: Path, broker_url: str) -> Iterator[Cluster]:
     bucket = f"nodes-{uuid.uuid4().hex[:12]}"
     create_bucket(moto_endpoint, bucket)
-    with redis_database() as db, postgres_dagster_home(root / "dagster-home") as instance_env:
+    with postgres_dagster_home(root / "dagster-home") as instance_env:
         env = {
             **os.environ,
             **aws_env(moto_endpoint),
             **instance_env,
             "DFLASH_EXECUTOR": "celery",
-            "DFLASH_CELERY_BROKER_URL": f"redis://default:{BROKER_SECRET}@127.0.0.1:6379/{db}",
+            "DFLASH_CELERY_BROKER_URL": broker_url,
             "DFLASH_CELERY_NODE_LOST_AFTER_S": "5",
             "DFLASH_STORE_URL": f"s3://{bucket}/dflash",
-            "DFLASH_TARGET_MODEL": str(demo_model_dir),  # the same model directory on every node
+            "DFLASH_TARGET_MODEL": str(model_dir),  # the same model directory on every node
             "DFLASH_SAMPLES_PER_PARTITION": str(SAMPLES),
             "DFLASH_HOME": str(root / "shell"),
             "OMP_NUM_THREADS": "1",
@@ -82,12 +86,30 @@ def cluster(tmp_path_factory, moto_endpoint, demo_model_dir):
             yield Cluster(root, env, f"s3://{bucket}/dflash", bucket, moto_endpoint)
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, moto_endpoint, demo_model_dir):
+    """Redis as the broker, with a password in its URL that must never show up anywhere."""
+    with redis_database() as db:
+        broker = f"redis://default:{BROKER_SECRET}@127.0.0.1:6379/{db}"
+        with _cluster(tmp_path_factory.mktemp("redis-nodes"), moto_endpoint, demo_model_dir, broker) as c:
+            yield c
+
+
+@pytest.fixture(scope="module")
+def rabbitmq_cluster(tmp_path_factory, moto_endpoint, demo_model_dir):
+    root = tmp_path_factory.mktemp("amqp-nodes")
+    with rabbitmq_vhost() as broker, _cluster(root, moto_endpoint, demo_model_dir, broker) as c:
+        yield c
+
+
 @pytest.fixture
-def nodes(cluster, tmp_path):
-    """`nodes(name, devices, **env)` starts a worker node; every node is stopped after the test."""
+def nodes(request, tmp_path):
+    """`nodes(name, devices, cluster=the Redis one, **env)` starts a worker node; every node is stopped
+    after the test."""
     started: list[Node] = []
 
-    def start(name: str, devices: str, **extra: str) -> Node:
+    def start(name: str, devices: str, cluster: Cluster | None = None, **extra: str) -> Node:
+        cluster = cluster or request.getfixturevalue("cluster")
         node = Node(name, cluster.node_env(name, devices, **extra), tmp_path / f"{name}.log")
         started.append(node)
         return node.start()
@@ -110,6 +132,15 @@ def _latest(instance, asset: str, partition: str) -> dict:
     assert records, f"{asset} {partition} was not materialised"
     metadata = records[0].asset_materialization.metadata
     return {"run_id": records[0].run_id, **{k: v.value for k, v in metadata.items()}}
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _message(entry) -> str:
@@ -181,15 +212,19 @@ def _list_with_etags(cluster: Cluster, prefix: str) -> dict[str, tuple[str, obje
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_a_node_killed_mid_range_costs_nothing_the_other_node_finishes_it_from_the_store(
-    cluster, nodes, faulty_proxy
+    broker, request, nodes, faulty_proxy
 ):
+    cluster = request.getfixturevalue("cluster" if broker == "redis" else "rabbitmq_cluster")
     key = _range(4)
     prefix = f"hidden-states/{key}/"
     # Node A uploads through a slow link, so it is killed with some samples uploaded and some not.
     slow = faulty_proxy()
     slow.throttle(latency_s=0.3)
-    node_a = nodes("node-a", "cpu:0", AWS_ENDPOINT_URL_S3=slow.endpoint_url, DFLASH_UPLOAD_MAX_IN_FLIGHT="1")
+    node_a = nodes(
+        "node-a", "cpu:0", cluster, AWS_ENDPOINT_URL_S3=slow.endpoint_url, DFLASH_UPLOAD_MAX_IN_FLIGHT="1"
+    )
     run = dagster(materialize_args(BOTH, key), cluster.env)
     deadline = time.monotonic() + 180
     while len(_hidden_state_objects(cluster.store_url, key)) < 3:
@@ -198,7 +233,7 @@ def test_a_node_killed_mid_range_costs_nothing_the_other_node_finishes_it_from_t
         time.sleep(0.05)
     # Node B (started later, idle) reaches the store through a proxy that records its requests.
     watched = faulty_proxy()
-    nodes("node-b", "cpu:0", AWS_ENDPOINT_URL_S3=watched.endpoint_url)
+    nodes("node-b", "cpu:0", cluster, AWS_ENDPOINT_URL_S3=watched.endpoint_url)
     node_a.kill_group()
     killed_at = time.monotonic()
     time.sleep(1.0)  # a request node A's link had already taken lands now, or never
@@ -253,3 +288,54 @@ def test_a_run_launched_while_no_worker_is_up_waits_and_completes_when_one_start
     assert run.returncode == 0, "".join(output)[-4000:]
     with open_instance(cluster.env["DAGSTER_HOME"]) as instance:
         assert _latest(instance, "tokenized_completions", key)["node"] == "node-c"
+
+
+def test_a_step_whose_process_keeps_dying_is_submitted_again_once_then_fails_the_run(cluster, nodes):
+    key = _range(6)
+    nodes("node-d", "cpu:0", DFLASH_FAULT_POINTS="extract_forward@1")  # each step process dies mid-range
+    run = dagster(materialize_args(BOTH, key), {**cluster.env, "DFLASH_CELERY_STEP_RESUBMITS": "1"})
+    output, _ = run.communicate(timeout=240)
+    assert run.returncode != 0, output[-4000:]
+    with open_instance(cluster.env["DAGSTER_HOME"]) as instance:
+        (failed,) = [r for r in instance.get_runs() if r.tags.get("dagster/partition") == key]
+        messages = [_message(e) for e in instance.all_logs(failed.run_id)]
+    assert failed.status == DagsterRunStatus.FAILURE  # failed, not left started
+    again = [m for m in messages if "Submitted again" in m]
+    assert len(again) == 1 and "its step process on node-d@" in again[0], messages
+    gave_up = [m for m in messages if "so the run fails" in m]
+    assert len(gave_up) == 1 and "DFLASH_CELERY_STEP_RESUBMITS" in gave_up[0]
+
+
+@pytest.mark.slow
+def test_a_step_on_a_node_stops_once_its_dead_run_worker_s_run_is_reaped(cluster, nodes, faulty_proxy):
+    key = _range(7)
+    slow = faulty_proxy()
+    slow.throttle(latency_s=1.0)  # the step would go on for many seconds
+    node = nodes(
+        "node-e",
+        "cpu:0",
+        AWS_ENDPOINT_URL_S3=slow.endpoint_url,
+        DFLASH_UPLOAD_MAX_IN_FLIGHT="1",
+        DFLASH_CELERY_RUN_CHECK_S="1",
+    )
+    run = dagster(materialize_args(BOTH, key), cluster.env)
+    deadline = time.monotonic() + 180
+    while not _hidden_state_objects(cluster.store_url, key):
+        assert run.poll() is None, run.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "the step never started uploading"
+        time.sleep(0.1)
+    (step_process,) = node.step_processes()
+    os.killpg(run.pid, signal.SIGKILL)  # the shell's `dagster asset materialize`: the run worker
+    run.wait(timeout=30)
+    reaped = subprocess.run(
+        [str(Path(sys.executable).with_name("dflash-assets")), "reap"],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "1 dead run(s) marked failed" in reaped.stdout, reaped.stdout + reaped.stderr
+    assert _gone_within(step_process, 5), "the step ran on for a run nobody waits for"
+    assert "is FAILURE; stopping its step hidden_state_partitions" in node.log
+    assert node.process.poll() is None  # the node itself lives on for the next step
+    assert read_manifest(open_store(cluster.store_url), f"hidden-states/{key}") is None

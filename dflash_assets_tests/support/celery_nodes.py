@@ -126,3 +126,33 @@ class Node:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def rabbitmq_vhost() -> Iterator[str]:
+    """A virtual host of its own on the RabbitMQ server on loopback (guest/guest), deleted afterwards;
+    yields its broker URL (skips the test without a server and `rabbitmqctl`)."""
+    import shutil
+    import socket
+    import uuid
+
+    ctl = shutil.which("rabbitmqctl")
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=3).close()
+    except OSError:
+        ctl = None
+    if ctl is None:
+        pytest.skip("no RabbitMQ on 127.0.0.1:5672 with rabbitmqctl to make a virtual host")
+    vhost = f"dflash-test-{uuid.uuid4().hex[:8]}"
+
+    def rabbitmqctl(*args: str) -> None:
+        done = subprocess.run([ctl, *args], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            pytest.skip(f"rabbitmqctl {args[0]} failed: {done.stderr.strip()[-300:]}")
+
+    rabbitmqctl("add_vhost", vhost)
+    try:
+        rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
+    finally:
+        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=120)
