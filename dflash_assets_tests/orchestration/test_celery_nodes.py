@@ -300,6 +300,9 @@ def test_a_step_whose_process_keeps_dying_is_submitted_again_once_then_fails_the
         (failed,) = [r for r in instance.get_runs() if r.tags.get("dagster/partition") == key]
         messages = [_message(e) for e in instance.all_logs(failed.run_id)]
     assert failed.status == DagsterRunStatus.FAILURE  # failed, not left started
+    # One re-launch for it: Dagster's run retries (the failed-range sensor leaves such runs alone).
+    assert failed.tags["dagster/failure_reason"] == "RUN_EXCEPTION"
+    assert failed.tags["dagster/will_retry"] == "true"
     again = [m for m in messages if "Submitted again" in m]
     assert len(again) == 1 and "its step process on node-d@" in again[0], messages
     gave_up = [m for m in messages if "so the run fails" in m]
