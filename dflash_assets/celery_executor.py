@@ -2,8 +2,9 @@
 
 dagster_celery's executor and execution loop, with the project's step submission: each step goes to
 its `dagster-celery/queue` (`k8s.py`: `gpu` or `default`) as the `celery_worker.py` task, and the
-run worker watches the node that started it. A node that stops answering Celery's ping for
-`DFLASH_CELERY_NODE_LOST_AFTER_S` (its whole process group killed, the machine gone), or whose step
+run worker asks the worker that started it, through Celery's remote control, whether it still runs
+it. A worker that stops saying so for `DFLASH_CELERY_NODE_LOST_AFTER_S` (its whole process group
+killed, the machine gone, or restarted under the same name without the step), or whose step
 process died, has lost the step: the run worker revokes it (so a node that was only unreachable
 stops it) and submits it again, at most `DFLASH_CELERY_STEP_RESUBMITS` times per step. Another node
 (or the same one restarted) picks it up and resumes from the store: every object the lost node had
@@ -119,11 +120,16 @@ class NodeWatch:
             return
         if worker != self._worker:
             self._worker, self._answered_at = worker, now
-        replies = self._app.control.ping(destination=[worker], timeout=PING_TIMEOUT_S)
-        if any(worker in reply for reply in replies or []):
+        if self._runs_it(worker):
             self._answered_at = time.monotonic()
         elif now - self._answered_at >= self._lost_after_s:
-            self._lost(f"node {worker} has not answered for {now - self._answered_at:.0f}s")
+            self._lost(f"node {worker} has not reported it running for {now - self._answered_at:.0f}s")
+
+    def _runs_it(self, worker: str) -> bool:
+        """Whether `worker` answers and lists this step among its active tasks (a worker restarted
+        under the same name answers too, without the step)."""
+        replies = self._app.control.inspect(destination=[worker], timeout=PING_TIMEOUT_S).active() or {}
+        return any(task.get("id") == self._result.id for task in replies.get(worker) or [])
 
     def _lost(self, why: str) -> None:
         lost = self._result

@@ -163,8 +163,8 @@ CELERY_RESULT_BACKEND = Setting(
 CELERY_NODE_LOST_AFTER_S = Setting(
     "DFLASH_CELERY_NODE_LOST_AFTER_S",
     "30",
-    "Seconds a running step's worker may leave pings unanswered before the step counts as lost and is "
-    "submitted again. Read when a run starts.",
+    "Seconds a running step's worker may go without reporting it running before the step counts as lost "
+    "and is submitted again. Read when a run starts.",
 )
 CELERY_STEP_RESUBMITS = Setting(
     "DFLASH_CELERY_STEP_RESUBMITS",

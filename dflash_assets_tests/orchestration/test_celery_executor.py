@@ -134,12 +134,20 @@ class FakeResult:
 
 
 class FakeCelery:
+    """Celery's remote control: `running` maps each worker that answers to the task ids it runs."""
+
     def __init__(self):
-        self.answering: set[str] = set()
+        self.running: dict[str, set[str]] = {}
         self.control = self
 
-    def ping(self, destination, timeout):
-        return [{worker: {"ok": "pong"}} for worker in destination if worker in self.answering]
+    def inspect(self, destination, timeout):
+        app = self
+
+        class Inspect:
+            def active(self):
+                return {w: [{"id": i} for i in app.running[w]] for w in destination if w in app.running}
+
+        return Inspect()
 
 
 class Clock:
@@ -183,7 +191,7 @@ def test_a_queued_step_waits_for_a_node_however_long_it_takes(watch):
 def test_a_step_whose_node_answers_is_never_lost(watch):
     watcher = watch()
     watch.sent[0].start_on("node-a@host")
-    watch.app.answering.add("node-a@host")
+    watch.app.running["node-a@host"] = {"task-0"}
     assert not _advance(watcher, watch.clock, 600)
     watch.sent[0].state = "SUCCESS"
     assert watcher.ready() and watcher.get() == ["events"] and len(watch.sent) == 1
@@ -195,7 +203,7 @@ def test_a_silent_node_loses_its_step_once_which_is_submitted_again_then_the_run
     assert not _advance(watcher, watch.clock, 25)  # not yet: 30 s of silence make a node lost
     assert not _advance(watcher, watch.clock, 10)
     assert len(watch.sent) == 2 and watch.sent[0].revoked
-    assert "node node-a@host has not answered" in watch.log[0] and "task-1" in watch.log[0]
+    assert "node node-a@host has not reported it running" in watch.log[0] and "task-1" in watch.log[0]
     assert not _advance(watcher, watch.clock, 600)  # the new submission waits in the queue
     watch.sent[1].start_on("node-b@host")
     assert _advance(watcher, watch.clock, 40)  # node B falls silent too: nothing left to try
@@ -208,8 +216,16 @@ def test_a_step_process_killed_under_a_living_worker_counts_as_lost(watch):
     watcher = watch(resubmits=1)
     result = watch.sent[0]
     result.start_on("node-a@host")
-    watch.app.answering.add("node-a@host")
+    watch.app.running["node-a@host"] = {"task-0"}
     assert not _advance(watcher, watch.clock, 10)
     result.state, result.result = "FAILURE", type("WorkerLostError", (Exception,), {})("signal 9")
     assert not watcher.ready()  # not a failure of the step: submitted again
     assert len(watch.sent) == 2 and "its step process on node-a@host died" in watch.log[0]
+
+
+def test_a_worker_restarted_under_the_same_name_does_not_keep_a_step_it_no_longer_runs_alive(watch):
+    watcher = watch()
+    watch.sent[0].start_on("node-a@host")
+    watch.app.running["node-a@host"] = set()  # it answers, but the step died with its predecessor
+    assert not _advance(watcher, watch.clock, 35)
+    assert len(watch.sent) == 2

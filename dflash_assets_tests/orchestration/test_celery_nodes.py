@@ -189,6 +189,7 @@ def test_four_ranges_spread_over_both_nodes_and_each_step_records_its_node(clust
     # The UI shows where each step ran: an event on the step, and a line in its compute logs.
     on_node = [_message(e) for e in events if e.step_key == "hidden_state_partitions"]
     assert sum("Executing step hidden_state_partitions on node node-" in m for m in on_node) == 4
+    assert not [m for m in map(_message, events) if " lost: " in m]  # a node at work is never counted lost
     compute_logs = "".join(
         p.read_text(errors="replace") for p in Path(cluster.env["DAGSTER_HOME"]).rglob("*.err")
     )
