@@ -213,9 +213,11 @@ def _list_with_etags(cluster: Cluster, prefix: str) -> dict[str, tuple[str, obje
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
-def test_a_node_killed_mid_range_costs_nothing_the_other_node_finishes_it_from_the_store(
-    broker, request, nodes, faulty_proxy
+@pytest.mark.parametrize(
+    ("broker", "finisher"), [("redis", "another node"), ("rabbitmq", "the same node, restarted")]
+)
+def test_a_node_killed_mid_range_costs_nothing_and_the_range_is_finished_from_the_store(
+    broker, finisher, request, nodes, faulty_proxy
 ):
     cluster = request.getfixturevalue("cluster" if broker == "redis" else "rabbitmq_cluster")
     key = _range(4)
@@ -232,15 +234,19 @@ def test_a_node_killed_mid_range_costs_nothing_the_other_node_finishes_it_from_t
         assert run.poll() is None, run.stdout.read()[-4000:]
         assert time.monotonic() < deadline, "node A never started uploading"
         time.sleep(0.05)
-    # Node B (started later, idle) reaches the store through a proxy that records its requests.
+    # The finishing node reaches the store through a proxy that records its requests.
     watched = faulty_proxy()
-    nodes("node-b", "cpu:0", cluster, AWS_ENDPOINT_URL_S3=watched.endpoint_url)
+    if finisher == "another node":  # node B, started later, idle
+        nodes("node-b", "cpu:0", cluster, AWS_ENDPOINT_URL_S3=watched.endpoint_url)
     node_a.kill_group()
     killed_at = time.monotonic()
     time.sleep(1.0)  # a request node A's link had already taken lands now, or never
     before = {k: v for k, v in _list_with_etags(cluster, prefix).items() if "/hs_" in k}
     staged_on_a = list((cluster.root / "node-a" / "staging" / prefix).glob("hs_*.safetensors"))
     assert 0 < len(before) < SAMPLES and staged_on_a, "node A was not killed mid-range"
+    if finisher != "another node":  # node A again, under its own name, with its staging
+        node_a.env = {**node_a.env, "AWS_ENDPOINT_URL_S3": watched.endpoint_url}
+        node_a.start()
 
     output = _wait(run)
     took_s = time.monotonic() - killed_at
@@ -251,10 +257,14 @@ def test_a_node_killed_mid_range_costs_nothing_the_other_node_finishes_it_from_t
         _no_run_left_in_progress(instance)
         assert instance.get_run_by_id(hidden["run_id"]).is_success
     _assert_range_complete(cluster.store_url, key)
-    assert hidden["node"] == "node-b"
     assert hidden["reused_from_store"] == len(before)  # every object node A uploaded was kept
-    assert hidden["extracted_now"] == SAMPLES - len(before)  # what it held only in staging was redone
-    assert hidden["reused_from_staging"] == 0  # node B never needs node A's staging
+    if finisher == "another node":
+        assert hidden["node"] == "node-b"
+        assert hidden["extracted_now"] == SAMPLES - len(before)  # what A held only in staging: redone
+        assert hidden["reused_from_staging"] == 0  # node B never needs node A's staging
+    else:
+        assert hidden["node"] == "node-a"
+        assert hidden["extracted_now"] + hidden["reused_from_staging"] == SAMPLES - len(before)
     after = _list_with_etags(cluster, prefix)
     assert all(after[k] == v for k, v in before.items())  # same ETag, same LastModified
     rewritten = {p for p in watched.forwarded_paths("PUT") if any(p.endswith(k) for k in before)}

@@ -81,14 +81,17 @@ class Node:
         if concurrency is not None:
             self.args += ["--concurrency", str(concurrency)]
         self.process: subprocess.Popen | None = None
+        self._log_start = 0
 
     def start(self, ready_timeout_s: float = 180.0) -> Node:
+        """Start the worker (again, if it was stopped) and wait until it says it is ready."""
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         deadline = time.monotonic() + ready_timeout_s
-        while f"{self.name}@" not in self.log or " ready." not in self.log:
+        while " ready." not in self.log[self._log_start :]:
             if self.process.poll() is not None:
                 raise AssertionError(f"worker {self.name} exited with {self.process.returncode}:\n{self.log}")
             if time.monotonic() > deadline:
