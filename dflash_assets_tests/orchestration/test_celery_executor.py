@@ -89,7 +89,9 @@ def test_a_node_runs_as_many_steps_at_once_as_it_has_devices(monkeypatch):
     monkeypatch.setenv("DFLASH_DEVICES", "cuda:0,cuda:1,cuda:2")
     assert node_device_count() == 3
     monkeypatch.delenv("DFLASH_DEVICES")
-    assert node_device_count() == 1  # this machine has no GPU: one step at a time
+    import torch
+
+    assert node_device_count() == max(1, torch.cuda.device_count())  # a CPU-only node: one at a time
 
 
 def _worker_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
