@@ -48,6 +48,16 @@ class Cluster:
     bucket: str
     moto_endpoint: str
 
+    @contextlib.contextmanager
+    def instance(self):
+        """The cluster's Dagster instance, opened with its own DAGSTER_PG_* variables."""
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in self.env.items():
+                if name.startswith("DAGSTER_PG_"):
+                    patch.setenv(name, value)
+            with open_instance(self.env["DAGSTER_HOME"]) as instance:
+                yield instance
+
     def node_env(self, name: str, devices: str, **extra: str) -> dict[str, str]:
         """A node's own devices, staging and cache directories."""
         home = self.root / name
@@ -79,10 +89,8 @@ def _cluster(root: Path, moto_endpoint: str, model_dir: Path, broker_url: str) -
             "DFLASH_HOME": str(root / "shell"),
             "OMP_NUM_THREADS": "1",
         }
-        # The test process reads the store and the instance too, with the same variables.
-        with aws_env_set(moto_endpoint), pytest.MonkeyPatch.context() as patch:
-            for name, value in instance_env.items():
-                patch.setenv(name, value)
+        # The test process reads the store too, with the same variables (the instance: `instance()`).
+        with aws_env_set(moto_endpoint):
             yield Cluster(root, env, f"s3://{bucket}/dflash", bucket, moto_endpoint)
 
 
@@ -174,7 +182,7 @@ def test_four_ranges_spread_over_both_nodes_and_each_step_records_its_node(clust
     runs = [dagster(materialize_args(BOTH, key), cluster.env) for key in keys]
     outputs = [_wait(run) for run in runs]
 
-    with open_instance(cluster.env["DAGSTER_HOME"]) as instance:
+    with cluster.instance() as instance:
         hidden = {key: _latest(instance, "hidden_state_partitions", key) for key in keys}
         tokenized = {key: _latest(instance, "tokenized_completions", key) for key in keys}
         _no_run_left_in_progress(instance)
@@ -251,7 +259,7 @@ def test_a_node_killed_mid_range_costs_nothing_and_the_range_is_finished_from_th
     output = _wait(run)
     took_s = time.monotonic() - killed_at
 
-    with open_instance(cluster.env["DAGSTER_HOME"]) as instance:
+    with cluster.instance() as instance:
         hidden = _latest(instance, "hidden_state_partitions", key)
         messages = [_message(e) for e in instance.all_logs(hidden["run_id"])]
         _no_run_left_in_progress(instance)
@@ -289,7 +297,7 @@ def test_a_run_launched_while_no_worker_is_up_waits_and_completes_when_one_start
         time.sleep(0.1)
     time.sleep(5)
     assert run.poll() is None, "".join(output)[-4000:]  # still waiting, not failed
-    with open_instance(cluster.env["DAGSTER_HOME"]) as instance:
+    with cluster.instance() as instance:
         waiting = [r for r in instance.get_runs() if r.tags.get("dagster/partition") == key]
         assert [r.status for r in waiting] == [DagsterRunStatus.STARTED]
 
@@ -297,7 +305,7 @@ def test_a_run_launched_while_no_worker_is_up_waits_and_completes_when_one_start
     run.wait(timeout=180)
     reader.join(timeout=30)
     assert run.returncode == 0, "".join(output)[-4000:]
-    with open_instance(cluster.env["DAGSTER_HOME"]) as instance:
+    with cluster.instance() as instance:
         assert _latest(instance, "tokenized_completions", key)["node"] == "node-c"
 
 
@@ -307,7 +315,7 @@ def test_a_step_whose_process_keeps_dying_is_submitted_again_once_then_fails_the
     run = dagster(materialize_args(BOTH, key), {**cluster.env, "DFLASH_CELERY_STEP_RESUBMITS": "1"})
     output, _ = run.communicate(timeout=240)
     assert run.returncode != 0, output[-4000:]
-    with open_instance(cluster.env["DAGSTER_HOME"]) as instance:
+    with cluster.instance() as instance:
         (failed,) = [r for r in instance.get_runs() if r.tags.get("dagster/partition") == key]
         messages = [_message(e) for e in instance.all_logs(failed.run_id)]
     assert failed.status == DagsterRunStatus.FAILURE  # failed, not left started
