@@ -30,12 +30,19 @@ def _instance():
 # two epochs, a few minutes on a CPU (DFLASH_TRAIN_MAX_STEPS or --steps for more or fewer).
 DEMO_TRAIN_STEPS = 240
 DEMO_GLOBAL_BATCH_SIZE = 4
+# The demo target is a bigram model: its greedy answers repeat themselves long before a real model's
+# would end. 64 new tokens per answer keep regenerating the bundled 500 conversations under a minute.
+DEMO_GENERATE_MAX_NEW_TOKENS = 64
 
 
 def run_demo(steps: int | None = None) -> int:
-    """Materialise every asset end to end on the current settings and print where results are."""
+    """Materialise every asset end to end on the current settings and print where results are.
+
+    The demo trains on the target's own answers (`DFLASH_COMPLETIONS=target`) unless the variable says
+    otherwise; it is set before the code location loads, since the asset graph depends on it."""
     from dagster import materialize
 
+    os.environ.setdefault("DFLASH_COMPLETIONS", "target")
     from dflash_assets.definitions import defs
     from dflash_assets.partitions import dataset_range_keys, register_sample_ranges
     from dflash_assets.recovery import RUN_WORKER_TAG, RunWorker
@@ -48,6 +55,9 @@ def run_demo(steps: int | None = None) -> int:
     if steps is not None:
         train_config |= {"max_steps": steps, "checkpoint_every_steps": max(1, steps // 3)}
     quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+    range_config: dict = {}
+    if not os.environ.get("DFLASH_GENERATE_MAX_NEW_TOKENS"):
+        range_config["target_completions"] = {"config": {"max_new_tokens": DEMO_GENERATE_MAX_NEW_TOKENS}}
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -55,7 +65,11 @@ def run_demo(steps: int | None = None) -> int:
     assets = list(defs.assets or [])
     resources = dict(defs.resources or {})
     by_name = {a.key.to_user_string(): a for a in assets}
-    partitioned = [name for name in ("tokenized_completions", "hidden_state_partitions") if name in by_name]
+    partitioned = [
+        name
+        for name in ("target_completions", "tokenized_completions", "hidden_state_partitions")
+        if name in by_name
+    ]
     partition_keys = dataset_range_keys()
     register_sample_ranges(instance, partition_keys)
     # These runs execute in this process: it is their run worker, for the reaper to check on.
@@ -74,7 +88,7 @@ def run_demo(steps: int | None = None) -> int:
                 resources=resources,
                 instance=instance,
                 raise_on_error=False,
-                run_config=quiet,
+                run_config={**quiet, "ops": range_config} if name in range_config else quiet,
                 tags=worker,
             )
             status = "ok" if result.success else "FAILED"
@@ -136,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("directory", nargs="?", default=None)
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
-    bench.add_argument("--only", choices=["extraction", "training"], default=None)
+    bench.add_argument("--only", choices=["extraction", "training", "generation"], default=None)
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
     bench.add_argument(
         "--gpu",

@@ -1,23 +1,32 @@
 """The one Definitions object of the dflash-assets code location.
 
 Loading it reads no dataset, no store and no model, and imports no torch: partitions are dynamic
-(`partitions.py`), resources open what they need when a run uses them.
+(`partitions.py`), resources open what they need when a run uses them. `DFLASH_COMPLETIONS=target`
+puts `target_completions` upstream of `tokenized_completions` (see that asset).
 """
 
 from dagster import Definitions
 
 from dflash_assets.assets.drafter_checkpoints import drafter_checkpoints
 from dflash_assets.assets.hidden_states import hidden_state_partitions
-from dflash_assets.assets.tokenized_completions import tokenized_completions
+from dflash_assets.assets.target_completions import target_completions
+from dflash_assets.assets.tokenized_completions import COMPLETIONS_SOURCE, tokenized_completions
 from dflash_assets.executor import code_location_executor
 from dflash_assets.io_manager import StoreIOManager
-from dflash_assets.resources import DatasetResource, DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.resources import (
+    DatasetResource,
+    DeviceLeaseResource,
+    GenerationResource,
+    StoreResource,
+    TargetModelResource,
+)
 from dflash_assets.sensors import failed_range_sensor, sample_range_sensor
 
 store = StoreResource()
+regenerated = [target_completions] if COMPLETIONS_SOURCE == "target" else []
 
 defs = Definitions(
-    assets=[tokenized_completions, hidden_state_partitions, drafter_checkpoints],
+    assets=[*regenerated, tokenized_completions, hidden_state_partitions, drafter_checkpoints],
     sensors=[failed_range_sensor, sample_range_sensor],
     executor=code_location_executor(),
     resources={
@@ -26,5 +35,6 @@ defs = Definitions(
         "dataset": DatasetResource(),
         "target_model": TargetModelResource(),
         "devices": DeviceLeaseResource(),
+        "generation": GenerationResource(),
     },
 )

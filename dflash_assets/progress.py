@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
-from dflash_assets.storage.units import human_bytes  # torch-free, unlike core.extract
+from dflash_assets.storage.units import human_bytes  # torch-free, unlike extraction/
 
 if TYPE_CHECKING:
-    from dflash_assets.extraction.extract import ExtractionProgress
+    from dflash_assets.extraction.monitor import ExtractionProgress
+    from dflash_assets.generation.regenerate import RegenerationProgress
+
+    # Both snapshots share the fields the line and the summary read: samples done / total, samples per
+    # second, ETA, staging, reason. Everything else they carry is shown as it is.
+    RangeProgress = ExtractionProgress | RegenerationProgress
 
 PROGRESS_TAG = "dflash/progress"
 
@@ -34,7 +40,7 @@ def human_duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def progress_line(progress: ExtractionProgress) -> str:
+def progress_line(progress: RangeProgress) -> str:
     """The short form the Runs list has room for, e.g. `42% 1,234/2,934 · 23.1/s · ETA 12m05s`
     (samples done of the range, samples per second)."""
     if progress.fraction_done >= 1.0:
@@ -50,27 +56,30 @@ def progress_line(progress: ExtractionProgress) -> str:
     return line + (f" · {progress.reason}" if progress.reason and progress.reason != "done" else "")
 
 
-def progress_metadata(progress: ExtractionProgress, run_id: str) -> dict[str, MetadataValue]:
+def progress_metadata(progress: RangeProgress, run_id: str) -> dict[str, MetadataValue]:
+    """Every number of the snapshot (extraction's or regeneration's), plus the summary fields the UI
+    shows at a glance: fraction done, staging as text, status, the progress line, the run."""
     metadata: dict[str, MetadataValue] = {
-        "fraction_done": MetadataValue.float(round(progress.fraction_done, 4)),
-        "samples_done": MetadataValue.int(progress.samples_done),
-        "samples_total": MetadataValue.int(progress.samples_total),
-        "extracted_this_run": MetadataValue.int(progress.extracted_this_run),
-        "uploaded_this_run": MetadataValue.int(progress.uploaded_this_run),
-        "samples_per_s": MetadataValue.float(round(progress.samples_per_s, 3)),
-        "tokens_per_s": MetadataValue.float(round(progress.tokens_per_s, 1)),
-        "eta_s": MetadataValue.float(round(progress.eta_s, 1))
-        if progress.eta_s is not None
-        else MetadataValue.null(),
-        "staging_bytes": MetadataValue.int(progress.staging_bytes),
-        "staging_budget_bytes": MetadataValue.int(progress.staging_budget_bytes),
+        "fraction_done": MetadataValue.float(round(progress.fraction_done, 4))
+    }
+    for name, value in asdict(progress).items():
+        if name == "reason":
+            continue
+        if value is None:
+            metadata[name] = MetadataValue.null()
+        elif isinstance(value, bool):
+            metadata[name] = MetadataValue.bool(value)
+        elif isinstance(value, int):
+            metadata[name] = MetadataValue.int(value)
+        elif isinstance(value, float):
+            metadata[name] = MetadataValue.float(round(value, 3))
+        else:
+            metadata[name] = MetadataValue.text(str(value))
+    metadata |= {
         "staging": MetadataValue.text(
             f"{human_bytes(progress.staging_bytes)} of {human_bytes(progress.staging_budget_bytes)}"
         ),
-        "uploads_in_flight": MetadataValue.int(progress.uploads_in_flight),
-        "uploaded_bytes": MetadataValue.int(progress.uploaded_bytes),
-        "device": MetadataValue.text(progress.device),
-        "status": MetadataValue.text(progress.reason or "extracting"),
+        "status": MetadataValue.text(progress.reason or "running"),
         "progress": MetadataValue.text(progress_line(progress)),
         "run": MetadataValue.dagster_run(run_id),
     }
@@ -81,7 +90,7 @@ def progress_metadata(progress: ExtractionProgress, run_id: str) -> dict[str, Me
 
 
 class RangeProgressReporter:
-    """The `on_progress` callback of one range's extraction (see the module docstring)."""
+    """The `on_progress` callback of one range's extraction or regeneration (see the module docstring)."""
 
     def __init__(self, context: AssetExecutionContext, partition_key: str, observe_every_s: float):
         self._context = context
@@ -96,7 +105,7 @@ class RangeProgressReporter:
     def log_line(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    def __call__(self, progress: ExtractionProgress) -> None:
+    def __call__(self, progress: RangeProgress) -> None:
         self.set_status(progress_line(progress))
         now = time.monotonic()
         final = progress.reason == "done"

@@ -1,4 +1,4 @@
-"""Dagster resources: the store, the target model, the dataset and the device lease.
+"""Dagster resources: the store, the target model, the dataset, the device lease and the generation engine.
 
 Each is a thin `ConfigurableResource` over a core object. Defaults come from `settings.py` (the
 `DFLASH_*` variables); run config in the launchpad overrides them. No field holds a secret: boto3
@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from dagster import ConfigurableResource
 from pydantic import PrivateAttr
@@ -159,3 +160,84 @@ class DeviceLeaseResource(ConfigurableResource):
             candidates, lock_dir=Path(self.lock_dir).expanduser(), holder=holder, log=log
         ) as device:
             yield device
+
+
+class GenerationResource(ConfigurableResource):
+    """How `target_completions` asks the target: OpenAI-compatible servers when `urls` is set, else the
+    target in this process on a leased device. The API key never passes through here: the engine reads
+    it from the environment when it sends a request."""
+
+    urls: str = settings.GENERATE_URL.get()
+    model: str = settings.GENERATE_MODEL.get()
+    concurrency: int = settings.GENERATE_CONCURRENCY.get_int()
+    timeout_s: float = 600.0  # per request
+    max_attempts: int = 8  # per request, with exponential backoff, each retry on the next server
+    backoff_s: float = 1.0
+
+    @property
+    def uses_servers(self) -> bool:
+        return bool(self.urls.strip())
+
+    def engine_opener(
+        self,
+        generation: Any,
+        *,
+        target_model: TargetModelResource,
+        devices: DeviceLeaseResource,
+        holder: str,
+        log: Callable[[str], None],
+        warn: Callable[[str], None],
+        max_tokens_per_batch: int,
+        max_batch_size: int,
+    ) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """`open_engine` for `regenerate_range`: entered only when the range has something to generate."""
+        tokenizer = target_model.load_tokenizer()
+
+        @contextlib.contextmanager
+        def servers() -> Iterator[Any]:
+            from dflash_assets.generation.in_process import prompt_token_ids
+            from dflash_assets.generation.openai_server import (
+                OpenAIEngine,
+                api_key_from_environment,
+                parse_urls,
+            )
+
+            engine = OpenAIEngine(
+                parse_urls(self.urls),
+                generation,
+                target_name=target_model.model_dir().name,
+                prompt_tokens=lambda messages: len(prompt_token_ids(tokenizer, messages, generation)),
+                model=self.model or None,
+                api_key=api_key_from_environment(),
+                concurrency=self.concurrency,
+                timeout_s=self.timeout_s,
+                max_attempts=self.max_attempts,
+                backoff_s=self.backoff_s,
+                warn=warn,
+            )
+            engine.check()
+            yield engine
+
+        @contextlib.contextmanager
+        def in_process() -> Iterator[Any]:
+            from dflash_assets.generation.in_process import InProcessEngine
+            from dflash_assets.target.kernels import report_kernel_paths
+            from dflash_assets.target.model import load_target_model
+
+            with devices.lease(holder=holder, log=log) as device:
+                log(f"leased device {device}; loading the target for generation")
+                model = load_target_model(target_model.model_dir(), device)
+                report_kernel_paths(model, device, log=log, warn=warn)
+                try:
+                    yield InProcessEngine(
+                        model,
+                        tokenizer,
+                        generation,
+                        device=device,
+                        max_tokens_per_batch=max_tokens_per_batch,
+                        max_batch_size=max_batch_size,
+                    )
+                finally:
+                    del model  # the lease ends with this block; so does the model's memory
+
+        return servers if self.uses_servers else in_process

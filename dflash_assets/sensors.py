@@ -34,13 +34,20 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_FAILURE_REASON_TA
 
 from dflash_assets import settings
 from dflash_assets.assets.hidden_states import hidden_state_partitions
-from dflash_assets.assets.tokenized_completions import tokenized_completions
+from dflash_assets.assets.target_completions import target_completions
+from dflash_assets.assets.tokenized_completions import COMPLETIONS_SOURCE, tokenized_completions
 from dflash_assets.partitions import SAMPLE_RANGES, dataset_range_keys, unregistered_ranges
 from dflash_assets.recovery import reap_dead_runs
 
 ATTEMPT_TAG = "dflash/attempt"
 RETRIGGER_OF_TAG = "dflash/retrigger_of"
-WATCHED_ASSETS = {AssetKey("tokenized_completions"), AssetKey("hidden_state_partitions")}
+# The partitioned assets, in graph order (target_completions only when the target regenerates answers).
+RANGE_ASSETS = [
+    *([target_completions] if COMPLETIONS_SOURCE == "target" else []),
+    tokenized_completions,
+    hidden_state_partitions,
+]
+WATCHED_ASSETS = {a.key for a in RANGE_ASSETS}
 
 
 def _run_assets(context: SensorEvaluationContext, run: DagsterRun) -> frozenset[AssetKey]:
@@ -138,7 +145,7 @@ def retrigger_requests(context: SensorEvaluationContext, now: float | None = Non
 
 
 @sensor(
-    target=[tokenized_completions, hidden_state_partitions],
+    target=RANGE_ASSETS,
     minimum_interval_seconds=60,
     default_status=DefaultSensorStatus.RUNNING,
     description="Marks runs whose worker died as failed; re-launches ranges whose assets failed, with "

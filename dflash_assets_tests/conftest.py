@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,6 +43,17 @@ _REAL_AWS_VARIABLES = (
     "AWS_REQUEST_CHECKSUM_CALCULATION",
     "AWS_RESPONSE_CHECKSUM_VALIDATION",
 )
+
+
+# Folders whose tests run the product end to end (CLI runs, servers, browsers): `pytest -m "not slow"`
+# leaves them out for a quick loop; the README's test command runs everything.
+SLOW_FOLDERS = frozenset({"orchestration"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FOLDERS & set(item.path.parts):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -159,12 +171,32 @@ def target(target_dir: Path):
     return load_target_model(target_dir, "cpu")
 
 
+def shared_tmp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every xdist worker of this test run shares (the run's own one without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built-in demo target model, built once per test session (the real `from_pretrained` path)."""
+    """The built-in demo target model (the real `from_pretrained` path), built once per test run and
+    copied into a cache directory of this worker's own (a shared cache would share device leases)."""
     from dflash_assets.target.demo_model import ensure_demo_model
 
-    return ensure_demo_model(tmp_path_factory.mktemp("dflash-cache"))
+    built = ensure_demo_model(shared_tmp_dir(tmp_path_factory) / "demo-model-build")
+    cache = tmp_path_factory.mktemp("dflash-cache")
+    shutil.copytree(built, cache / built.name)
+    return ensure_demo_model(cache)
+
+
+@pytest.fixture(scope="session")
+def demo_ranges(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path):
+    """Two tokenized and extracted ranges of the bundled data, materialised once per test run through
+    the CLI (see support/ranges.py); read them, copy what you change."""
+    from dflash_assets_tests.support.ranges import materialise_demo_ranges
+
+    root = shared_tmp_dir(tmp_path_factory) / "demo-ranges"
+    return materialise_demo_ranges(root, demo_model_dir, (REPO / "dagster.yaml").read_text())
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,4 +14,5 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 . .venv/bin/activate
 ruff check dflash_assets dflash_assets_tests
-exec python -m pytest -q "$@"
+# One worker per core; a module's tests stay on one worker (they share its fixtures).
+exec python -m pytest -q -n "${DFLASH_TEST_WORKERS:-auto}" --dist loadscope "$@"

@@ -99,6 +99,20 @@ def _offline_data(hidden_states: list[StoredPartition], store, cache_dir: Path, 
     return OfflineData(store=store, objects=objects, cache_dir=cache_dir, cache_budget_bytes=budget)
 
 
+def _data_source(tokenized: list[StoredPartition]) -> dict:
+    """Whose answers the ranges hold, from their manifests: the target's own (and how they were
+    generated), or the dataset's; `mixed` when ranges disagree."""
+    sources = {partition.manifest.get("completions", "dataset") for partition in tokenized}
+    if sources != {"target"}:
+        return {"completions": "mixed" if len(sources) > 1 else "dataset"}
+    first = tokenized[0].manifest
+    return {
+        "completions": "target",
+        "regenerated_by": first.get("regenerated_by"),
+        "generation": first.get("generation"),
+    }
+
+
 @asset(
     ins={
         "hidden_states": AssetIn("hidden_state_partitions"),
@@ -224,7 +238,7 @@ def drafter_checkpoints(
             )
             export_dir, metrics = export_trained_drafter(
                 result, drafter_config, work_dir / "export", run=config.run_name,
-                target_model_name=target_model.name,
+                target_model_name=target_model.name, data_source=_data_source(tokenized),
             )  # fmt: skip
             export_prefix = f"drafter/{config.run_name}"
             # config.json last: readers take a directory with a config as complete.
@@ -249,6 +263,7 @@ def drafter_checkpoints(
             "mask_token_source": drafter_config.extra["mask_token_source"],
             "drafter_shape": MetadataValue.json(config_summary(drafter_config)),
             "trained_partitions": MetadataValue.json(result.partitions),
+            "training_data": MetadataValue.json(_data_source(tokenized)),
             "checkpoints_written": len(result.checkpoints),
             "spec_matches_target_greedy": bool(speculative.get("matches_target_greedy", False)),
             **_block_metadata("", {**metrics, "loss": result.final_loss}),  # loss: the last training window

@@ -113,6 +113,7 @@ def hidden_state_partitions(
                 progress_every_s=config.progress_every_s,
                 on_progress=progress,
             )
+            upload_retries = uploader.stats.retries
 
     context.log.info(
         f"{sample_range.key}: {result.samples} samples on {device} in {human_duration(result.duration_s)} "
@@ -142,6 +143,7 @@ def hidden_state_partitions(
             "samples_per_s": MetadataValue.float(result.samples_per_s),
             "tokens_per_s": MetadataValue.float(result.tokens_per_s),
             "peak_staging_bytes": result.peak_staging_bytes,
+            "upload_retries": upload_retries,
             "staging_budget_bytes": store.staging_max_bytes,
             "padding_fraction": MetadataValue.float(result.padding_fraction),
             "device": device,

@@ -12,6 +12,7 @@ import os
 import torch
 
 from dflash_assets.bench.extraction import WITH_WRITES_FIGURE, bench_extraction
+from dflash_assets.bench.generation import bench_generation
 from dflash_assets.bench.training import bench_training
 
 
@@ -30,6 +31,8 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
         figures.update(bench_extraction(count, rounds))
     if only in (None, "training"):
         figures.update(bench_training(count, steps=4 if quick else 10, rounds=2 if quick else 3))
+    if only in (None, "generation"):
+        figures.update(bench_generation(16 if quick else 64, rounds=2 if quick else 3))
     print("")
     for name, value in figures.items():
         print(f"  {value:10.3f}  {name}")

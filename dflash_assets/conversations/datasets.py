@@ -38,6 +38,10 @@ DROP_REASONS: dict[str, str] = {
     "assistant_not_located": "an assistant message could not be found in the rendered chat template",
     "overlong": "longer than max_length tokens and overlong='drop'",
     "overlong_no_assistant": "truncating to max_length left no assistant token",
+    # Regeneration (target_completions): why the target gave no usable answer for a row.
+    "no_prompt": "the conversation has no user or tool turn for the target to answer",
+    "generation_failed": "the inference server refused the request for good (e.g. a prompt too long)",
+    "truncated_answer": "an answer hit max_new_tokens and truncated='drop'",
 }
 
 Messages = list[dict[str, Any]]
@@ -164,9 +168,11 @@ def iter_rows(
     *,
     s3: Any = None,
     cache_dir: Path | None = None,
+    require_assistant: bool = True,
 ) -> Iterator[tuple[int, Messages | Dropped]]:
     """Yield `(index, messages or Dropped)` for the rows of `sample_range` (all rows when None) that
-    exist; a range running past the end of the data simply stops early.
+    exist; a range running past the end of the data simply stops early. `require_assistant`: see
+    `parse_messages`.
 
     The dataset is resolved (and downloaded) before this returns, so a missing file fails here and
     not at the first `next()`.
@@ -175,8 +181,8 @@ def iter_rows(
     start = sample_range.start if sample_range else 0
     end = sample_range.end if sample_range else None
     if dataset_format(path) == "parquet":
-        return _iter_parquet(path, start, end)
-    return _iter_jsonl(path, start, end)
+        return _iter_parquet(path, start, end, require_assistant)
+    return _iter_jsonl(path, start, end, require_assistant)
 
 
 def row_location(path: Path, index: int) -> str:
@@ -188,7 +194,9 @@ def _open_binary(path: Path) -> Any:
     return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else path.open("rb")
 
 
-def _iter_jsonl(path: Path, start: int, end: int | None) -> Iterator[tuple[int, Messages | Dropped]]:
+def _iter_jsonl(
+    path: Path, start: int, end: int | None, require_assistant: bool = True
+) -> Iterator[tuple[int, Messages | Dropped]]:
     with _open_binary(path) as handle:
         # Binary lines, decoded one at a time, so one bad byte drops one row instead of the file.
         for index, raw_line in enumerate(handle):
@@ -196,10 +204,15 @@ def _iter_jsonl(path: Path, start: int, end: int | None) -> Iterator[tuple[int, 
                 continue
             if end is not None and index > end:
                 return
-            yield index, parse_jsonl_line(raw_line, first_line=index == 0)
+            yield (
+                index,
+                parse_jsonl_line(raw_line, first_line=index == 0, require_assistant=require_assistant),
+            )
 
 
-def parse_jsonl_line(raw_line: bytes, *, first_line: bool = False) -> Messages | Dropped:
+def parse_jsonl_line(
+    raw_line: bytes, *, first_line: bool = False, require_assistant: bool = True
+) -> Messages | Dropped:
     line = raw_line.rstrip(b"\n").rstrip(b"\r")
     if first_line and line.startswith(b"\xef\xbb\xbf"):
         line = line[3:]  # a UTF-8 byte-order mark some editors add
@@ -219,10 +232,12 @@ def parse_jsonl_line(raw_line: bytes, *, first_line: bool = False) -> Messages |
         return Dropped("missing_messages", f"the line is a JSON {type(row).__name__}, not an object")
     if "messages" not in row or row["messages"] is None:
         return Dropped("missing_messages", f"no 'messages' field (keys: {sorted(row)[:8]})")
-    return parse_messages(row["messages"])
+    return parse_messages(row["messages"], require_assistant=require_assistant)
 
 
-def _iter_parquet(path: Path, start: int, end: int | None) -> Iterator[tuple[int, Messages | Dropped]]:
+def _iter_parquet(
+    path: Path, start: int, end: int | None, require_assistant: bool = True
+) -> Iterator[tuple[int, Messages | Dropped]]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -242,13 +257,13 @@ def _iter_parquet(path: Path, start: int, end: int | None) -> Iterator[tuple[int
             last = group_end if end is None else min(end, group_end)
             values = column.slice(first - group_start, last - first + 1).to_pylist()
             for offset, value in enumerate(values):
-                yield first + offset, _parse_parquet_value(value)
+                yield first + offset, _parse_parquet_value(value, require_assistant)
         if end is not None and group_end >= end:
             return
         group_start = group_end + 1
 
 
-def _parse_parquet_value(value: Any) -> Messages | Dropped:
+def _parse_parquet_value(value: Any, require_assistant: bool = True) -> Messages | Dropped:
     if value is None:
         return Dropped("missing_messages", "'messages' is null")
     if isinstance(value, bytes):
@@ -261,11 +276,14 @@ def _parse_parquet_value(value: Any) -> Messages | Dropped:
             value = json.loads(value)
         except json.JSONDecodeError as err:
             return Dropped("malformed_json", f"'messages' string: {err.msg} at column {err.colno}")
-    return parse_messages(value)
+    return parse_messages(value, require_assistant=require_assistant)
 
 
-def parse_messages(messages: Any) -> Messages | Dropped:
-    """Check one conversation's message list; return it (messages copied) or why it is unusable."""
+def parse_messages(messages: Any, *, require_assistant: bool = True) -> Messages | Dropped:
+    """Check one conversation's message list; return it (messages copied) or why it is unusable.
+
+    `require_assistant=False` is for conversations the target answers itself: a prompts-only row and
+    an empty assistant message are fine there."""
     if not isinstance(messages, list):
         return Dropped("messages_not_a_list", f"'messages' is a {type(messages).__name__}")
     checked: Messages = []
@@ -278,7 +296,7 @@ def parse_messages(messages: Any) -> Messages | Dropped:
             return Dropped("unknown_role", f"message {position} has role {role!r}")
         content = message.get("content")
         if role == "assistant":
-            if content is None or (isinstance(content, str) and not content.strip()):
+            if require_assistant and (content is None or (isinstance(content, str) and not content.strip())):
                 return Dropped("empty_assistant", f"message {position} (assistant) has no content")
             has_assistant = True
         if content is None:
@@ -289,6 +307,6 @@ def parse_messages(messages: Any) -> Messages | Dropped:
             )
         # Parquet structs carry every field of the schema, mostly null; the template only wants real ones.
         checked.append({k: v for k, v in message.items() if v is not None} | {"content": content})
-    if not has_assistant:
+    if require_assistant and not has_assistant:
         return Dropped("no_assistant", f"roles: {[m['role'] for m in checked]}")
     return checked

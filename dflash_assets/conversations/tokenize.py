@@ -73,6 +73,7 @@ class TokenizeResult:
     tokens: int = 0  # over kept samples, after truncation
     loss_tokens: int = 0  # tokens with loss_mask 1
     truncated: int = 0  # kept samples cut to max_length
+    exact_ids: int = 0  # kept samples whose answer ids are the target's own (regenerated data)
     first_bad: BadRow | None = None  # the first dropped row, to point a person at the file
 
     @property
@@ -171,6 +172,106 @@ def tokenize_range(
             "if these drops are expected."
         )
     return result
+
+
+# --- a conversation whose last answer the target wrote ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AnsweredSample:
+    """A tokenized conversation ending in the target's own answer, and how its ids were obtained."""
+
+    sample: TokenizedSample | Dropped
+    truncated: bool = False  # cut to max_length
+    exact: bool = False  # the answer's ids are the ones the target produced, not re-tokenised text
+
+
+class AnswerTokenizer:
+    """`prompt + answer` as the target saw and wrote it: the chat template applied to the history with a
+    generation prompt (the prompt), then the answer's tokens (loss mask 1), ending with the end-of-turn
+    token when the target stopped on it. Earlier assistant turns inside the prompt are masked 1 too.
+
+    With `completion_token_ids` the answer's ids are the target's own (never re-tokenised); with
+    `prompt_token_ids` too, they are the exact prompt the engine used (should the template render other
+    ids, those are kept and the prompt's mask is left 0). Without ids the answer text is tokenised with
+    the target's tokenizer, a reasoning block first as Qwen3-style templates render it.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        overlong: str = "truncate",
+    ) -> None:
+        _check_tokenizer(tokenizer)
+        _check_overlong(overlong, max_length)
+        self.tokenizer, self.max_length, self.overlong = tokenizer, max_length, overlong
+        self.kwargs = dict(chat_template_kwargs or {})
+        self.layout = _template_layout(tokenizer)
+        self.end_of_turn_id = _end_of_turn_id(tokenizer, self.layout)
+
+    def __call__(
+        self,
+        history: Messages,
+        answer: dict[str, Any],
+        *,
+        stopped: bool,
+        completion_token_ids: Sequence[int] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        sample_index: int = 0,
+    ) -> AnsweredSample:
+        tokenizer = self.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(
+                history, tokenize=False, add_generation_prompt=True, **self.kwargs
+            )
+        except Exception as err:
+            return AnsweredSample(Dropped("template_error", f"{type(err).__name__}: {err}"[:300]))
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).encodings[0]
+        ids = list(encoding.ids)
+        spans = _locate_assistant_spans(text, history, self.layout.header) or []
+        mask = _mask_from_spans(spans, encoding.offsets, encoding.ids, self.layout.end_token_ids, text)
+        if prompt_token_ids is not None and list(prompt_token_ids) != ids:
+            ids, mask = [int(i) for i in prompt_token_ids], [0] * len(prompt_token_ids)
+        if completion_token_ids is not None:
+            completion = [int(i) for i in completion_token_ids]
+        else:
+            completion = list(tokenizer(_answer_text(answer), add_special_tokens=False)["input_ids"])
+            if stopped and self.end_of_turn_id is not None:
+                completion.append(self.end_of_turn_id)
+        if not completion:
+            return AnsweredSample(Dropped("empty_assistant", "the target's answer has no tokens"))
+        sample, truncated = _fit_length(
+            sample_index, ids + completion, mask + [1] * len(completion), self.max_length, self.overlong
+        )
+        return AnsweredSample(sample, truncated, exact=completion_token_ids is not None)
+
+
+def _answer_text(answer: dict[str, Any]) -> str:
+    """The text the target wrote: its reasoning block (as Qwen3-style templates open it), then the answer."""
+    content = answer.get("content") or ""
+    reasoning = answer.get("reasoning_content")
+    return f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content
+
+
+def _end_of_turn_id(tokenizer: Any, layout: _TemplateLayout) -> int | None:
+    """The special token the chat template puts right after an assistant's content (`<|im_end|>` in
+    ChatML), else the tokenizer's end-of-sequence token."""
+    probe = "dflash-probe-answer"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}], tokenize=False
+        )
+    except Exception:
+        text = ""
+    at = text.find(probe)
+    if at >= 0:
+        after = tokenizer(text[at + len(probe) :], add_special_tokens=False)["input_ids"]
+        if after and after[0] in layout.end_token_ids:
+            return int(after[0])
+    return tokenizer.eos_token_id
 
 
 # --- one batch of conversations -------------------------------------------------------------------

@@ -18,6 +18,7 @@ MANIFEST_FORMAT = "dflash-assets.manifest/1"
 
 # Asset name -> top-level prefix in the store (the layout in the README).
 ASSET_PREFIXES = {
+    "target_completions": "target-completions",
     "tokenized_completions": "tokenized-completions",
     "hidden_state_partitions": "hidden-states",
     "drafter_checkpoints": "checkpoints",

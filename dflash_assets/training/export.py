@@ -12,10 +12,17 @@ from dflash_assets.training.train import TrainResult
 
 
 def export_trained_drafter(
-    result: TrainResult, config: DrafterConfig, directory: Path, *, run: str, target_model_name: str
+    result: TrainResult,
+    config: DrafterConfig,
+    directory: Path,
+    *,
+    run: str,
+    target_model_name: str,
+    data_source: dict[str, Any] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Export a training run's drafter with its provenance and model card; returns (directory, the
-    metrics the card shows: measured tau, the fresh drafter's, teacher-forced tau, held-out loss...)."""
+    metrics the card shows: measured tau, the fresh drafter's, teacher-forced tau, held-out loss...).
+    `data_source` says whose answers it trained on (see `model_card.describe_data_source`)."""
     metrics = {
         **(result.eval or {}),
         "acceptance_length_tau": result.acceptance_length_tau,
@@ -33,12 +40,14 @@ def export_trained_drafter(
         partitions=result.partitions,
         steps=result.steps,
         metrics=metrics,
+        data_source=data_source,
     )
     provenance = {
         "run": run,
         "steps": result.steps,
         "trained_sample_ranges": result.trained_sample_ranges,
         "trained_partitions": result.partitions,
+        "data_source": data_source or {"completions": "dataset"},
         "metrics": {k: v for k, v in metrics.items() if k != "per_position_accuracy"},
     }
     return export_drafter(result.model, directory, provenance=provenance, model_card=card), metrics

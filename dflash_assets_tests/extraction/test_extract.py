@@ -36,6 +36,7 @@ from dflash_assets_tests.support.extraction import (
     make_samples,
     stored_objects,
 )
+from dflash_assets_tests.support.stores import Sampler, SlowLocalStore, WatchedStore, staged_disk_bytes
 from dflash_assets_tests.support.targets import (
     BF16_ATOL,
     BF16_RTOL,
@@ -166,7 +167,7 @@ def test_resume_after_a_crash_uploads_each_missing_sample_once_and_matches_an_un
 
 
 def test_objects_made_under_another_fingerprint_are_deleted_manifest_first_never_mixed(target, tmp_path):
-    store = LocalStore(tmp_path / "store")
+    store = WatchedStore(tmp_path / "store")
     samples = make_samples(5)
     Extraction(store, tmp_path / "staging").run(target, samples)
     store.put_bytes(f"{PREFIX}/{MANIFEST_NAME}", b'{"objects": {}}')
@@ -179,6 +180,7 @@ def test_objects_made_under_another_fingerprint_are_deleted_manifest_first_never
     for data in stored_objects(store).values():
         assert read_sample(data).target_layer_ids == [0, TINY_LAYERS - 1]
     assert any("WARNING" in line and "deleting them" in line for line in changed.logs)
+    assert store.deletions and store.objects_deleted_under_a_manifest() == []  # un-committed first
 
 
 def test_objects_without_a_fingerprint_are_not_trusted(target, tmp_path):
@@ -231,12 +233,25 @@ def test_a_store_failure_keeps_finished_files_staged_and_a_rerun_completes_exact
 
 
 def test_staged_bytes_stay_within_the_budget_because_space_is_reserved_before_writing(target, tmp_path):
+    """Read off the disk, not the uploader's own counter: a store far slower than the forward, and a
+    budget of two samples. Space reserved after a file is written would let the files pile up."""
     samples = make_samples(10)
     one_sample = estimate_sample_nbytes(90, len(DEFAULT_LAYERS), 64, len(MODEL_NAME))
     budget = 2 * one_sample
-    extraction = Extraction(LocalStore(tmp_path / "store"), tmp_path / "staging", staging_budget_bytes=budget)
-    result = extraction.run(target, samples)
-    assert len(result.objects) == 10
+    staging = tmp_path / "staging"
+    extraction = Extraction(
+        SlowLocalStore(tmp_path / "store", delay_s=0.1), staging, staging_budget_bytes=budget
+    )
+    on_disk = {"peak": 0}
+
+    def sample_disk() -> None:
+        if staging.exists():
+            on_disk["peak"] = max(on_disk["peak"], staged_disk_bytes(staging, samples_only=True))
+
+    with Sampler(sample_disk) as sampler:
+        result = extraction.run(target, samples)
+    assert len(result.objects) == 10 and sampler.samples > 10
+    assert 0 < on_disk["peak"] <= budget
     assert 0 < result.peak_staging_bytes <= budget
 
 

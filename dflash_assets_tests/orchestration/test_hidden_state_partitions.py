@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dagster import AssetKey
+from dagster import AssetKey, AssetRecordsFilter
 
 from dflash_assets.extraction.sample_format import read_sample
 from dflash_assets.storage.manifest import read_manifest
@@ -75,47 +75,35 @@ def _copy_tokenized(source_url: str, target_url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, moto_endpoint):
-    """One tokenized range and an uninterrupted extraction of it: the reference every test compares to."""
-    from dflash_assets.target.demo_model import ensure_demo_model
-
+def pipeline(tmp_path_factory, moto_endpoint, demo_ranges, demo_model_dir):
+    """One tokenized range and an uninterrupted extraction of it (conftest's `demo_ranges`, copied into a
+    bucket): the reference every test compares to. Reruns here go to an instance of this module's own."""
     root = tmp_path_factory.mktemp("pipeline")
-    cache = root / "cache"
-    model_dir = ensure_demo_model(cache)
     bucket = "hs-pipeline"
     create_bucket(moto_endpoint, bucket)
-    dagster_home = make_dagster_home(root / "dagster-home")
     env = {
         **os.environ,
         **aws_env(moto_endpoint),
         "DFLASH_HOME": str(root / "home"),
-        "DFLASH_CACHE_DIR": str(cache),
+        "DFLASH_CACHE_DIR": str(demo_model_dir.parent),
         "DFLASH_SAMPLES_PER_PARTITION": "24",
-        "DFLASH_MAX_TOKENS_PER_BATCH": "1024",
-        "DAGSTER_HOME": dagster_home,
+        "DFLASH_MAX_TOKENS_PER_BATCH": demo_ranges.env["DFLASH_MAX_TOKENS_PER_BATCH"],
+        "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
         "OMP_NUM_THREADS": "1",
     }
     # The test process itself reads the store too: the same variables a user would set.
     with aws_env_set(moto_endpoint):
         base = f"s3://{bucket}/reference"
         env["DFLASH_STORE_URL"] = base
-        code, output = _run_cli(_materialize_args("tokenized_completions"), env)
-        assert code == 0, output[-4000:]
-        code, output = _run_cli(
-            _materialize_args(
-                "hidden_state_partitions", config={"progress_every_s": 0.2, "observe_every_s": 0.2}
-            ),
-            env,
-        )
-        assert code == 0, output[-4000:]
+        demo_ranges.copy_to(open_store(base))
         yield {
             "env": env,
             "bucket": bucket,
             "base": base,
             "reference": _object_digests(base),
+            "reference_instance": demo_ranges.dagster_home,
             "root": root,
-            "cache": cache,
-            "model_dir": model_dir,
+            "model_dir": demo_model_dir,
         }
 
 
@@ -145,21 +133,20 @@ def test_a_range_stores_one_object_per_sample_equal_to_the_target_and_passes_its
         torch.testing.assert_close(sample.hidden_states[:, j], expected, atol=1e-3, rtol=2**-7)
     assert sample.target_layer_ids == [1, 3, 5, 7, 9]  # the DFlash rule for 12 layers, k = 5
 
-    with open_instance(pipeline["env"]["DAGSTER_HOME"]) as instance:
-        event = instance.get_latest_materialization_event(AssetKey("hidden_state_partitions"))
+    this_range = AssetRecordsFilter(asset_key=AssetKey("hidden_state_partitions"), asset_partitions=[KEY])
+    with open_instance(pipeline["reference_instance"]) as instance:
+        event = instance.fetch_materializations(this_range, limit=1).records[0].event_log_entry
         metadata = event.asset_materialization.metadata
         check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
             [__import__("dagster").AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")]
         )
-        logs = "\n".join(str(e.user_message) for e in instance.all_logs(event.run_id))
         run = instance.get_run_by_id(event.run_id)
-        observations = instance.fetch_observations(AssetKey("hidden_state_partitions"), limit=100).records
+        observations = instance.fetch_observations(this_range, limit=100).records
     assert metadata["samples"].value == len(pipeline["reference"])
     assert metadata["device"].value == "cpu"
     assert 0 <= metadata["padding_fraction"].value < 0.5
     assert metadata["tokens_per_s"].value > 0
     assert list(check.values())[0].status.value == "SUCCEEDED"
-    assert TEST_SECRET_ACCESS_KEY not in logs
 
     # Progress at a glance: observations of the range's partition, and the run's progress tag.
     assert observations and {o.partition_key for o in observations} == {KEY}
@@ -211,10 +198,28 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
         )
         _kill_when(process, lambda: len(list(store.list(HS_PREFIX + "/hs_"))) >= 3)
     assert read_manifest(store, HS_PREFIX) is None  # never committed by the killed run
+    staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
+    stored_before = {i.key.rsplit("/", 1)[-1] for i in store.list(HS_PREFIX + "/hs_")}
+    staged_before = {p.name for p in staging.glob("hs_*.safetensors")} - stored_before
 
-    # The same command again, with nothing else: no daemon, no `dflash-assets reap`.
-    code, output = _run_cli(_materialize_args("hidden_state_partitions"), env)
+    # The same command again, with nothing else: no daemon, no `dflash-assets reap`. Through a proxy
+    # that counts what the rerun writes: only the objects the store lacked, then the commit.
+    counting = faulty_proxy()
+    code, output = _run_cli(
+        _materialize_args("hidden_state_partitions"), {**env, "AWS_ENDPOINT_URL_S3": counting.endpoint_url}
+    )
     assert code == 0, output[-4000:]
+    total = len(pipeline["reference"])
+    # + the manifest (the killed run's fingerprint is still good, so it is not written again)
+    assert counting.counters.by_method["PUT"] == total - len(stored_before) + 1
+    with open_instance(env["DAGSTER_HOME"]) as instance:
+        metadata = instance.get_latest_materialization_event(
+            AssetKey("hidden_state_partitions")
+        ).asset_materialization.metadata
+    assert metadata["reused_from_store"].value == len(stored_before)
+    assert metadata["reused_from_staging"].value == len(staged_before)
+    assert metadata["extracted_now"].value == total - len(stored_before) - len(staged_before)
+    assert len(stored_before) + len(staged_before) > 0  # the killed run's work was there to reuse
     with open_instance(env["DAGSTER_HOME"]) as instance:
         runs = [r for r in instance.get_runs() if r.tags.get("dagster/partition") == KEY]
         killed, rerun = runs[1], runs[0]  # newest first
@@ -250,10 +255,12 @@ FAST_RETRIES = {"upload_backoff_s": 0.01}
 def test_a_store_failing_a_share_of_requests_still_yields_identical_results(pipeline, faulty_proxy):
     url = _fresh_store(pipeline, "flaky")
     proxy = faulty_proxy(seed=7)
-    proxy.fail_share(0.2, "500", methods=["PUT"])
-    code, output, _ = _extract(pipeline, url, proxy.endpoint_url, **FAST_RETRIES)
+    proxy.fail_share(0.2, "500", methods=["PUT"], path_contains="/hs_")  # the uploader's objects
+    # One attempt per request inside boto3, so each failure reaches the uploader's own retries.
+    code, output, metadata = _extract(pipeline, url, proxy.endpoint_url, s3_max_attempts=1, **FAST_RETRIES)
     assert code == 0, output[-4000:]
     assert proxy.counters.faults > 0
+    assert metadata["upload_retries"] == proxy.counters.injected_500 > 0
     assert _object_digests(url) == pipeline["reference"]
 
 

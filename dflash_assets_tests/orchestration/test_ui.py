@@ -5,7 +5,6 @@ Screenshots are kept in test-artifacts/ (or $DFLASH_TEST_ARTIFACTS)."""
 
 import contextlib
 import html
-import json
 import os
 import re
 import shutil
@@ -17,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from dagster import AssetKey
+from dagster import AssetKey, AssetRecordsFilter
 
 from dflash_assets_tests.conftest import REPO, open_instance
 from dflash_assets_tests.support.s3_server import free_port
@@ -38,50 +37,10 @@ def _bin(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def ui(tmp_path_factory, demo_model_dir):
-    root = tmp_path_factory.mktemp("ui")
-    dagster_home = root / "dagster-home"
-    dagster_home.mkdir()
-    # The repo's instance, without the first-visit newsletter dialog that would cover the page.
-    (dagster_home / "dagster.yaml").write_text(
-        (REPO / "dagster.yaml").read_text() + "\nnux:\n  enabled: false\n"
-    )
-    env = {
-        **os.environ,
-        "DAGSTER_HOME": str(dagster_home),
-        "DFLASH_HOME": str(root / "home"),
-        "DFLASH_CACHE_DIR": str(demo_model_dir.parent),
-        "DFLASH_SAMPLES_PER_PARTITION": "24",
-        "OMP_NUM_THREADS": "1",
-    }
-    ranges = subprocess.run(
-        [_bin("dflash-assets"), "ranges"], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert ranges.returncode == 0, ranges.stderr[-3000:]
-    config = {
-        "ops": {"hidden_state_partitions": {"config": {"progress_every_s": 0.2, "observe_every_s": 0.2}}}
-    }
-    materialize = subprocess.run(
-        [
-            _bin("dagster"),
-            "asset",
-            "materialize",
-            "-m",
-            "dflash_assets.definitions",
-            "--select",
-            "tokenized_completions,hidden_state_partitions",
-            "--partition",
-            KEY,
-            "--config-json",
-            json.dumps(config),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert materialize.returncode == 0, materialize.stderr[-4000:]
-
+def ui(demo_ranges):
+    """The Dagster UI on the instance where the shared ranges were materialised (conftest's
+    `demo_ranges`: every range registered, two of them tokenized and extracted)."""
+    env = dict(demo_ranges.env)
     port = free_port()
     server = subprocess.Popen(
         [_bin("dagster-webserver"), "-m", "dflash_assets.definitions", "-h", "127.0.0.1", "-p", str(port)],
@@ -100,7 +59,7 @@ def ui(tmp_path_factory, demo_model_dir):
             assert server.poll() is None, "dagster-webserver exited"
             assert time.monotonic() < deadline, "dagster-webserver did not come up"
             time.sleep(1)
-        yield {"url": url, "env": env, "ranges": ranges.stdout}
+        yield {"url": url, "env": env, "registered": demo_ranges.registered_ranges}
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -152,9 +111,9 @@ def _screenshot(url: str, name: str) -> Path:
 
 
 def test_the_asset_page_lists_the_ranges_with_the_extracted_one_materialised(ui):
-    registered = int(ui["ranges"].split()[0])
+    registered = ui["registered"]
     url = f"{ui['url']}/assets/hidden_state_partitions?view=partitions&partition={KEY}"
-    expected = [KEY, "Materialized (1)", f"Missing ({registered - 1})", "samples_per_s", "reused_from_store"]
+    expected = [KEY, "Materialized (2)", f"Missing ({registered - 2})", "samples_per_s", "reused_from_store"]
     text = _page_text(url, expected)
     for item in expected:
         assert item in text, f"{item!r} is not on the partitions page"
@@ -163,7 +122,8 @@ def test_the_asset_page_lists_the_ranges_with_the_extracted_one_materialised(ui)
 
 def test_the_latest_range_progress_observation_shows_its_figures(ui):
     with open_instance(ui["env"]["DAGSTER_HOME"]) as instance:
-        latest = instance.fetch_observations(AssetKey("hidden_state_partitions"), limit=1).records[0]
+        this_range = AssetRecordsFilter(asset_key=AssetKey("hidden_state_partitions"), asset_partitions=[KEY])
+        latest = instance.fetch_observations(this_range, limit=1).records[0]
     # `time` selects that event in the asset's event list, as clicking it would.
     event_time = int(latest.timestamp * 1000)
     url = f"{ui['url']}/assets/hidden_state_partitions?view=events&partition={KEY}&time={event_time}"

@@ -14,6 +14,7 @@ from dflash_assets.storage.manifest import (
     write_manifest,
 )
 from dflash_assets.storage.open_store import open_store
+from dflash_assets_tests.support.stores import WatchedStore
 
 PREFIX = "hidden-states/00000000-00000099"
 
@@ -55,11 +56,15 @@ def test_a_foreign_manifest_format_is_an_error_not_a_silent_success(store):
         read_manifest(store, PREFIX)
 
 
-def test_deleting_a_partition_removes_the_manifest_and_every_object(store):
-    store.put_bytes(f"{PREFIX}/hs_00000000.safetensors", b"x")
-    write_manifest(store, PREFIX, new_manifest("a", "p", {"hs_00000000.safetensors": 1}))
-    assert delete_partition(store, PREFIX) == 2
+def test_deleting_a_partition_removes_the_manifest_first_then_every_object(tmp_path):
+    store = WatchedStore(tmp_path / "store")
+    for i in range(3):
+        store.put_bytes(f"{PREFIX}/hs_0000000{i}.safetensors", b"x")
+    write_manifest(store, PREFIX, new_manifest("a", "p", {f"hs_0000000{i}.safetensors": 1 for i in range(3)}))
+    assert delete_partition(store, PREFIX) == 4
     assert list(store.list(PREFIX + "/")) == []
+    # A crash part-way must never leave a manifest naming objects that are gone.
+    assert store.deletions and store.objects_deleted_under_a_manifest() == []
 
 
 def test_stored_partition_lists_full_keys_with_sizes(store):

@@ -2,62 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.s3_store import S3Settings
-from dflash_assets.storage.store import ObjectInfo
+from dflash_assets.storage.store import ObjectInfo, TransientStoreError
 from dflash_assets.storage.uploader import Uploader, UploadError
 from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY
+from dflash_assets_tests.support.stores import Sampler, staged_disk_bytes
 
 
 def write_file(path: Path, size: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(os.urandom(size))
     return path
-
-
-def staged_disk_bytes(directory: Path) -> int:
-    total = 0
-    for entry in os.scandir(directory):
-        with contextlib.suppress(FileNotFoundError):  # uploaded and deleted while we looked
-            total += entry.stat().st_size
-    return total
-
-
-class Sampler:
-    """Calls `sample()` in a loop on another thread until stopped; keeps what the test asks for."""
-
-    def __init__(self, sample) -> None:
-        self._sample = sample
-        self._stop = threading.Event()
-        self.samples = 0
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._sample()
-                self.samples += 1
-                self._stop.wait(0.002)
-        except BaseException as err:  # surfaced by stop()
-            self.error = err
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        if self.error is not None:
-            raise self.error
 
 
 def slow_s3_store(s3_store_url: str, proxy, **settings):
@@ -344,3 +308,29 @@ def test_submitting_a_missing_file_fails_at_once_and_returns_its_reservation(
 
     assert uploader.stats.staging_bytes == 0
     uploader.close()
+
+
+class _FailingFirstPuts(LocalStore):
+    """A local store whose first `failures` puts fail transiently; records when each put was tried."""
+
+    def __init__(self, root: Path, failures: int) -> None:
+        super().__init__(root)
+        self.failures, self.attempted_at = failures, []
+
+    def put_file(self, key: str, path: Path):
+        self.attempted_at.append(time.monotonic())
+        if len(self.attempted_at) <= self.failures:
+            raise TransientStoreError(f"injected failure {len(self.attempted_at)}")
+        return super().put_file(key, path)
+
+
+def test_each_retry_waits_longer_than_the_one_before(tmp_path: Path) -> None:
+    """Backoff, measured between attempts: at least half the doubling ceiling each time (jitter draws
+    from [ceiling/2, ceiling]), so retries never hammer a store that is failing."""
+    store = _FailingFirstPuts(tmp_path / "store", failures=3)
+    with Uploader(store, max_attempts=5, backoff_s=0.2, max_backoff_s=10.0, seed=0) as uploader:
+        uploader.submit(write_file(tmp_path / "hs_1", 100), "hidden-states/p/hs_1")
+    gaps = [b - a for a, b in zip(store.attempted_at, store.attempted_at[1:], strict=False)]
+    assert len(gaps) == 3 and uploader.stats.retries == 3
+    for attempt, gap in enumerate(gaps, start=1):
+        assert gap >= 0.2 * 2 ** (attempt - 1) / 2, (attempt, gaps)

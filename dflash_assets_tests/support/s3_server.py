@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -53,6 +53,7 @@ class ProxyCounters:
     injected_500: int = 0
     injected_503: int = 0
     dropped: int = 0  # connections closed without an answer ("drop" faults and requests while down)
+    by_method: dict[str, int] = field(default_factory=dict)  # requests received, per HTTP method
 
     @property
     def faults(self) -> int:
@@ -66,6 +67,7 @@ class _FaultRule:
     share: float  # then fail this share of matching requests (seeded)
     methods: frozenset[str] | None
     after_forward: bool  # apply the request upstream, then fail the answer (a "ghost" success)
+    path_contains: str | None = None  # only requests whose path contains this
 
 
 class FaultyProxy:
@@ -169,24 +171,39 @@ class FaultyProxy:
         *,
         methods: Iterable[str] | None = None,
         after_forward: bool = False,
+        path_contains: str | None = None,
     ) -> None:
         """Fail each matching request with probability `share`, from the seeded generator."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"share must be within [0, 1], got {share}")
-        self._set_rule(kind, first=0, share=share, methods=methods, after_forward=after_forward)
+        self._set_rule(
+            kind,
+            first=0,
+            share=share,
+            methods=methods,
+            after_forward=after_forward,
+            path_contains=path_contains,
+        )
 
     def clear_faults(self) -> None:
         with self._lock:
             self._rule = None
 
     def _set_rule(
-        self, kind: str, *, first: int, share: float, methods: Iterable[str] | None, after_forward: bool
+        self,
+        kind: str,
+        *,
+        first: int,
+        share: float,
+        methods: Iterable[str] | None,
+        after_forward: bool,
+        path_contains: str | None = None,
     ) -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault kind {kind!r} is not one of {FAULT_KINDS}")
         method_set = frozenset(m.upper() for m in methods) if methods is not None else None
         with self._lock:
-            self._rule = _FaultRule(kind, first, share, method_set, after_forward)
+            self._rule = _FaultRule(kind, first, share, method_set, after_forward, path_contains)
 
     def throttle(self, latency_s: float = 0.0, bytes_per_s: float | None = None) -> None:
         """Delay every request by `latency_s`, and its bodies by their size / `bytes_per_s`."""
@@ -217,7 +234,7 @@ class FaultyProxy:
     def counters(self) -> ProxyCounters:
         """A snapshot of the counters."""
         with self._lock:
-            return replace(self._counters)
+            return replace(self._counters, by_method=dict(self._counters.by_method))
 
     def forwarded_paths(self, method: str) -> list[str]:
         """Paths (query stripped) of the `method` requests forwarded upstream so far, in order."""
@@ -230,14 +247,19 @@ class FaultyProxy:
 
     # -- used by the handler
 
-    def _decide(self, method: str) -> tuple[str | None, bool]:
+    def _decide(self, method: str, path: str = "") -> tuple[str | None, bool]:
         """(fault kind or None, whether to apply it after forwarding); counts the request."""
         with self._lock:
             self._counters.requests += 1
+            self._counters.by_method[method] = self._counters.by_method.get(method, 0) + 1
             if self._down:
                 return "drop", False
             rule = self._rule
-            if rule is None or (rule.methods is not None and method not in rule.methods):
+            if (
+                rule is None
+                or (rule.methods is not None and method not in rule.methods)
+                or (rule.path_contains is not None and rule.path_contains not in path)
+            ):
                 return None, False
             if rule.first > 0:
                 rule.first -= 1
@@ -298,7 +320,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             self.close_connection = True
             return
-        fault, after_forward = self.proxy._decide(self.command)
+        fault, after_forward = self.proxy._decide(self.command, self.path)
         delay = self.proxy._latency() + self.proxy._transfer_time(len(body))
         if delay:
             time.sleep(delay)

@@ -1,0 +1,101 @@
+"""Generation figures: the in-process engine's batched answers against `generate` one conversation at a
+time, the way a script without batching regenerates, on the same prompts in the same run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from dflash_assets import settings
+from dflash_assets.conversations.datasets import bundled_dataset_path
+from dflash_assets.generation.conversation import Regeneration
+from dflash_assets.generation.engine import TurnScheduler
+from dflash_assets.generation.in_process import InProcessEngine, prompt_token_ids
+from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.target.demo_model import ensure_demo_model
+from dflash_assets.target.model import load_target_model
+
+BATCHED_FIGURE = "generation tokens/s, batched in-process engine / one conversation at a time"
+
+
+def _first_turns(count: int) -> list[list[dict]]:
+    """The history before each conversation's first answer: the prompts both ways answer."""
+    prompts = []
+    with open(bundled_dataset_path()) as handle:
+        for line in handle:
+            messages = json.loads(line)["messages"]
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompts.append(messages[:first])
+            if len(prompts) == count:
+                break
+    return prompts
+
+
+def _batched(engine: InProcessEngine, prompts: list[list[dict]]) -> tuple[int, list[list[int]]]:
+    plans = [Regeneration(i, prompt) for i, prompt in enumerate(prompts)]
+    engine.run(
+        TurnScheduler(plans, on_finished=lambda c: None, on_dropped=lambda c, d: None), tick=lambda: None
+    )
+    answers = [plan.answers[0].completion_token_ids for plan in plans]
+    return sum(len(a) for a in answers), answers
+
+
+def _one_at_a_time(model, tokenizer, prompts, generation: GenerationSettings) -> tuple[int, list[list[int]]]:
+    answers = []
+    for prompt in prompts:
+        ids = prompt_token_ids(tokenizer, prompt, generation)
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=generation.max_new_tokens, do_sample=False
+            )
+        answers.append(out[0, len(ids) :].tolist())
+    return sum(len(a) for a in answers), answers
+
+
+def bench_generation(count: int, rounds: int, max_new_tokens: int = 64) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_demo_model(settings.cache_dir())
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    model = load_target_model(model_dir, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    generation = GenerationSettings(max_new_tokens=max_new_tokens)
+    engine = InProcessEngine(model, tokenizer, generation, device=device)
+    prompts = _first_turns(count)
+    print(
+        f"generation: demo target, {len(prompts)} prompts, up to {max_new_tokens} new tokens each, greedy, "
+        f"{rounds} interleaved rounds"
+    )
+    _batched(engine, prompts[:4]), _one_at_a_time(model, tokenizer, prompts[:2], generation)  # warm-up
+    ratios, batched_rates, single_rates, same = [], [], [], True
+    for round_index in range(rounds):
+        rate: dict[str, float] = {}
+        outputs: dict[str, list[list[int]]] = {}
+        for way in ("batched", "single") if round_index % 2 == 0 else ("single", "batched"):
+            started = time.perf_counter()
+            if way == "batched":
+                tokens, outputs[way] = _batched(engine, prompts)
+            else:
+                tokens, outputs[way] = _one_at_a_time(model, tokenizer, prompts, generation)
+            rate[way] = tokens / (time.perf_counter() - started)
+        # Batching must not change a greedy answer (the batched engine keeps ids up to the stop token).
+        same &= all(
+            single[: len(b)] == b for single, b in zip(outputs["single"], outputs["batched"], strict=True)
+        )
+        ratios.append(rate["batched"] / rate["single"])
+        batched_rates.append(rate["batched"])
+        single_rates.append(rate["single"])
+        print(
+            f"  round {round_index + 1}: tokens/s batched {rate['batched']:,.0f}, one at a time "
+            f"{rate['single']:,.0f}",
+            flush=True,
+        )
+    print(f"  batched answers equal the one-at-a-time answers: {same}")
+    return {
+        BATCHED_FIGURE: statistics.median(ratios),
+        "generation tokens/s, batched in-process engine": statistics.median(batched_rates),
+        "generation tokens/s, one conversation at a time": statistics.median(single_rates),
+    }

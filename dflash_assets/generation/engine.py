@@ -1,0 +1,135 @@
+"""One interface for every way of asking the target: the scheduler hands out turns, an engine answers them.
+
+`TurnScheduler` holds the conversations of a range. A conversation has one turn in the queue at a time
+(its next answer depends on the previous one); answering it queues the next, and the last answer hands
+the finished conversation to `on_finished`. Engines pull as many turns as they can use at once: the
+in-process engine a length-bucketed batch, a server engine one per request slot.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dflash_assets.conversations.datasets import Dropped, Messages
+from dflash_assets.generation.conversation import Answer, Regeneration
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot answer at all (server unreachable, another model, failing for good): the range
+    fails, and every finished conversation stays persisted for the rerun."""
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0  # turns sent to the engine (one per server request)
+    retries: int = 0
+    server_errors: int = 0  # 408/429/5xx answers and dropped connections
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    conversation: Regeneration
+    turn: int  # which answer of the conversation (0-based)
+    messages: Messages  # the history to answer
+
+    @property
+    def sample_index(self) -> int:
+        return self.conversation.sample_index
+
+
+class TurnScheduler:
+    """Thread-safe queue of the next turn of every unfinished conversation."""
+
+    def __init__(
+        self,
+        conversations: Sequence[Regeneration],
+        *,
+        on_finished: Callable[[Regeneration], None],
+        on_dropped: Callable[[Regeneration, Dropped], None],
+    ) -> None:
+        self._on_finished, self._on_dropped = on_finished, on_dropped
+        self._condition = threading.Condition()
+        self._ready: deque[TurnRequest] = deque()
+        self._taken = 0
+        self._unfinished = 0
+        self._error: BaseException | None = None
+        for conversation in conversations:
+            self._unfinished += 1
+            self._ready.append(self._next(conversation))
+
+    @staticmethod
+    def _next(conversation: Regeneration) -> TurnRequest:
+        return TurnRequest(conversation, len(conversation.answers), conversation.next_prompt())
+
+    @property
+    def unfinished(self) -> int:
+        with self._condition:
+            return self._unfinished
+
+    def take(self, limit: int | None = None, timeout_s: float | None = None) -> list[TurnRequest]:
+        """Up to `limit` ready turns (all of them by default), waiting for one if none is ready yet.
+        An empty list means every conversation is done (or `timeout_s` passed with nothing ready)."""
+        with self._condition:
+            while not self._ready and self._unfinished and self._error is None:
+                if not self._condition.wait(timeout=timeout_s) and timeout_s is not None:
+                    break
+            if self._error is not None:
+                raise self._error
+            count = len(self._ready) if limit is None else min(limit, len(self._ready))
+            taken = [self._ready.popleft() for _ in range(count)]
+            self._taken += len(taken)
+            return taken
+
+    def answer(self, request: TurnRequest, answer: Answer) -> None:
+        conversation = request.conversation
+        if len(conversation.answers) != request.turn:
+            raise RuntimeError(f"sample {request.sample_index}: turn {request.turn} answered twice")
+        conversation.answers.append(answer)
+        finished = conversation.finished
+        if finished:
+            self._on_finished(conversation)  # persisted before the conversation counts as done
+        with self._condition:
+            self._taken -= 1
+            if finished:
+                self._unfinished -= 1
+            else:
+                self._ready.append(self._next(conversation))
+            self._condition.notify_all()
+
+    def drop(self, request: TurnRequest, dropped: Dropped) -> None:
+        self._on_dropped(request.conversation, dropped)
+        with self._condition:
+            self._taken -= 1
+            self._unfinished -= 1
+            self._condition.notify_all()
+
+    def abort(self, error: BaseException) -> None:
+        """Stop handing out turns; every `take` raises `error` from now on."""
+        with self._condition:
+            if self._error is None:
+                self._error = error
+            self._condition.notify_all()
+
+    def raise_if_aborted(self) -> None:
+        with self._condition:
+            if self._error is not None:
+                raise self._error
+
+
+class Engine(ABC):
+    """Answers turns until the scheduler has none left. `name` is recorded with every conversation."""
+
+    name: str
+    stats: EngineStats
+
+    @abstractmethod
+    def run(self, scheduler: TurnScheduler, tick: Callable[[], None]) -> None:
+        """Answer every turn the scheduler holds or will hold; call `tick` now and then (progress)."""
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need nothing here
+        pass

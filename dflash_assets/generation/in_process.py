@@ -1,0 +1,167 @@
+"""The target answering in this process, on a leased device: length-bucketed batches under a token budget,
+Hugging Face `generate` with its KV cache, greedy or sampled.
+
+Prompts are the target's chat template applied to the history with a generation prompt, exactly as
+`transformers serve`, vLLM and SGLang build them, and left-padded so every row's new tokens start
+together. An answer ends at the first end-of-turn token the target emits (kept, with its id) or at
+`max_new_tokens` (`finish_reason: length`). The text is decoded without special tokens and parsed as the
+servers parse it (see `split_reasoning`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dflash_assets.generation.conversation import Answer
+from dflash_assets.generation.engine import Engine, EngineStats, TurnRequest, TurnScheduler
+from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.target.batching import plan_batches
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """What ends the target's turn: its generation config's `eos_token_id` (one id or a list), else the
+    tokenizer's end-of-sequence token."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list | tuple) else [eos]
+    return {int(i) for i in ids if i is not None}
+
+
+def split_reasoning(text: str) -> tuple[str, str | None]:
+    """`<think>…</think>answer` (Qwen3-style templates) -> (answer, reasoning), each stripped of the
+    whitespace around it, as the servers' response parsers return them (`transformers serve`, vLLM's
+    reasoning parsers): the history of the next turn is then the same whichever engine answered. The
+    exact ids keep every token the target wrote."""
+    if "</think>" not in text:
+        return text.strip(), None
+    reasoning, _, answer = text.partition("</think>")
+    return answer.strip(), reasoning.replace("<think>", "", 1).strip()
+
+
+def prompt_token_ids(tokenizer: Any, messages: Sequence[dict], settings: GenerationSettings) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        list(messages),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **settings.chat_template_kwargs,
+    )
+    return [int(i) for i in (ids["input_ids"] if isinstance(ids, dict) else ids)]
+
+
+class InProcessEngine(Engine):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        settings: GenerationSettings,
+        *,
+        device: str,
+        max_tokens_per_batch: int = 65536,
+        max_batch_size: int = 64,
+    ) -> None:
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.device = next(model.parameters()).device
+        self.name = "in-process"
+        self.description = f"the target in this process on {device}"
+        self.max_tokens_per_batch, self.max_batch_size = max_tokens_per_batch, max_batch_size
+        self.stats = EngineStats()
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else min(self.stop_ids))
+        self.generation_config = self._generation_config()
+
+    def _generation_config(self) -> Any:
+        """The target's own generation config (what `generate` and the servers start from: a
+        `repetition_penalty` there applies to every engine alike), with the sampling chosen here."""
+        import copy
+
+        from transformers import GenerationConfig
+
+        base = getattr(self.model, "generation_config", None)
+        config = copy.deepcopy(base) if base is not None else GenerationConfig()
+        config.max_new_tokens = self.settings.max_new_tokens
+        config.max_length = None
+        config.eos_token_id = sorted(self.stop_ids)
+        config.pad_token_id = self.pad_id
+        config.do_sample = not self.settings.greedy
+        if self.settings.greedy:
+            config.temperature = config.top_p = config.top_k = None  # greedy: none of them applies
+        else:
+            config.temperature, config.top_p = self.settings.temperature, self.settings.top_p
+            config.top_k = self.settings.top_k or None
+        return config
+
+    def run(self, scheduler: TurnScheduler, tick: Callable[[], None]) -> None:
+        while requests := scheduler.take():
+            prompts = [prompt_token_ids(self.tokenizer, r.messages, self.settings) for r in requests]
+            budget = [len(p) + self.settings.max_new_tokens for p in prompts]
+            for batch in plan_batches(
+                budget, max(self.max_tokens_per_batch, max(budget)), self.max_batch_size
+            ):
+                self.stats.in_flight = len(batch)
+                answers = self._generate([prompts[i] for i in batch], [requests[i] for i in batch])
+                self.stats.requests += len(batch)
+                self.stats.in_flight = 0
+                for i, answer in zip(batch, answers, strict=True):
+                    scheduler.answer(requests[i], answer)
+                tick()
+
+    def _generate(self, prompts: list[list[int]], requests: list[TurnRequest]) -> list[Answer]:
+        """One batch, halved on running out of device memory (a single prompt that cannot fit fails)."""
+        try:
+            return self._generate_batch(prompts, requests)
+        except torch.cuda.OutOfMemoryError:
+            if len(prompts) == 1:
+                raise torch.cuda.OutOfMemoryError(
+                    f"sample {requests[0].sample_index}: a prompt of {len(prompts[0])} tokens plus "
+                    f"{self.settings.max_new_tokens} new ones does not fit on {self.device}; lower "
+                    "DFLASH_GENERATE_MAX_NEW_TOKENS or the dataset's prompt lengths"
+                ) from None
+            torch.cuda.empty_cache()
+            half = len(prompts) // 2
+            return self._generate(prompts[:half], requests[:half]) + self._generate(
+                prompts[half:], requests[half:]
+            )
+
+    def _generate_batch(self, prompts: list[list[int]], requests: list[TurnRequest]) -> list[Answer]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
+        if not self.settings.greedy:
+            # Sampled answers are reproducible for the same batches: the seed covers which turns they are.
+            key = f"{self.settings.seed}:" + ",".join(f"{r.sample_index}.{r.turn}" for r in requests)
+            torch.manual_seed(int(hashlib.sha256(key.encode()).hexdigest()[:15], 16))
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=self.generation_config,
+            )
+        answers = []
+        for row, prompt in enumerate(prompts):
+            generated = output[row, width:].tolist()
+            end = next((i for i, token in enumerate(generated) if token in self.stop_ids), None)
+            completion = generated[: end + 1] if end is not None else generated
+            text = self.tokenizer.decode(completion, skip_special_tokens=True)
+            content, reasoning = split_reasoning(text)
+            answers.append(
+                Answer(
+                    content=content,
+                    reasoning=reasoning,
+                    finish_reason="stop" if end is not None else "length",
+                    completion_token_ids=completion,
+                    prompt_token_ids=list(prompt),
+                    prompt_tokens=len(prompt),
+                    completion_tokens=len(completion),
+                )
+            )
+        return answers

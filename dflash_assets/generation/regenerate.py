@@ -1,0 +1,537 @@
+"""Regenerating one sample range exactly once across kills: finished conversations persisted as they
+finish, the engine asked again only for the others.
+
+Where a finished conversation lives, in order:
+1. `journal.jsonl` in the range's staging directory: one line appended (and flushed to the page cache)
+   the moment its last answer arrives, so a SIGKILL loses only answers still in flight;
+2. a chunk of up to `chunk_records` lines (or `chunk_every_s` seconds' worth), written atomically beside
+   it and uploaded to `<prefix>/chunks/` through the bounded uploader;
+3. once every row is answered, `completions.jsonl`: every chunk merged in sample order, each row once,
+   dropped rows included as `{"sample_index", "dropped", "detail"}` lines; the chunks are deleted after
+   it is confirmed, and the manifest (written by the IO manager) commits the range.
+
+A rerun reads `completions.jsonl` or the chunks from the store (one listing), uploads the chunks and
+journal left in staging, and generates only the rows found in none of them. A fingerprint of the target
+and the generation settings keeps two settings from ever sharing a range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.tokenize import BadRow, TooManyBadRows
+from dflash_assets.generation.conversation import Regeneration, plan_regeneration
+from dflash_assets.generation.engine import Engine, TurnScheduler
+from dflash_assets.generation.records import (
+    CHUNKS_DIR,
+    COMPLETIONS_FORMAT,
+    COMPLETIONS_NAME,
+    CompletionRecord,
+    DroppedRow,
+    Line,
+    chunk_name,
+    is_chunk_name,
+    parse_line,
+    read_lines,
+    write_lines,
+)
+from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.storage.faults import fault_point
+from dflash_assets.storage.fingerprint import claim_prefix
+from dflash_assets.storage.staging import PartitionBusy, StagingDirectory, staging_lock
+from dflash_assets.storage.store import ObjectStore, StoreError
+from dflash_assets.storage.uploader import Uploader
+
+__all__ = ["PartitionBusy", "RegenerationProgress", "RegenerationResult", "regenerate_range"]
+
+JOURNAL_NAME = "journal.jsonl"
+TRUNCATED_POLICIES = ("keep", "drop")
+
+
+class RegenerationIncomplete(StoreError):
+    """After every upload was confirmed, the store still lacks rows this range needs."""
+
+
+def completions_fingerprint(
+    target_model: str, settings: GenerationSettings, truncated: str = "keep"
+) -> dict[str, Any]:
+    """What must be equal for two answers to belong to the same range."""
+    return {
+        "format": COMPLETIONS_FORMAT,
+        "target_model": target_model,
+        "generation": settings.fingerprint(),
+        "truncated": truncated,
+    }
+
+
+@dataclass(frozen=True)
+class RegenerationProgress:
+    """A snapshot handed to `on_progress`: conversations and tokens done, rates, ETA, server health."""
+
+    engine: str
+    samples_total: int  # conversations of the range to answer (rows dropped on reading excluded)
+    samples_done: int
+    generated_this_run: int
+    tokens_this_run: int
+    samples_per_s: float
+    tokens_per_s: float
+    eta_s: float | None
+    requests: int
+    retries: int
+    server_errors: int
+    in_flight: int
+    staging_bytes: int
+    staging_budget_bytes: int
+    uploads_in_flight: int
+    uploaded_bytes: int
+    reason: str | None = None
+
+    @property
+    def fraction_done(self) -> float:
+        return self.samples_done / self.samples_total if self.samples_total else 1.0
+
+
+@dataclass
+class RegenerationResult:
+    objects: dict[str, int]  # object name -> size: the range's `completions.jsonl`
+    rows: int  # rows of the range present in the dataset
+    records: int  # conversations answered and kept
+    dropped: dict[int, str]  # sample index -> reason (unreadable, failed, truncated with truncated=drop)
+    truncated: int  # kept records with an answer cut at max_new_tokens
+    generated_now: int
+    reused_from_store: int
+    reused_from_staging: int
+    tokens_generated: int  # answer tokens over every kept record
+    tokens_generated_now: int
+    requests: int
+    retries: int
+    server_errors: int
+    prompt_token_mismatches: int
+    duration_s: float
+    tokens_per_s: float  # this run's generation rate
+    engine: str
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dropped_by_reason(self) -> dict[str, int]:
+        return dict(sorted(Counter(self.dropped.values()).items()))
+
+
+def regenerate_range(
+    *,
+    rows: Sequence[tuple[int, Any]],
+    open_engine: Callable[[], contextlib.AbstractContextManager[Engine]],
+    store: ObjectStore,
+    prefix: str,
+    staging_dir: Path,
+    uploader: Uploader,
+    fingerprint: dict[str, Any],
+    truncated: str = "keep",
+    max_bad_fraction: float = 0.5,
+    dataset_name: str = "the dataset",
+    log: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
+    progress_every_s: float = 15.0,
+    on_progress: Callable[[RegenerationProgress], None] | None = None,
+    chunk_records: int = 256,
+    chunk_every_s: float = 30.0,
+) -> RegenerationResult:
+    """Make `<prefix>/completions.jsonl` hold every row of `rows` (`(index, messages or Dropped)`, as
+    `datasets.iter_rows` yields them), generating only what neither the store nor staging holds.
+
+    `open_engine()` is entered only when something is left to generate (no device is leased and no
+    model loaded for a range already done). Raises `TooManyBadRows` when more than `max_bad_fraction`
+    of the rows were dropped, after everything is stored.
+    """
+    if truncated not in TRUNCATED_POLICIES:
+        raise ValueError(f"truncated={truncated!r} must be one of {TRUNCATED_POLICIES}")
+    started = time.monotonic()
+    warn = warn or (lambda message: log(f"WARNING: {message}"))
+    base = prefix.strip("/") + "/"
+    where = store.uri(base.rstrip("/"))
+    staging_dir = Path(staging_dir)
+    staging_dir.mkdir(parents=True, exist_ok=True)
+
+    planned: list[Regeneration] = []
+    unreadable: dict[int, Dropped] = {}
+    for index, row in rows:
+        plan = plan_regeneration(index, row)
+        if isinstance(plan, Dropped):
+            unreadable[index] = plan
+        else:
+            planned.append(plan)
+    all_rows = {c.sample_index for c in planned} | set(unreadable)
+
+    with staging_lock(staging_dir):
+        staging = StagingDirectory(staging_dir, fingerprint)
+        listed = claim_prefix(store, base, fingerprint, warn)
+        staging.reconcile(warn)
+        in_store = _indices_in_store(store, base, listed)
+        journal = _Journal(staging_dir, base, uploader, chunk_records, chunk_every_s, truncated)
+        in_staging = journal.recover(in_store, warn) - in_store
+        done = in_store | in_staging
+        missing = [c for c in planned if c.sample_index not in done]
+        log(
+            f"{where}: {len(all_rows)} rows ({len(unreadable)} unreadable); {len(in_store)} answered in the "
+            f"store, {len(in_staging)} in local staging (uploading), {len(missing)} to generate"
+        )
+        counters = _Counters(
+            len(planned), len(planned) - len(missing), uploader, log, progress_every_s, on_progress
+        )
+        engine_name, stats, mismatches = "", None, 0
+        if missing:
+            with open_engine() as engine:
+                engine_name, counters.engine = engine.name, engine
+                described = getattr(engine, "description", engine.name)
+                log(f"{where}: generating {len(missing)} conversations with {described}")
+                scheduler = TurnScheduler(
+                    missing,
+                    on_finished=lambda c: counters.finished(
+                        journal.add(CompletionRecord.from_regeneration(c, engine.name))
+                    ),
+                    on_dropped=lambda c, dropped: counters.finished(
+                        journal.add(DroppedRow(c.sample_index, dropped))
+                    ),
+                )
+
+                def tick() -> None:
+                    journal.seal(force=False)
+                    counters.maybe_report()
+
+                try:
+                    engine.run(scheduler, tick)
+                finally:
+                    journal.seal(force=True)  # what finished before a failure is kept either way
+                stats, mismatches = engine.stats, getattr(engine, "prompt_token_mismatches", 0)
+        journal.seal(force=True)
+        while not uploader.wait_idle(timeout_s=max(progress_every_s, 0.05)):
+            counters.maybe_report(reason="waiting for uploads")
+        uploader.flush()  # raises if an upload failed for good
+        generate_seconds = time.monotonic() - started
+
+        final = staging_dir / COMPLETIONS_NAME
+        summary = _assemble(store, base, final, unreadable, all_rows, staging_dir)
+        uploader.submit(final, base + COMPLETIONS_NAME)
+        uploader.flush()
+        size = store.head(base + COMPLETIONS_NAME)
+        if size is None:
+            raise RegenerationIncomplete(
+                f"{where}/{COMPLETIONS_NAME} is missing after its upload was confirmed"
+            )
+        for key in summary.chunk_keys:  # the merged object holds every row now
+            store.delete(key)
+        counters.report("done")
+
+    result = RegenerationResult(
+        objects={COMPLETIONS_NAME: size.size},
+        rows=len(all_rows),
+        records=summary.records,
+        dropped=summary.dropped,
+        truncated=summary.truncated,
+        generated_now=counters.generated,
+        reused_from_store=len(in_store),
+        reused_from_staging=len(in_staging),
+        tokens_generated=summary.tokens,
+        tokens_generated_now=counters.tokens,
+        requests=stats.requests if stats else 0,
+        retries=stats.retries if stats else 0,
+        server_errors=stats.server_errors if stats else 0,
+        prompt_token_mismatches=mismatches,
+        duration_s=time.monotonic() - started,
+        tokens_per_s=counters.tokens / generate_seconds if counters.tokens else 0.0,
+        engine=engine_name,
+        fingerprint=fingerprint,
+    )
+    log(
+        f"{where}: done: {result.records} conversations ({result.truncated} truncated), "
+        f"{len(result.dropped)} dropped {result.dropped_by_reason}; {result.generated_now} generated now, "
+        f"{result.reused_from_store} from the store, {result.reused_from_staging} from staging; "
+        f"{result.tokens_generated_now:,} tokens at {result.tokens_per_s:,.0f} tokens/s; "
+        f"{result.requests} requests, {result.retries} retries"
+    )
+    if result.rows and len(result.dropped) / result.rows > max_bad_fraction:
+        first = min(result.dropped)
+        raise TooManyBadRows(
+            f"{len(result.dropped)} of {result.rows} rows of {where} were dropped "
+            f"({result.dropped_by_reason}), more than max_bad_fraction={max_bad_fraction}. First: "
+            f"{BadRow(dataset_name, first, f'row {first}', result.dropped[first], summary.first_detail)}. "
+            "Every answer is stored: fix the cause (or raise max_bad_fraction) and rerun"
+        )
+    return result
+
+
+# ------------------------------------------------------------------------------ what is already done
+
+
+def _indices_in_store(store: ObjectStore, base: str, listed: dict[str, int]) -> set[int]:
+    """Rows answered in the store: those of `completions.jsonl` and of every chunk."""
+    done: set[int] = set()
+    names = [name for name in listed if name == COMPLETIONS_NAME or _is_chunk_key(name)]
+    for name in names:
+        for line in _object_lines(store, base + name):
+            done.add(line.sample_index)
+    return done
+
+
+def _is_chunk_key(name: str) -> bool:
+    folder, _, leaf = name.partition("/")
+    return folder == CHUNKS_DIR and is_chunk_name(leaf)
+
+
+def _object_lines(store: ObjectStore, key: str) -> Iterator[Line]:
+    text = store.get_bytes(key).decode()
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            yield parse_line(line, f"{store.uri(key)} line {number}")
+
+
+class _Journal:
+    """Finished conversations, appended as they finish and sealed into chunks for upload."""
+
+    def __init__(
+        self,
+        staging_dir: Path,
+        base: str,
+        uploader: Uploader,
+        chunk_records: int,
+        chunk_every_s: float,
+        truncated: str,
+    ) -> None:
+        self.staging_dir, self.base, self.uploader = staging_dir, base, uploader
+        self.chunk_records, self.chunk_every_s, self.truncated = (
+            max(1, chunk_records),
+            chunk_every_s,
+            truncated,
+        )
+        self.path = staging_dir / JOURNAL_NAME
+        self._lock = threading.Lock()
+        self._lines: list[Line] = []
+        self._handle: Any = None
+        self._last_seal = time.monotonic()
+
+    def recover(self, in_store: set[int], warn: Callable[[str], None]) -> set[int]:
+        """Upload the chunks an earlier run left in staging, seal its journal; the rows they hold."""
+        recovered: set[int] = set()
+        for path in sorted(self.staging_dir.iterdir()):
+            if not (path.is_file() and is_chunk_name(path.name)):
+                continue
+            try:
+                lines = read_lines(path)
+            except ValueError as error:
+                warn(f"staged {path.name} is unusable ({error}); its rows are generated again")
+                path.unlink(missing_ok=True)
+                continue
+            recovered |= {line.sample_index for line in lines}
+            self.uploader.submit(path, f"{self.base}{CHUNKS_DIR}/{path.name}")
+        if self.path.exists():
+            try:
+                lines = read_lines(self.path, tolerate_torn_tail=True)
+            except ValueError as error:
+                warn(f"staged {JOURNAL_NAME} is unusable ({error}); its rows are generated again")
+                lines = []
+            fresh = [line for line in lines if line.sample_index not in in_store | recovered]
+            recovered |= {line.sample_index for line in fresh}
+            self._lines = fresh
+            self.seal(force=True)
+            self.path.unlink(missing_ok=True)
+        return recovered
+
+    def add(self, line: Line) -> Line:
+        if self.truncated == "drop" and isinstance(line, CompletionRecord) and line.truncated:
+            cut = [t["message"] for t in line.turns if t["finish_reason"] == "length"]
+            line = DroppedRow(
+                line.sample_index, Dropped("truncated_answer", f"messages {cut} hit max_new_tokens")
+            )
+        with self._lock:
+            if self._handle is None:
+                self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open across adds
+            # One write of one whole line, flushed: in the page cache, it outlives a SIGKILL.
+            self._handle.write(line.to_json() + "\n")
+            self._handle.flush()
+            self._lines.append(line)
+            fault_point("regenerate_journal")  # crash tests: die with this conversation journaled
+            if len(self._lines) >= self.chunk_records:
+                self._seal_locked()
+        return line
+
+    def seal(self, *, force: bool) -> None:
+        with self._lock:
+            if self._lines and (force or time.monotonic() - self._last_seal >= self.chunk_every_s):
+                self._seal_locked()
+
+    def _seal_locked(self) -> None:
+        lines = sorted(self._lines, key=lambda line: line.sample_index)
+        path = self.staging_dir / chunk_name(lines)
+        write_lines(path, lines)  # complete under its final name, or absent
+        # The journal's lines are in the chunk now; a kill between the two writes leaves both, and
+        # the rerun's chunk of the same lines gets the same name.
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        self.path.unlink(missing_ok=True)
+        self._lines = []
+        self._last_seal = time.monotonic()
+        self.uploader.submit(path, f"{self.base}{CHUNKS_DIR}/{path.name}")
+
+
+# ------------------------------------------------------------------------------ the merged object
+
+
+@dataclass
+class _Summary:
+    records: int = 0
+    truncated: int = 0
+    tokens: int = 0
+    dropped: dict[int, str] = field(default_factory=dict)
+    first_detail: str = ""
+    chunk_keys: list[str] = field(default_factory=list)
+
+
+def _assemble(
+    store: ObjectStore,
+    base: str,
+    final: Path,
+    unreadable: dict[int, Dropped],
+    all_rows: set[int],
+    staging_dir: Path,
+) -> _Summary:
+    """Merge `completions.jsonl` (if any) and every chunk in the store into `final`, in sample order,
+    each row once; every row of the range must be there."""
+    summary = _Summary()
+    listed = {info.key[len(base) :]: info.size for info in store.list(base)}
+    sources = [name for name in listed if name == COMPLETIONS_NAME or _is_chunk_key(name)]
+    summary.chunk_keys = [base + name for name in sources if name != COMPLETIONS_NAME]
+    read_dir = staging_dir / ".merge"
+    shutil.rmtree(read_dir, ignore_errors=True)
+    read_dir.mkdir()
+    try:
+        files = []
+        for number, name in enumerate(sources):
+            local = read_dir / f"{number}.jsonl"
+            store.download(base + name, local)
+            files.append(local)
+        unreadable_lines = [DroppedRow(i, d) for i, d in sorted(unreadable.items())]
+        streams = [_stream(path) for path in files] + [iter(unreadable_lines)]
+        merged = heapq.merge(*streams, key=lambda line: line.sample_index)
+
+        def unique() -> Iterator[Line]:
+            seen: set[int] = set()
+            for line in merged:
+                if line.sample_index in seen or line.sample_index not in all_rows:
+                    continue
+                seen.add(line.sample_index)
+                if isinstance(line, DroppedRow):
+                    summary.dropped[line.sample_index] = line.dropped.reason
+                    if not summary.first_detail or line.sample_index == min(summary.dropped):
+                        summary.first_detail = line.dropped.detail
+                else:
+                    summary.records += 1
+                    summary.truncated += line.truncated
+                    summary.tokens += line.generated_tokens
+                yield line
+            missing = sorted(all_rows - seen)
+            if missing:
+                raise RegenerationIncomplete(
+                    f"{len(missing)} rows of {store.uri(base.rstrip('/'))} are in no stored chunk after "
+                    f"every upload was confirmed (first: row {missing[0]}); something else deleted them. "
+                    "Rerun the range: stored answers are kept and only the gaps are generated"
+                )
+
+        write_lines(final, unique())
+    finally:
+        shutil.rmtree(read_dir, ignore_errors=True)
+    return summary
+
+
+def _stream(path: Path) -> Iterator[Line]:
+    """A stored file's lines, one at a time (chunks and the merged object are written in sample order)."""
+    with open(path, encoding="utf-8") as handle:
+        for number, text in enumerate(handle, start=1):
+            if text.strip():
+                yield parse_line(text, f"{path.name} line {number}")
+
+
+# ------------------------------------------------------------------------------------------ progress
+
+
+class _Counters:
+    """This run's counters, reported as a log line and a `RegenerationProgress` every `every_s` seconds."""
+
+    def __init__(
+        self,
+        total: int,
+        already_done: int,
+        uploader: Uploader,
+        log: Callable[[str], None],
+        every_s: float,
+        on_progress: Callable[[RegenerationProgress], None] | None,
+    ) -> None:
+        self.total, self.already_done, self.uploader = total, already_done, uploader
+        self.log, self.every_s, self.on_progress = log, every_s, on_progress
+        self.engine: Engine | None = None
+        self.generated = 0
+        self.tokens = 0
+        self._lock = threading.Lock()
+        self._started = self._last = time.monotonic()
+
+    def finished(self, line: Line) -> None:
+        with self._lock:
+            self.generated += 1
+            if isinstance(line, CompletionRecord):
+                self.tokens += line.generated_tokens
+
+    def snapshot(self, reason: str | None = None) -> RegenerationProgress:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        with self._lock:
+            generated, tokens = self.generated, self.tokens
+        rate = generated / elapsed
+        remaining = self.total - self.already_done - generated
+        stats = self.engine.stats if self.engine is not None else None
+        uploads = self.uploader.stats
+        return RegenerationProgress(
+            engine=self.engine.name if self.engine is not None else "",
+            samples_total=self.total,
+            samples_done=self.already_done + generated,
+            generated_this_run=generated,
+            tokens_this_run=tokens,
+            samples_per_s=rate,
+            tokens_per_s=tokens / elapsed,
+            eta_s=remaining / rate if rate > 0 else (0.0 if remaining <= 0 else None),
+            requests=stats.requests if stats else 0,
+            retries=stats.retries if stats else 0,
+            server_errors=stats.server_errors if stats else 0,
+            in_flight=stats.in_flight if stats else 0,
+            staging_bytes=uploads.staging_bytes,
+            staging_budget_bytes=uploads.staging_budget_bytes,
+            uploads_in_flight=uploads.queued + uploads.in_flight,
+            uploaded_bytes=uploads.uploaded_bytes,
+            reason=reason,
+        )
+
+    def report(self, reason: str | None = None) -> None:
+        self._last = time.monotonic()
+        p = self.snapshot(reason)
+        eta = f"{p.eta_s:,.0f} s" if p.eta_s is not None else "unknown"
+        self.log(
+            f"generation: {p.samples_done}/{p.samples_total} conversations "
+            f"({p.generated_this_run} this run) | "
+            f"{p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:.2f} conversations/s | ETA {eta} | "
+            f"{p.requests} requests, {p.in_flight} in flight, {p.retries} retries, {p.server_errors} server "
+            f"errors | uploads in flight {p.uploads_in_flight}" + (f" | {reason}" if reason else "")
+        )
+        if self.on_progress is not None:
+            self.on_progress(p)
+
+    def maybe_report(self, reason: str | None = None) -> None:
+        if time.monotonic() - self._last >= self.every_s:
+            self.report(reason)

@@ -1,0 +1,51 @@
+"""How the target answers: sampling, length, chat-template arguments. Part of a range's fingerprint."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Temperature 0 is greedy decoding: what speculative decoding at temperature 0 accepts against."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_new_tokens: int = 2048
+    # Passed to the chat template (and to servers as `chat_template_kwargs`), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0  # sampled decoding only
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0, got {self.temperature} (DFLASH_GENERATE_TEMPERATURE)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens must be >= 1, got {self.max_new_tokens} (DFLASH_GENERATE_MAX_NEW_TOKENS)"
+            )
+        try:
+            json.dumps(self.chat_template_kwargs)
+        except TypeError as error:
+            raise ValueError(f"chat_template_kwargs must be JSON: {error}") from None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides the answers: two ranges with different values are never mixed. A greedy run's
+        sampling knobs and seed decide nothing, so they are left out of it."""
+        values = asdict(self)
+        if self.greedy:
+            for name in ("top_p", "top_k", "seed"):
+                values.pop(name)
+        return values

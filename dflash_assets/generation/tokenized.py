@@ -1,0 +1,84 @@
+"""A range's regenerated conversations as tokenized samples: what `tokenized_completions` reads when the
+target answered them itself (`DFLASH_COMPLETIONS=target`).
+
+Each sample is the last answer's prompt followed by the answer, with the target's exact token ids where
+the engine returned them (the in-process engine always does), so the drafter trains on exactly the
+tokens the target produced; earlier answers inside the prompt are in the loss mask too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.tokenize import (
+    DEFAULT_MAX_LENGTH,
+    AnswerTokenizer,
+    BadRow,
+    TokenizeResult,
+    TooManyBadRows,
+)
+from dflash_assets.generation.records import iter_records
+
+
+def tokenize_completions(
+    tokenizer: Any,
+    completions: Path,
+    *,
+    dropped_upstream: Mapping[int, str] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    overlong: str = "truncate",
+    max_bad_fraction: float = 0.5,
+    where: str = "target_completions",
+) -> TokenizeResult:
+    """Tokenize every record of a range's `completions.jsonl`. `dropped_upstream` (row -> reason, from
+    the target_completions manifest) carries rows the target never answered into `result.dropped`."""
+    encode = AnswerTokenizer(
+        tokenizer, chat_template_kwargs=chat_template_kwargs, max_length=max_length, overlong=overlong
+    )
+    result = TokenizeResult()
+    reasons: Counter[str] = Counter()
+
+    def drop(index: int, dropped: Dropped) -> None:
+        result.dropped[index] = dropped.reason
+        reasons[dropped.reason] += 1
+        if result.first_bad is None or index < result.first_bad.index:
+            result.first_bad = BadRow(where, index, f"row {index}", dropped.reason, dropped.detail)
+
+    for index, reason in sorted((dropped_upstream or {}).items()):
+        result.rows += 1
+        drop(int(index), Dropped(reason, "dropped by target_completions"))
+    for record in iter_records(completions):
+        result.rows += 1
+        turn = record.turns[-1]
+        position = int(turn["message"])
+        answered = encode(
+            record.messages[:position],
+            record.messages[position],
+            stopped=turn["finish_reason"] == "stop",
+            completion_token_ids=turn.get("completion_token_ids"),
+            prompt_token_ids=record.prompt_token_ids,
+            sample_index=record.sample_index,
+        )
+        if isinstance(answered.sample, Dropped):
+            drop(record.sample_index, answered.sample)
+            continue
+        result.samples.append(answered.sample)
+        result.tokens += answered.sample.num_tokens
+        result.loss_tokens += sum(answered.sample.loss_mask)
+        result.truncated += answered.truncated
+        result.exact_ids += answered.exact
+    result.samples.sort(key=lambda sample: sample.sample_index)
+    result.dropped = dict(sorted(result.dropped.items()))
+    result.dropped_by_reason = dict(sorted(reasons.items()))
+    if result.rows and result.bad_fraction > max_bad_fraction:
+        counts = ", ".join(f"{reason}={count}" for reason, count in result.dropped_by_reason.items())
+        raise TooManyBadRows(
+            f"{len(result.dropped)} of {result.rows} rows of {where} were dropped ({counts}), more than "
+            f"max_bad_fraction={max_bad_fraction}. First bad row: {result.first_bad}."
+        )
+    return result

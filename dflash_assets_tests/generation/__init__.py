@@ -1,0 +1,1 @@
+"""Tests of the generation stage: turn planning, the engines, exactly-once regeneration of a range."""

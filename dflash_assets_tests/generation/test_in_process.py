@@ -1,0 +1,92 @@
+"""The in-process engine: batched answers equal Hugging Face `generate` one prompt at a time, end at the
+target's end-of-turn token, and keep the exact ids the target produced."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_assets.conversations.datasets import bundled_dataset_path
+from dflash_assets.generation.conversation import Regeneration
+from dflash_assets.generation.engine import TurnScheduler
+from dflash_assets.generation.in_process import InProcessEngine, prompt_token_ids, split_reasoning
+from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.target.model import load_target_model
+
+
+@pytest.fixture(scope="module")
+def demo_target(demo_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return load_target_model(demo_model_dir, "cpu"), AutoTokenizer.from_pretrained(demo_model_dir)
+
+
+def bundled_conversations(count: int) -> list[list[dict]]:
+    with open(bundled_dataset_path()) as handle:
+        return [json.loads(line)["messages"] for _, line in zip(range(count), handle, strict=False)]
+
+
+def answer_all(engine: InProcessEngine, conversations: list[list[dict]]) -> list[Regeneration]:
+    plans = [Regeneration(i, messages) for i, messages in enumerate(conversations)]
+    scheduler = TurnScheduler(plans, on_finished=lambda c: None, on_dropped=lambda c, d: None)
+    engine.run(scheduler, tick=lambda: None)
+    return plans
+
+
+def test_batched_greedy_answers_equal_generate_one_prompt_at_a_time(demo_target):
+    model, tokenizer = demo_target
+    settings = GenerationSettings(max_new_tokens=24)
+    conversations = bundled_conversations(10)
+    engine = InProcessEngine(model, tokenizer, settings, device="cpu", max_tokens_per_batch=400)
+    answered = answer_all(engine, conversations)
+
+    for plan in answered:
+        for position, answer in zip(plan.positions, plan.answers, strict=True):
+            history = plan.messages()[:position]
+            prompt = prompt_token_ids(tokenizer, history, settings)
+            assert answer.prompt_token_ids == prompt
+            with torch.inference_mode():
+                alone = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+            expected = alone[0, len(prompt) :].tolist()
+            assert answer.completion_token_ids == expected, f"sample {plan.sample_index} turn {position}"
+            assert answer.content == tokenizer.decode(expected, skip_special_tokens=True).strip()
+    assert sum(plan.turns for plan in answered) > len(answered)  # multi-turn rows among them
+
+
+def test_an_answer_ends_at_the_end_of_turn_token_or_at_max_new_tokens(demo_target):
+    model, tokenizer = demo_target
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    engine = InProcessEngine(model, tokenizer, GenerationSettings(max_new_tokens=40), device="cpu")
+    answers = [a for plan in answer_all(engine, bundled_conversations(24)) for a in plan.answers]
+    stopped = [a for a in answers if a.finish_reason == "stop"]
+    cut = [a for a in answers if a.finish_reason == "length"]
+    assert stopped and cut  # the demo target does both within 40 tokens on these prompts
+    assert all(a.completion_token_ids[-1] == end_of_turn for a in stopped)
+    assert all(end_of_turn not in a.completion_token_ids[:-1] for a in stopped)
+    assert all(len(a.completion_token_ids) == 40 and end_of_turn not in a.completion_token_ids for a in cut)
+    assert all("<|im_end|>" not in a.content for a in answers)
+
+
+def test_sampled_answers_follow_the_seed(demo_target):
+    model, tokenizer = demo_target
+    conversations = bundled_conversations(4)
+
+    def sampled(seed: int) -> list[list[int]]:
+        settings = GenerationSettings(temperature=1.0, max_new_tokens=16, seed=seed)
+        engine = InProcessEngine(model, tokenizer, settings, device="cpu")
+        return [a.completion_token_ids for plan in answer_all(engine, conversations) for a in plan.answers]
+
+    greedy_engine = InProcessEngine(model, tokenizer, GenerationSettings(max_new_tokens=16), device="cpu")
+    greedy = [
+        a.completion_token_ids for plan in answer_all(greedy_engine, conversations) for a in plan.answers
+    ]
+    assert sampled(1) == sampled(1)
+    assert sampled(1) != sampled(2) and sampled(1) != greedy
+
+
+def test_a_reasoning_block_is_split_from_the_answer_as_qwen3_templates_write_it():
+    assert split_reasoning("<think>\nstep one\n</think>\n\nThe answer.") == ("The answer.", "step one")
+    assert split_reasoning("\n\nNo reasoning here. \n") == ("No reasoning here.", None)

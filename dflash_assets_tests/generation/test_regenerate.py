@@ -1,0 +1,253 @@
+"""Regenerating a range: every turn answered in order against the regenerated history, each row stored
+once in `completions.jsonl`, and a rerun after any failure asking only for what was not finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.tokenize import TooManyBadRows
+from dflash_assets.generation.engine import EngineUnavailable
+from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, DroppedRow, parse_line
+from dflash_assets.generation.regenerate import completions_fingerprint, regenerate_range
+from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.storage.local_store import LocalStore
+from dflash_assets.storage.manifest import new_manifest, write_manifest
+from dflash_assets.storage.open_store import open_store
+from dflash_assets.storage.store import ObjectStore
+from dflash_assets.storage.uploader import Uploader
+from dflash_assets_tests.support.engines import ScriptedEngine, never_opened, scripted_content
+from dflash_assets_tests.support.stores import WatchedStore
+
+PREFIX = "target-completions/00000000-00000099"
+SETTINGS = GenerationSettings(max_new_tokens=16)
+FINGERPRINT = completions_fingerprint("tiny@0123", SETTINGS)
+
+
+def conversation(index: int) -> list[dict]:
+    """Three shapes in turn: two answered turns after a system prompt, a prompt only, an empty answer."""
+    if index % 3 == 0:
+        return [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": f"q{index}a"},
+            {"role": "assistant", "content": "the dataset's first answer"},
+            {"role": "user", "content": f"q{index}b"},
+            {"role": "assistant", "content": "the dataset's second answer"},
+        ]
+    if index % 3 == 1:
+        return [{"role": "user", "content": f"q{index}"}]
+    return [{"role": "user", "content": f"q{index}"}, {"role": "assistant", "content": ""}]
+
+
+def make_rows(n: int = 12, unreadable: tuple[int, ...] = (5,)) -> list[tuple[int, object]]:
+    bad = Dropped("malformed_json", "at column 3")
+    return [(i, bad if i in unreadable else conversation(i)) for i in range(n)]
+
+
+def turns_of(rows) -> int:
+    return sum(2 if i % 3 == 0 else 1 for i, row in rows if not isinstance(row, Dropped))
+
+
+def regenerate(store: ObjectStore, staging: Path, rows, engine, **options):
+    options = {"fingerprint": FINGERPRINT, "progress_every_s": 0.0, "chunk_records": 4, **options}
+    with Uploader(store, backoff_s=0.01) as uploader:
+        return regenerate_range(
+            rows=rows,
+            open_engine=engine if callable(engine) and not hasattr(engine, "run") else engine.opener(),
+            store=store,
+            prefix=PREFIX,
+            staging_dir=staging,
+            uploader=uploader,
+            log=lambda message: None,
+            **options,
+        )
+
+
+def stored_lines(store: ObjectStore) -> list:
+    text = store.get_bytes(f"{PREFIX}/{COMPLETIONS_NAME}").decode()
+    return [parse_line(line, "test") for line in text.splitlines() if line.strip()]
+
+
+def test_every_turn_is_answered_in_order_against_the_regenerated_history(store_url, tmp_path):
+    store = open_store(store_url)
+    rows = make_rows()
+    result = regenerate(store, tmp_path / "staging", rows, ScriptedEngine())
+    lines = stored_lines(store)
+
+    assert [line.sample_index for line in lines] == list(range(12))  # every row once, in order
+    records = {line.sample_index: line for line in lines if isinstance(line, CompletionRecord)}
+    assert set(records) == set(range(12)) - {5}
+    two_turns = records[0].messages
+    assert [m["role"] for m in two_turns] == ["system", "user", "assistant", "user", "assistant"]
+    assert two_turns[2]["content"] == "answer 0.0 to [q0a]"
+    # The second answer was generated from a history holding the first regenerated answer, not the
+    # dataset's: the scripted engine names the last prompt message, which is the second question.
+    assert two_turns[4]["content"] == "answer 0.1 to [q0b]"
+    assert "the dataset's" not in json.dumps(two_turns)
+    assert records[1].messages[-1] == {"role": "assistant", "content": "answer 1.0 to [q1]"}  # prompts only
+    assert records[2].messages == [  # an empty answer is answered like any other
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "answer 2.0 to [q2]"},
+    ]
+    assert records[0].turns[-1]["message"] == 4 and records[0].turns[0]["message"] == 2
+    assert result.dropped == {5: "malformed_json"} and result.records == 11
+    assert result.generated_now == 11 and result.requests == turns_of(rows)
+    # Chunks were the way in; the range is one object (plus its fingerprint) once merged.
+    names = sorted(info.key.rsplit("/", 1)[-1] for info in store.list(PREFIX + "/"))
+    assert names == ["_fingerprint.json", COMPLETIONS_NAME]
+
+
+def test_a_rerun_of_a_complete_range_opens_no_engine(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    rows = make_rows()
+    regenerate(store, tmp_path / "staging", rows, ScriptedEngine())
+    before = store.get_bytes(f"{PREFIX}/{COMPLETIONS_NAME}")
+    result = regenerate(store, tmp_path / "staging", rows, never_opened)
+    assert result.generated_now == 0 and result.reused_from_store == 12
+    assert store.get_bytes(f"{PREFIX}/{COMPLETIONS_NAME}") == before
+
+
+def test_after_the_engine_fails_a_rerun_asks_only_for_the_unfinished_conversations(store_url, tmp_path):
+    store = open_store(store_url)
+    rows = make_rows(30)
+    failing = ScriptedEngine(fail_after=13)
+    with pytest.raises(EngineUnavailable):
+        regenerate(store, tmp_path / "staging", rows, failing)
+    finished_before = {
+        line.sample_index
+        for line in _all_stored_or_staged(store, tmp_path / "staging")
+        if isinstance(line, CompletionRecord)
+    }
+    assert finished_before, "conversations finished before the failure must be kept"
+
+    again = ScriptedEngine()
+    result = regenerate(store, tmp_path / "staging", rows, again)
+    asked_again = {sample for sample, _ in again.asked}
+    assert not asked_again & finished_before  # nothing finished was asked for again
+    unfinished = [(i, row) for i, row in rows if i not in finished_before]
+    assert len(again.asked) == turns_of(unfinished)  # every turn of the others, once
+    assert result.reused_from_store + result.reused_from_staging == len(finished_before)
+
+    uninterrupted = LocalStore(tmp_path / "reference")
+    regenerate(uninterrupted, tmp_path / "staging-reference", rows, ScriptedEngine())
+    assert [line.to_json() for line in stored_lines(store)] == [
+        line.to_json() for line in stored_lines(uninterrupted)
+    ]
+
+
+def _all_stored_or_staged(store: ObjectStore, staging: Path) -> list:
+    lines = []
+    for info in store.list(PREFIX + "/chunks/"):
+        lines += [parse_line(t, info.key) for t in store.get_bytes(info.key).decode().splitlines() if t]
+    for path in staging.glob("*.jsonl"):
+        lines += [parse_line(t, str(path)) for t in path.read_text().splitlines() if t.strip()]
+    return lines
+
+
+def run_killed_after(journaled: int, store_dir: Path, staging: Path, rows: int) -> list[str]:
+    """Regenerate `rows` rows in a child process that SIGKILLs itself right after its `journaled`-th
+    conversation reached the journal (before any chunk is sealed); returns the journal's lines."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from test_regenerate import LocalStore, ScriptedEngine, make_rows, regenerate
+        regenerate(LocalStore({str(store_dir)!r}), __import__("pathlib").Path({str(staging)!r}),
+                   make_rows({rows}), ScriptedEngine(), chunk_records=1000, chunk_every_s=3600)
+        """
+    )
+    env = {**os.environ, "DFLASH_FAULT_POINTS": f"regenerate_journal@{journaled}"}
+    killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    return (staging / "journal.jsonl").read_text().splitlines()
+
+
+def test_a_sigkill_mid_range_loses_only_what_was_in_flight(tmp_path):
+    """Killed right after its 7th conversation was journaled (no chunk uploaded yet): the rerun finds
+    all 7 in staging and asks for none of them again."""
+    store_dir, staging = tmp_path / "store", tmp_path / "staging"
+    journal = run_killed_after(7, store_dir, staging, rows=30)
+    assert len(journal) == 7
+
+    store = LocalStore(store_dir)
+    again = ScriptedEngine()
+    result = regenerate(store, staging, make_rows(30), again)
+    journaled = {json.loads(line)["sample_index"] for line in journal}
+    assert result.reused_from_staging == 7
+    assert not {sample for sample, _ in again.asked} & journaled
+    assert [line.sample_index for line in stored_lines(store)] == list(range(30))
+
+
+def test_a_torn_last_journal_line_is_generated_again_and_the_rest_kept(tmp_path):
+    store_dir, staging = tmp_path / "store", tmp_path / "staging"
+    lines = run_killed_after(4, store_dir, staging, rows=12)
+    # A write cut short by the kill: the last line lost its second half and its newline.
+    (staging / "journal.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    kept = {json.loads(t)["sample_index"] for t in lines[:-1]}
+    torn = json.loads(lines[-1])["sample_index"]
+
+    again = ScriptedEngine()
+    result = regenerate(LocalStore(store_dir), staging, make_rows(12), again)
+    asked = {sample for sample, _ in again.asked}
+    assert torn in asked and not asked & kept
+    assert result.reused_from_staging == len(kept) == 3
+
+
+def test_answers_made_under_other_settings_are_deleted_manifest_first_and_regenerated(tmp_path):
+    store = WatchedStore(tmp_path / "store")
+    rows = make_rows(6, unreadable=())
+    regenerate(store, tmp_path / "staging", rows, ScriptedEngine())
+    write_manifest(store, PREFIX, new_manifest("target_completions", "00000000-00000099", {}))
+    sampled = completions_fingerprint("tiny@0123", GenerationSettings(temperature=0.7, max_new_tokens=16))
+    again = ScriptedEngine()
+    regenerate(store, tmp_path / "staging", rows, again, fingerprint=sampled)
+
+    assert store.deletions and store.objects_deleted_under_a_manifest() == []  # un-committed first
+    assert len(again.asked) == turns_of(rows)  # every answer made again under the new settings
+    assert json.loads(store.get_bytes(f"{PREFIX}/_fingerprint.json")) == sampled
+
+
+def test_truncated_answers_are_kept_and_counted_or_dropped_by_policy(tmp_path):
+    rows = make_rows(6, unreadable=())
+    kept = regenerate(LocalStore(tmp_path / "a"), tmp_path / "sa", rows, ScriptedEngine(truncate={1, 4}))
+    assert kept.truncated == 2 and kept.records == 6 and kept.dropped == {}
+
+    fingerprint = completions_fingerprint("tiny@0123", SETTINGS, truncated="drop")
+    dropped = regenerate(
+        LocalStore(tmp_path / "b"),
+        tmp_path / "sb",
+        rows,
+        ScriptedEngine(truncate={1, 4}),
+        truncated="drop",
+        fingerprint=fingerprint,
+    )
+    assert dropped.records == 4 and dropped.dropped == {1: "truncated_answer", 4: "truncated_answer"}
+    assert fingerprint != FINGERPRINT  # the policy changes what a range holds: never mixed
+
+
+def test_refused_requests_drop_their_rows_and_too_many_fail_the_range_naming_the_first(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    rows = make_rows(6, unreadable=())
+    result = regenerate(store, tmp_path / "staging", rows, ScriptedEngine(refuse={3}))
+    assert result.dropped == {3: "generation_failed"}
+    dropped_line = next(line for line in stored_lines(store) if isinstance(line, DroppedRow))
+    assert dropped_line.dropped.detail == "HTTP 400: prompt too long"
+
+    with pytest.raises(TooManyBadRows, match=r"row 0.*generation_failed.*prompt too long"):
+        regenerate(LocalStore(tmp_path / "other"), tmp_path / "s2", rows, ScriptedEngine(refuse={0, 1, 2, 4}))
+
+
+def test_the_scripted_answer_names_its_history():
+    # The other tests read which history an answer came from off its text; pin that rule here.
+    from dflash_assets.generation.conversation import Regeneration
+    from dflash_assets.generation.engine import TurnRequest
+
+    conv = Regeneration(7, conversation(6))
+    assert scripted_content(TurnRequest(conv, 0, conv.next_prompt())) == "answer 7.0 to [q6a]"
