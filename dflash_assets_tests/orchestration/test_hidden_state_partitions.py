@@ -197,6 +197,10 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
             {**env, "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "DFLASH_UPLOAD_MAX_IN_FLIGHT": "2"},
         )
         _kill_when(process, lambda: len(list(store.list(HS_PREFIX + "/hs_"))) >= 3)
+        # A PUT the proxy had already taken still reaches the store after the kill: let it land first.
+        deadline = time.monotonic() + 10
+        while (c := proxy.counters).requests > c.forwarded + c.faults and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert read_manifest(store, HS_PREFIX) is None  # never committed by the killed run
     staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
     stored_before = {i.key.rsplit("/", 1)[-1] for i in store.list(HS_PREFIX + "/hs_")}
