@@ -1,5 +1,5 @@
-"""`dflash-assets`: the headless demo, range registration, the reaper, the demo model, the benchmark, and
-the capacity plan."""
+"""`dflash-assets`: the demo, range registration, the reaper, a worker node, the demo model, the benchmark
+and the capacity plan."""
 
 from __future__ import annotations
 
@@ -212,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         "reap", help="mark runs whose worker on this host died as failed (and free any pool slots they hold)"
     )
     sub.add_parser("ranges", help="register the sample ranges covering DFLASH_DATASET with the instance")
+    worker = sub.add_parser(
+        "worker", help="run steps queued by DFLASH_EXECUTOR=celery on this node (DFLASH_CELERY_BROKER_URL)"
+    )
+    worker.add_argument("--queue", action="append", required=True, help="gpu, default; repeat for several")
+    worker.add_argument("--name", required=True, help="this node's name (step metadata `node`)")
+    worker.add_argument(
+        "--concurrency", type=int, default=None, help="steps at once (default: its devices, 1 on a CPU)"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -241,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "worker":
+        from dflash_assets.celery_worker import run_worker
+
+        try:
+            return run_worker(args.queue, args.name, args.concurrency)
+        except ValueError as error:
+            parser.error(str(error))
     if args.command == "bench":
         if args.gpu:
             from dflash_assets import settings

@@ -8,7 +8,11 @@ this host whose worker died, so rerunning a killed range from the shell needs no
 `DFLASH_EXECUTOR` (read when the code location loads) chooses the engine: `local` (default; steps
 as processes of the run worker, or in it with `execution: {config: {in_process: {}}}`) or `k8s`
 (`dagster_k8s.k8s_job_executor`: one Kubernetes Job per step, with the `dagster-k8s/config` op tags
-of `k8s.py`; needs the `k8s` extra).
+of `k8s.py`; needs the `k8s` extra) or `celery` (`celery_executor.py`: steps queued on a broker for
+`dflash-assets worker` nodes, on the `dagster-celery/queue` of `k8s.py`; needs the `celery` extra).
+
+While the run worker executes a run, step processes it starts die with it (`orphans.py`); a step
+process arms that watchdog when it imports this module to rebuild its job.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from dagster._core.execution.step_dependency_config import StepDependencyConfig
 from dagster._core.executor.base import Executor
 
 from dflash_assets import settings
+from dflash_assets.orphans import arm_if_started_by_a_run_worker, run_worker_environment
 from dflash_assets.recovery import reap_dead_runs, record_run_worker
+
+arm_if_started_by_a_run_worker()
 
 
 class RunWorkerRecordingExecutor(Executor):
@@ -47,7 +54,14 @@ class RunWorkerRecordingExecutor(Executor):
         worker = record_run_worker(instance, run.run_id)
         plan_context.log.debug(f"run worker {worker.tag}")
         reap_dead_runs(instance, plan_context.log.warning, rerun=run)
-        yield from self._inner.execute(plan_context, execution_plan)
+        with run_worker_environment():
+            yield from self._inner.execute(plan_context, execution_plan)
+
+    def __getattr__(self, name: str):
+        # What an engine asks of its own executor (the Celery loop: `app_args`) is the inner one's.
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
 
 
 def recording(inner: ExecutorDefinition) -> ExecutorDefinition:
@@ -73,6 +87,10 @@ def code_location_executor() -> ExecutorDefinition:
         from dagster_k8s import k8s_job_executor
 
         return recording(k8s_job_executor)
+    if kind == "celery":
+        from dflash_assets.celery_executor import celery_step_executor
+
+        return recording(celery_step_executor())
     if kind != "local":
-        raise ValueError(f"{settings.EXECUTOR.name}={kind!r}: expected `local` or `k8s`")
+        raise ValueError(f"{settings.EXECUTOR.name}={kind!r}: expected `local`, `k8s` or `celery`")
     return recording(multi_or_in_process_executor)

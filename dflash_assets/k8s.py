@@ -1,4 +1,4 @@
-"""Kubernetes scheduling of GPU steps: the `dagster-k8s/config` op tag of the GPU-bound assets.
+"""Where steps run: the `dagster-k8s/config` op tag of the GPU-bound assets, and every step's Celery queue.
 
 With `DFLASH_EXECUTOR=k8s` every step runs as its own Kubernetes Job (`dagster_k8s.k8s_job_executor`),
 and the executor reads this tag from the step's op. Elsewhere the tag is inert. The pod asks for
@@ -6,6 +6,10 @@ whole GPUs (`nvidia.com/gpu`, the NVIDIA device plugin's resource), tolerates th
 lands on GPU nodes, and stages hidden states on the node's ephemeral storage: an emptyDir volume
 with a size limit, counted against an `ephemeral-storage` request so the scheduler picks a node
 with room for it. Staged files only wait for their upload, so nothing is lost with the pod.
+
+With `DFLASH_EXECUTOR=celery` the `dagster-celery/queue` tag puts GPU steps on the `gpu` queue and
+CPU steps (tokenisation) on `default`; a node takes the queues its `dflash-assets worker --queue`
+names. Under any other executor that tag is inert too.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from typing import Any
 from dflash_assets import settings
 
 K8S_CONFIG_TAG = "dagster-k8s/config"
+CELERY_QUEUE_TAG = "dagster-celery/queue"  # dagster_celery.tags.DAGSTER_CELERY_QUEUE_TAG (an optional extra)
+GPU_QUEUE = "gpu"
+CPU_QUEUE = "default"
 GPU_RESOURCE = "nvidia.com/gpu"
 STAGING_VOLUME = "dflash-staging"
 STAGING_MOUNT = "/var/lib/dflash/staging"
@@ -31,12 +38,19 @@ def _node_selector() -> dict[str, str]:
     return selector
 
 
+def cpu_step_tags() -> dict[str, Any]:
+    """Op tags of a step that needs no GPU: Celery's `default` queue."""
+    return {CELERY_QUEUE_TAG: CPU_QUEUE}
+
+
 def gpu_step_tags(gpus: int = 1) -> dict[str, Any]:
-    """Op tags placing a step on `gpus` whole GPUs, with local staging on ephemeral storage."""
+    """Op tags placing a step on `gpus` whole GPUs (with local staging on ephemeral storage on
+    Kubernetes), and on Celery's `gpu` queue."""
     if gpus < 1:
         raise ValueError(f"a GPU step needs at least one GPU, got {gpus}")
     staging_size = settings.K8S_STAGING_SIZE.get()
     return {
+        CELERY_QUEUE_TAG: GPU_QUEUE,
         K8S_CONFIG_TAG: {
             "container_config": {
                 "resources": {

@@ -8,6 +8,7 @@ variables itself, so credentials never pass through our config, logs or run conf
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,8 +192,42 @@ RETRIGGER_BACKOFF_S = Setting(
 EXECUTOR = Setting(
     "DFLASH_EXECUTOR",
     "local",
-    "`local` (steps as processes of the run worker) or `k8s` (one Kubernetes Job per step). Read when the "
-    "code location loads.",
+    "`local` (steps as processes of the run worker), `k8s` (one Kubernetes Job per step) or `celery` (steps "
+    "queued on a broker for `dflash-assets worker` nodes). Read when the code location loads.",
+)
+CELERY_BROKER_URL = Setting(
+    "DFLASH_CELERY_BROKER_URL",
+    "",
+    "With `DFLASH_EXECUTOR=celery` and on every worker node: the broker, `redis://[:password@]host:6379/N` "
+    "or `amqp://user:password@host:5672//`. Read from the environment only, never logged.",
+)
+CELERY_RESULT_BACKEND = Setting(
+    "DFLASH_CELERY_RESULT_BACKEND",
+    "",
+    "Where workers leave step results. Empty: the broker itself for Redis, `rpc://` for RabbitMQ.",
+)
+CELERY_NODE_LOST_AFTER_S = Setting(
+    "DFLASH_CELERY_NODE_LOST_AFTER_S",
+    "30",
+    "Seconds a running step's worker may go without reporting it running before the step counts as lost "
+    "and is submitted again. Read when a run starts.",
+)
+CELERY_STEP_RESUBMITS = Setting(
+    "DFLASH_CELERY_STEP_RESUBMITS",
+    "2",
+    "Times one run submits a step again after losing its node, before the run fails. Read when a run starts.",
+)
+CELERY_RUN_CHECK_S = Setting(
+    "DFLASH_CELERY_RUN_CHECK_S",
+    "10",
+    "Seconds between a worker node's checks that a running step's run still waits for it; a step whose "
+    "run has ended (its run worker died and was reaped, or it was terminated) stops.",
+)
+NODE = Setting(
+    "DFLASH_NODE",
+    "",
+    "This node's name in step metadata `node` and compute logs (`dflash-assets worker --name` sets it). "
+    "Empty: the host name.",
 )
 K8S_NODE_SELECTOR = Setting(
     "DFLASH_K8S_NODE_SELECTOR",
@@ -225,6 +260,10 @@ def staging_dir() -> Path:
 
 def cache_dir() -> Path:
     return Path(CACHE_DIR.get() or _home() / "cache").expanduser()
+
+
+def node_name() -> str:
+    return NODE.get() or socket.gethostname()
 
 
 def samples_per_partition() -> int:

@@ -11,6 +11,7 @@ from dflash_assets import settings
 from dflash_assets.assets.hidden_states import load_tokenized
 from dflash_assets.io_manager import PartitionOutput
 from dflash_assets.k8s import gpu_step_tags
+from dflash_assets.nodes import step_node
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition
 
@@ -150,6 +151,7 @@ def drafter_checkpoints(
     from dflash_assets.training.settings import TrainSettings
     from dflash_assets.training.train import train_drafter
 
+    node = step_node(context)
     object_store = store.check()
     model_dir = target_model.model_dir()
     layer_ids = target_model.layer_ids()
@@ -263,6 +265,7 @@ def drafter_checkpoints(
             "tokens_per_s": MetadataValue.float(float(result.tokens_per_second)),
             "mode": config.mode,
             "device": device,
+            "node": node,
             "target_devices": ", ".join(target_devices) or "none (offline)",
             "drafter_uri": object_store.uri(export_prefix),
             "mask_token_id": drafter_config.mask_token_id,

@@ -21,6 +21,7 @@ from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.conversations.tokenize import read_shard
 from dflash_assets.io_manager import PartitionOutput
 from dflash_assets.k8s import gpu_step_tags
+from dflash_assets.nodes import step_node
 from dflash_assets.partitions import SAMPLE_RANGES
 from dflash_assets.progress import RangeProgressReporter, human_duration
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
@@ -78,6 +79,7 @@ def hidden_state_partitions(
     from dflash_assets.target.model import load_target_model
 
     sample_range = SampleRange.parse(context.partition_key)
+    node = step_node(context)
     progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
     object_store = store.check()
     layer_ids = target_model.layer_ids()  # validated before anything touches a device
@@ -153,6 +155,7 @@ def hidden_state_partitions(
             "staging_budget_bytes": store.staging_max_bytes,
             "padding_fraction": MetadataValue.float(result.padding_fraction),
             "device": device,
+            "node": node,
             "target_layer_ids": MetadataValue.json(layer_ids),
             "hidden_state_dtype": dtype,
         },

@@ -9,6 +9,7 @@ from dflash_assets import settings
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.io_manager import PartitionOutput
 from dflash_assets.k8s import gpu_step_tags
+from dflash_assets.nodes import step_node
 from dflash_assets.partitions import SAMPLE_RANGES
 from dflash_assets.progress import RangeProgressReporter, human_duration
 from dflash_assets.resources import (
@@ -102,6 +103,7 @@ def target_completions(
     from dflash_assets.generation.regenerate import completions_fingerprint, regenerate_range
 
     sample_range = SampleRange.parse(context.partition_key)
+    node = step_node(context)
     object_store = store.check()
     generation_settings = config.generation_settings()
     fingerprint = completions_fingerprint(target_model.name, generation_settings, config.truncated)
@@ -168,6 +170,7 @@ def target_completions(
             "server_errors": result.server_errors,
             "prompt_token_mismatches": result.prompt_token_mismatches,
             "engine": result.engine or "none (every row was already answered)",
+            "node": node,
             "duration": MetadataValue.text(human_duration(result.duration_s)),
             "generation": MetadataValue.json(fingerprint["generation"]),
         }

@@ -15,6 +15,8 @@ from dflash_assets.capacity_plan import range_plan_metadata
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.conversations.tokenize import TokenizeResult, tokenize_range, write_shard
 from dflash_assets.io_manager import PartitionOutput
+from dflash_assets.k8s import cpu_step_tags
+from dflash_assets.nodes import step_node
 from dflash_assets.partitions import SAMPLE_RANGES
 from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition, partition_prefix
@@ -73,6 +75,7 @@ def _tokenize(
     completions: StoredPartition | None,
 ) -> PartitionOutput:
     sample_range = SampleRange.parse(context.partition_key)
+    node = step_node(context)
     store.check()
     tokenizer = target_model.load_tokenizer()
     if completions is None:
@@ -111,6 +114,7 @@ def _tokenize(
             "dropped": len(result.dropped),
             "completions": source["completions"],
             "exact_target_ids": result.exact_ids,
+            "node": node,
             **{f"dropped_{reason}": count for reason, count in sorted(result.dropped_by_reason.items())},
             # What this range, and the whole run, will take in the later stages (capacity_plan.py).
             **range_plan_metadata(
@@ -136,6 +140,7 @@ _ASSET = dict(
     partitions_def=SAMPLE_RANGES,
     io_manager_key="store_io_manager",
     group_name="dflash",
+    op_tags=cpu_step_tags(),
     kinds={"parquet", "s3"},
 )
 

@@ -21,7 +21,7 @@ from dflash_assets.k8s import GPU_RESOURCE, STAGING_MOUNT
 from dflash_assets_tests.conftest import REPO
 
 DEPLOY = REPO / "deploy"
-INSTANCE_FILES = [REPO / "dagster.yaml", DEPLOY / "dagster-postgres.yaml"]
+INSTANCE_FILES = [REPO / "dagster.yaml", DEPLOY / "dagster-postgres.yaml", DEPLOY / "dagster-nodes.yaml"]
 
 
 def _instance_config(path: Path, tmp_path: Path) -> dict:
@@ -137,11 +137,14 @@ def test_the_helm_values_give_the_chart_what_it_needs():
 
 def test_no_secret_value_is_written_into_the_deployment_files():
     text = "\n".join(
-        p.read_text() for p in [DEPLOY / "helm" / "values.yaml", DEPLOY / "compose.yaml", *INSTANCE_FILES]
+        p.read_text()
+        for p in [DEPLOY / "helm" / "values.yaml", DEPLOY / "compose.yaml", DEPLOY / "compose.worker.yaml"]
+        + INSTANCE_FILES
     )
     assert "postgresqlPassword" not in text
     assert not re.search(r"AWS_SECRET_ACCESS_KEY:[ \t]*\S", text)
-    assert not re.search(r"(?i)password:\s*(?!\$\{)['\"]?\w", text.replace("password:\n", ""))
+    passed_through = re.sub(r"(?i)password:[ \t]*\n", "", text)  # a key with no value: from the environment
+    assert not re.search(r"(?i)password:\s*(?!\$\{)['\"]?\w", passed_through)
 
 
 def test_the_instance_the_chart_renders_passes_dagsters_schema(tmp_path):
@@ -268,7 +271,8 @@ def test_the_compose_file_runs_postgres_the_code_location_on_the_gpus_the_webser
     assert gpus["driver"] == "nvidia" and "gpu" in gpus["capabilities"]
     for name in ("code-location", "webserver", "daemon"):
         mounts = services[name]["volumes"]
-        assert "./dagster-postgres.yaml:/opt/dagster/dagster_home/dagster.yaml:ro" in mounts
+        instance = "./${DAGSTER_INSTANCE_FILE:-dagster-postgres.yaml}"
+        assert f"{instance}:/opt/dagster/dagster_home/dagster.yaml:ro" in mounts
         assert services[name]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert "dagster-daemon" in services["daemon"]["command"]
     assert "dagster-webserver" in services["webserver"]["command"]
@@ -276,6 +280,44 @@ def test_the_compose_file_runs_postgres_the_code_location_on_the_gpus_the_webser
     workspace = yaml.safe_load((DEPLOY / "workspace.yaml").read_text())
     server = workspace["load_from"][0]["grpc_server"]
     assert (server["host"], server["port"]) == ("code-location", 4000)
+
+
+WORKER = yaml.safe_load((DEPLOY / "compose.worker.yaml").read_text())
+
+
+def test_the_worker_compose_file_runs_one_worker_node_on_the_gpus_with_its_own_staging():
+    worker = WORKER["services"]["worker"]
+    assert worker["command"] == [
+        "dflash-assets", "worker", "--queue", "gpu", "--queue", "default", "--name", "${DFLASH_NODE}"
+    ]  # fmt: skip
+    (gpus,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert gpus["driver"] == "nvidia" and gpus["count"] == "all" and "gpu" in gpus["capabilities"]
+    env = worker["environment"]
+    for secret in ("DFLASH_CELERY_BROKER_URL", "DAGSTER_PG_PASSWORD", "AWS_SECRET_ACCESS_KEY"):
+        assert env[secret] is None  # passed through from the node's environment, never written here
+    assert env["DFLASH_STAGING_DIR"].startswith("/var/lib/dflash/") and "dflash-data:/var/lib/dflash" in (
+        worker["volumes"]
+    )
+    assert env["DFLASH_STORE_URL"].startswith("${DFLASH_STORE_URL:?")  # one store for every node
+    # The broker, on the one node that hosts it: its password in no process argument.
+    broker = WORKER["services"]["broker"]
+    assert broker["profiles"] == ["broker"] and "--aclfile" in broker["command"][0]
+    assert "$$REDIS_PASSWORD" in broker["command"][0]
+    assert "REDIS_PASSWORD" not in " ".join(broker["entrypoint"])
+    # The head's code location chooses the Celery executor and the broker from its environment.
+    head = COMPOSE["services"]["code-location"]["environment"]
+    assert head["DFLASH_EXECUTOR"] == "${DFLASH_EXECUTOR:-local}" and head["DFLASH_CELERY_BROKER_URL"] is None
+
+
+def test_the_several_node_instance_keeps_compute_logs_in_s3_as_s3_compute_log_manager_reads_them(monkeypatch):
+    from dagster_aws.s3.compute_log_manager import S3ComputeLogManager
+
+    monkeypatch.setenv("DAGSTER_COMPUTE_LOG_BUCKET", "dflash-logs")
+    section = yaml.safe_load((DEPLOY / "dagster-nodes.yaml").read_text())["compute_logs"]
+    assert section["class"] == "S3ComputeLogManager"
+    result = process_config(S3ComputeLogManager.config_type(), section["config"])
+    assert result.success, result.errors
+    assert result.value["bucket"] == "dflash-logs"
 
 
 def test_the_dockerfile_passes_hadolint_and_pins_a_cuda_torch_build_with_the_extras():
@@ -287,7 +329,7 @@ def test_the_dockerfile_passes_hadolint_and_pins_a_cuda_torch_build_with_the_ext
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"ARG TORCH_VERSION=\d+\.\d+\.\d+", text) and re.search(r"ARG TORCH_CUDA=cu\d+", text)
     assert '"torch==${TORCH_VERSION}+${TORCH_CUDA}"' in text
-    assert '".[postgres,k8s]"' in text
+    assert '".[postgres,k8s,celery]"' in text
     assert re.search(r"^FROM \S+:\d", text, re.M)  # a pinned base image
 
 

@@ -5,7 +5,6 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,45 +26,18 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
+from dflash_assets_tests.support.cli import dagster as _dagster
+from dflash_assets_tests.support.cli import kill_when as _kill_when
+from dflash_assets_tests.support.cli import materialize_args
+from dflash_assets_tests.support.cli import run_cli as _run_cli
 
 KEY = "00000000-00000023"  # 24 samples per range keeps each run to seconds
 HS_PREFIX = f"hidden-states/{KEY}"
 TOK_PREFIX = f"tokenized-completions/{KEY}"
 
 
-def _dagster(args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
-    dagster = Path(sys.executable).with_name("dagster")
-    return subprocess.Popen(
-        [str(dagster), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        **popen,
-    )
-
-
 def _materialize_args(asset: str, partition: str = KEY, config: dict | None = None) -> list[str]:
-    args = [
-        "asset",
-        "materialize",
-        "-m",
-        "dflash_assets.definitions",
-        "--select",
-        asset,
-        "--partition",
-        partition,
-    ]
-    if config:
-        args += ["--config-json", json.dumps({"ops": {asset: {"config": config}}})]
-    return args
-
-
-def _run_cli(args: list[str], env: dict[str, str]) -> tuple[int, str]:
-    process = _dagster(args, env)
-    output, _ = process.communicate(timeout=300)
-    return process.returncode, output
+    return materialize_args(asset, partition, config)
 
 
 def _object_digests(store_url: str) -> dict[str, str]:
@@ -197,20 +169,6 @@ def metadata_sizes(pipeline) -> list[int]:
     return list(read_manifest(store, HS_PREFIX)["objects"].values())
 
 
-def _kill_when(process: subprocess.Popen, condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError("the run finished before the kill point:\n" + process.stdout.read()[-3000:])
-        if condition():
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    raise AssertionError("kill point never reached")
-
-
 @pytest.mark.parametrize("crash", ["mid-forward", "mid-upload", "before-manifest"])
 def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline, faulty_proxy, crash):
     url = _fresh_store(pipeline, f"crash-{crash}")
@@ -239,6 +197,10 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
             {**env, "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "DFLASH_UPLOAD_MAX_IN_FLIGHT": "2"},
         )
         _kill_when(process, lambda: len(list(store.list(HS_PREFIX + "/hs_"))) >= 3)
+        # A PUT the proxy had already taken still reaches the store after the kill: let it land first.
+        deadline = time.monotonic() + 10
+        while (c := proxy.counters).requests > c.forwarded + c.faults and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert read_manifest(store, HS_PREFIX) is None  # never committed by the killed run
     staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
     stored_before = {i.key.rsplit("/", 1)[-1] for i in store.list(HS_PREFIX + "/hs_")}

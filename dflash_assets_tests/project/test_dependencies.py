@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, requires, version
 import pytest
 from packaging.requirements import Requirement
 
-INTEGRATIONS = ["dagster-webserver", "dagster-aws", "dagster-postgres", "dagster-k8s"]
+INTEGRATIONS = ["dagster-webserver", "dagster-aws", "dagster-postgres", "dagster-k8s", "dagster-celery"]
 
 
 @pytest.mark.parametrize("integration", INTEGRATIONS)
@@ -34,3 +34,19 @@ def test_the_k8s_extra_pins_dagster_k8s_on_the_release_line_and_is_what_is_insta
     import dagster_k8s  # the extra resolves to an importable package on this core
 
     assert dagster_k8s.k8s_job_executor.name == "k8s"
+
+
+def test_the_celery_extra_pins_dagster_celery_on_the_release_line_and_is_what_is_installed():
+    import tomllib  # the checkout's pyproject: an editable install's metadata may predate it
+
+    from dflash_assets_tests.conftest import REPO
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("celery", "test"):
+        pins = [Requirement(r) for r in extras[extra] if Requirement(r).name == "dagster-celery"]
+        assert [str(r.specifier) for r in pins] == ["==0.29.27"], extra
+    assert version("dagster-celery") == "0.29.27"
+    import redis  # noqa: F401  the Redis broker's client comes with the extra
+    from dagster_celery import celery_executor
+
+    assert celery_executor.name == "celery"

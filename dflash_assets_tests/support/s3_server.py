@@ -86,6 +86,7 @@ class FaultyProxy:
         self._random = random.Random(seed)
         self._rule: _FaultRule | None = None
         self._counters = ProxyCounters()
+        self._forwarded: list[tuple[str, str]] = []  # (method, path) of every request sent upstream
         self._latency_s = 0.0
         self._bytes_per_s: float | None = None
         self._down = False
@@ -235,6 +236,11 @@ class FaultyProxy:
         with self._lock:
             return replace(self._counters, by_method=dict(self._counters.by_method))
 
+    def forwarded_paths(self, method: str) -> list[str]:
+        """Paths (query stripped) of the `method` requests forwarded upstream so far, in order."""
+        with self._lock:
+            return [path.split("?", 1)[0] for m, path in self._forwarded if m == method.upper()]
+
     def reset_counters(self) -> None:
         with self._lock:
             self._counters = ProxyCounters()
@@ -261,6 +267,10 @@ class FaultyProxy:
             if rule.share > 0 and self._random.random() < rule.share:
                 return rule.kind, rule.after_forward
             return None, False
+
+    def _record_forwarded(self, method: str, path: str) -> None:
+        with self._lock:
+            self._forwarded.append((method, path))
 
     def _count(self, kind: str) -> None:
         with self._lock:
@@ -323,6 +333,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._inject("drop")  # upstream unreachable: the client sees a dropped connection
             return
         self.proxy._count("forwarded")
+        self.proxy._record_forwarded(self.command, self.path)
         if fault is not None:
             self._inject(fault)
             return

@@ -1,0 +1,63 @@
+"""The `dagster` command as a user runs it from a shell: in a session of its own, so a test can kill
+its whole process group, or only the process itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def dagster(args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
+    executable = Path(sys.executable).with_name("dagster")
+    return subprocess.Popen(
+        [str(executable), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **popen,
+    )
+
+
+def materialize_args(asset: str, partition: str, config: dict | None = None) -> list[str]:
+    args = [
+        "asset",
+        "materialize",
+        "-m",
+        "dflash_assets.definitions",
+        "--select",
+        asset,
+        "--partition",
+        partition,
+    ]
+    if config:
+        args += ["--config-json", json.dumps({"ops": {asset: {"config": config}}})]
+    return args
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout_s: float = 300) -> tuple[int, str]:
+    process = dagster(args, env)
+    output, _ = process.communicate(timeout=timeout_s)
+    return process.returncode, output
+
+
+def kill_when(process: subprocess.Popen, condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
+    """SIGKILL the process's whole group as soon as `condition()` holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError("the run finished before the kill point:\n" + process.stdout.read()[-3000:])
+        if condition():
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    raise AssertionError("kill point never reached")
