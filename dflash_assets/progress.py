@@ -17,21 +17,12 @@ from typing import TYPE_CHECKING
 
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
-from dflash_assets.storage.units import human_bytes  # torch-free, unlike core.extract
+from dflash_assets.storage.units import human_bytes, human_duration  # torch-free, unlike core.extract
 
 if TYPE_CHECKING:
     from dflash_assets.extraction.extract import ExtractionProgress
 
 PROGRESS_TAG = "dflash/progress"
-
-
-def human_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def progress_line(progress: ExtractionProgress) -> str:
