@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        return run_demo(args.steps)
+        from dflash_assets import terminal
+
+        with terminal.live_progress():  # a status line on a terminal (quiet otherwise), output above it
+            return run_demo(args.steps)
     if args.command == "build-demo-model":
         from dflash_assets import settings
         from dflash_assets.target.demo_model import build_demo_model, ensure_demo_model
@@ -178,16 +181,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(keys)} sample ranges cover the dataset ({keys[0]} .. {keys[-1]}); {len(new)} new")
         return 0
     if args.command == "bench":
-        if args.gpu:
-            from dflash_assets.bench.gpu import run_gpu_bench
+        from dflash_assets import terminal
 
-            run_gpu_bench(tiny=args.tiny, tokens=args.tokens, rounds=args.rounds)
-            return 0
-        if args.tiny or args.tokens or args.rounds:
-            parser.error("--tiny, --tokens and --rounds go with --gpu")
-        from dflash_assets.bench.run import run_bench
+        with terminal.live_progress():  # a status line on a terminal (quiet otherwise), output above it
+            if args.gpu:
+                from dflash_assets.bench.gpu import run_gpu_bench
 
-        return run_bench(quick=args.quick, only=args.only, threads=args.threads)
+                run_gpu_bench(tiny=args.tiny, tokens=args.tokens, rounds=args.rounds)
+                return 0
+            if args.tiny or args.tokens or args.rounds:
+                parser.error("--tiny, --tokens and --rounds go with --gpu")
+            from dflash_assets.bench.run import run_bench
+
+            return run_bench(quick=args.quick, only=args.only, threads=args.threads)
     return 2
 
 

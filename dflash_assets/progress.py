@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
+from dflash_assets import terminal
 from dflash_assets.storage.units import human_bytes, human_duration  # torch-free, unlike core.extract
 
 if TYPE_CHECKING:
@@ -71,6 +72,21 @@ def progress_metadata(progress: ExtractionProgress, run_id: str) -> dict[str, Me
     return metadata
 
 
+def terminal_snapshot(progress: ExtractionProgress, task: str) -> terminal.ProgressSnapshot:
+    """The same snapshot for the terminal's status line (`dflash-assets demo`)."""
+    status = progress.reason if progress.reason and progress.reason != "done" else ""
+    staging = f"{progress.tokens_per_s:,.0f} tokens/s · staging {human_bytes(progress.staging_bytes)}"
+    return terminal.ProgressSnapshot(
+        task=task,
+        done=progress.samples_done,
+        total=progress.samples_total,
+        unit="samples",
+        rate=progress.samples_per_s if progress.extracted_this_run else None,
+        eta_s=progress.eta_s,
+        status=" · ".join(filter(None, [staging, status])),
+    )
+
+
 class RangeProgressReporter:
     """The `on_progress` callback of one range's extraction (see the module docstring)."""
 
@@ -79,10 +95,12 @@ class RangeProgressReporter:
         self._partition_key = partition_key
         self._observe_every_s = observe_every_s
         self._last_observed: float | None = None
+        self._task = f"{context.asset_key.to_user_string()} {partition_key}"
 
     def set_status(self, text: str) -> None:
         """The run's progress tag, for states before any snapshot (loading, waiting for a device)."""
         self._context.instance.add_run_tags(self._context.run_id, {PROGRESS_TAG: text[:200]})
+        terminal.report(terminal.ProgressSnapshot(self._task, status=text))
 
     def log_line(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -91,6 +109,10 @@ class RangeProgressReporter:
         self.set_status(progress_line(progress))
         now = time.monotonic()
         final = progress.reason == "done"
+        if final:
+            terminal.finish(self._task)
+        else:
+            terminal.report(terminal_snapshot(progress, self._task))
         if final or self._last_observed is None or now - self._last_observed >= self._observe_every_s:
             self._last_observed = now
             self._context.log_event(

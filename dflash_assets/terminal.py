@@ -18,6 +18,13 @@ command has turned the terminal on::
     ))
     terminal.finish("target_completions 00000000-00009999")   # its line goes away
 
+or, for a loop over known units, let `TaskProgress` keep the count, rate and ETA::
+
+    progress = terminal.TaskProgress("bench extraction", total=20, unit="measurements")
+    for ...:
+        progress.advance(status="round 2/5: capture")
+    progress.finish()
+
 A command turns it on around its work (`dflash-assets demo` and `bench` do)::
 
     with terminal.live_progress():
@@ -293,6 +300,42 @@ def _flush_std_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+
+
+class TaskProgress:
+    """Counts the units of one task and reports a snapshot at each step, with the rate and ETA measured
+    since it began (for producers that have no snapshots of their own)."""
+
+    def __init__(self, task: str, total: float | None, unit: str = "it", done: float = 0) -> None:
+        self.task, self.total, self.unit, self.done = task, total, unit, done
+        self._started, self._start_done = time.monotonic(), done
+        self.status = ""
+        self._report()
+
+    @property
+    def rate(self) -> float | None:
+        elapsed = time.monotonic() - self._started
+        done = self.done - self._start_done
+        return done / elapsed if done > 0 and elapsed > 0 else None
+
+    def snapshot(self) -> ProgressSnapshot:
+        return ProgressSnapshot(self.task, self.done, self.total, self.unit, self.rate, status=self.status)
+
+    def advance(self, count: float = 1, status: str | None = None) -> None:
+        self.done += count
+        if status is not None:
+            self.status = status
+        self._report()
+
+    def set_status(self, status: str) -> None:
+        self.status = status
+        self._report()
+
+    def _report(self) -> None:
+        report(self.snapshot())
+
+    def finish(self) -> None:
+        finish(self.task)
 
 
 _current: LiveProgress | None = None
