@@ -67,7 +67,7 @@ class DrafterConfig:
     layer_types: list[str] = field(default_factory=list)  # per layer; empty: all full attention
     sliding_window: int | None = None  # tokens a sliding layer sees, its own included
     extra: dict[str, Any] = field(default_factory=dict)  # provenance: tokenizer, run, mask-token source...
-    mask_token: str | None = None  # the mask token's text (`dflash_config.mask_token`); see mask_token_text
+    mask_token: str = DEFAULT_MASK_TOKEN  # its text, `dflash_config.mask_token`: see mask_token_text
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -149,7 +149,7 @@ class DrafterConfig:
             "dflash_config": {
                 "target_layer_ids": list(self.target_layer_ids),
                 "mask_token_id": self.mask_token_id,
-                "mask_token": self.mask_token or DEFAULT_MASK_TOKEN,
+                "mask_token": self.mask_token,
                 "block_size": self.block_size,
             },
             "torch_dtype": "bfloat16",
@@ -186,7 +186,7 @@ class DrafterConfig:
             layer_types=list(raw.get("layer_types") or []),
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             extra=provenance,
-            mask_token=dflash.get("mask_token"),
+            mask_token=str(dflash.get("mask_token") or DEFAULT_MASK_TOKEN),
         )
 
     def to_json(self) -> str:
@@ -229,7 +229,7 @@ class DrafterConfig:
         target_layer_ids = resolve_target_layer_ids(target, target_layer_ids, num_layers)
         vocab_size = int(target["vocab_size"])
         mask_token_id, mask_source = resolve_mask_token(target_model, mask_token_id, vocab_size)
-        mask_token = mask_token_text(target_model, mask_token_id)
+        mask_token = mask_token_text(target_model, mask_token_id) or DEFAULT_MASK_TOKEN
         rope = target.get("rope_parameters") or target.get("rope_scaling") or {}
         return cls(
             hidden_size=hidden_size,
@@ -362,7 +362,7 @@ def mask_token_text(target_model: str | Path, mask_token_id: int) -> str | None:
     `<|audio_start|>` for Qwen3.6's 248070), so the lookup finds that very id. For an id past the named
     tokens (Qwen3's 151669 = len(tokenizer)) `<|MASK|>`, which SGLang adds at len(tokenizer): the id the
     first-unused-id rule picks. A tokenizer that already uses `<|MASK|>` for another id gets a name it does
-    not have. None when the target has no loadable tokenizer (the export then writes `<|MASK|>`).
+    not have. None when the target has no loadable tokenizer (the config then keeps `<|MASK|>`).
     """
     try:
         from transformers import AutoTokenizer
