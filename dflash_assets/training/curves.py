@@ -151,12 +151,17 @@ class EventFileWriter:
             self._file.close()
 
 
-def event_file_name(wall_time: float | None = None) -> str:
-    """`events.out.tfevents.<unix time>.<host>.<pid>.<n>`: TensorBoard orders a directory's files by name,
-    so a resumed process's file sorts after the one it continues."""
-    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()) or "host"
+def event_file_name(after: list[str] | None = None, wall_time: float | None = None) -> str:
+    """`events.out.tfevents.<unix time>.<host>.<pid>.1`, TensorBoard's own pattern. TensorBoard reads a
+    directory's files in name order, so the time is made later than every file in `after` (a resume
+    within the same second as the interrupted process still sorts after it)."""
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
     stamp = int(time.time() if wall_time is None else wall_time)
-    return f"{EVENT_FILE_PREFIX}{stamp:010d}.{host}.{os.getpid()}.{time.monotonic_ns() % 10**6}"
+    for name in after or []:
+        earlier = name.rsplit("/", 1)[-1].removeprefix(EVENT_FILE_PREFIX).split(".")[0]
+        if earlier.isdigit():
+            stamp = max(stamp, int(earlier) + 1)
+    return f"{EVENT_FILE_PREFIX}{stamp:010d}.{host}.{os.getpid()}.1"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,7 +195,7 @@ class TrainingCurves:
         self.upload_every_s = upload_every_s
         self.log = log or (lambda message: None)
         self.local_dir = Path(local_dir)
-        name = event_file_name()
+        name = event_file_name([info.key for info in store.list(f"{self.prefix}/{EVENT_FILE_PREFIX}")])
         # A resumed run trains the steps after its checkpoint again: readers drop what the interrupted
         # process logged from there on.
         self.writer = EventFileWriter(
@@ -235,6 +240,7 @@ class TrainingCurves:
         try:
             self.upload()
             self.uploader.flush()
+            self.writer.path.unlink()  # the store has it now
         except Exception as error:
             if not failed:
                 raise

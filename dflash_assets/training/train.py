@@ -437,9 +437,9 @@ class DrafterTrainer:
     # -- the loop
 
     def train(self) -> TrainResult:
-        self.curves = self._open_curves()
         failed = True
         try:
+            self.curves = self._open_curves()
             if self.step == 0 and self.baseline is None:
                 # What an untrained drafter of this architecture achieves, measured the same way.
                 self.last_eval = self.baseline = self.evaluate()
@@ -454,7 +454,8 @@ class DrafterTrainer:
             failed = False
         finally:
             try:
-                self.curves.close(failed=failed)
+                if self.curves is not None:
+                    self.curves.close(failed=failed)
             finally:
                 terminal.finish(self.progress_task)
                 self.checkpoints.close()

@@ -25,17 +25,20 @@ def test_a_multimodal_config_counts_the_text_models_layers() -> None:
         resolve_target_layer_ids(config, [1, 16, 31, 46, 63])
 
 
-@pytest.mark.parametrize("num_layers", range(1, 130))
-@pytest.mark.parametrize("num_draft_layers", range(1, 9))
-def test_the_dflash_rule_never_picks_the_last_layer(num_layers: int, num_draft_layers: int) -> None:
-    try:
-        ids = dflash_target_layer_ids(num_layers, num_draft_layers)
-    except ValueError as error:  # too shallow: said, naming the setting
-        assert "DFLASH_TARGET_LAYER_IDS" in str(error)
-        return
-    assert max(ids) <= num_layers - 2 and ids == sorted(set(ids)) and min(ids) >= 0
-    if num_draft_layers > 1:
-        assert max(ids) == num_layers - 3  # the rule's last layer is N-3
+def test_the_dflash_rule_never_picks_the_last_layer() -> None:
+    picked = 0
+    for num_layers in range(1, 130):
+        for num_draft_layers in range(1, 9):
+            try:
+                ids = dflash_target_layer_ids(num_layers, num_draft_layers)
+            except ValueError as error:  # too shallow: said, naming the setting
+                assert "DFLASH_TARGET_LAYER_IDS" in str(error), (num_layers, num_draft_layers)
+                continue
+            picked += 1
+            assert max(ids) <= num_layers - 2 and ids == sorted(set(ids)) and min(ids) >= 0, ids
+            if num_draft_layers > 1:
+                assert max(ids) == num_layers - 3  # the rule's last layer is N-3
+    assert picked > 900  # nearly every (N, k) has a rule answer; the rest are too shallow
 
 
 def test_one_draft_layer_on_a_two_layer_target_would_be_the_last_layer_and_is_refused() -> None:

@@ -19,7 +19,7 @@ from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.store import ObjectStore
-from dflash_assets.training.curves import EventFileWriter, crc32c, tfrecord
+from dflash_assets.training.curves import EventFileWriter, crc32c, event_file_name, tfrecord
 from dflash_assets.training.data import OfflineData, OnlineData
 from dflash_assets.training.settings import TrainSettings
 from dflash_assets.training.train import TrainResult, train_drafter
@@ -122,6 +122,7 @@ def test_tensorboard_reads_each_steps_scalars_and_each_evaluations_from_the_stor
     assert curves["eval/loss"][6] == pytest.approx(result.eval["loss"], rel=1e-6)
     assert curves["eval/tau_measured"][6] == pytest.approx(result.acceptance_length_tau, rel=1e-6)
     assert curves["eval/tau_teacher_forced"][0] >= 1.0
+    assert list((tmp_path / "w" / "tensorboard").iterdir()) == []  # local copies gone once uploaded
 
 
 def test_a_resumed_run_continues_the_same_curves_in_an_s3_store(
@@ -192,6 +193,14 @@ def test_event_files_are_tensorboards_record_format_nan_included(tmp_path: Path)
     # Byte for byte what protobuf itself encodes for those events, framed as TFRecords.
     assert data == b"".join(tfrecord(event.SerializeToString()) for event in events)
     assert struct.unpack("<Q", data[:8])[0] == len(events[0].SerializeToString())
+
+
+def test_a_new_event_file_sorts_after_every_file_of_the_run_even_within_the_same_second() -> None:
+    first = event_file_name(wall_time=1_700_000_000.2)
+    second = event_file_name([f"checkpoints/r/tensorboard/{first}"], wall_time=1_700_000_000.7)
+    third = event_file_name([first, second], wall_time=1_600_000_000)  # a clock set back
+    assert sorted([third, second, first]) == [first, second, third]
+    assert first.startswith("events.out.tfevents.1700000000.") and "tfevents" in third
 
 
 class FakeWandb(types.ModuleType):
