@@ -2,11 +2,12 @@
 the run's checkpoints (`checkpoints/<run>/tensorboard/`), and to W&B or MLflow when installed and set up.
 
 `tensorboard --logdir` on a copy of that prefix shows the whole run: each process (the first one and
-every resume) writes its own event file, and a resumed one starts with a `SessionLog.START` at the step
+every resume) writes its own event files, and a resumed one starts with a `SessionLog.START` at the step
 after its checkpoint, so TensorBoard drops the steps an interrupted process logged past it (they are
 trained again). Files are uploaded through the run's uploader (so an S3 store works like a local one):
-every `upload_every_s`, at each checkpoint and at the end. A file is never uploaded while it is being
-appended to: what goes up is a copy.
+every `upload_every_s` and at the end. A file is never uploaded while it is being appended to: what goes
+up is a copy. At each checkpoint the file is closed, uploaded a last time and a new one begun, so a
+days-long run re-uploads at most one checkpoint interval's worth of events a minute.
 
 The event files are written here in TensorBoard's record format (TFRecord framing with masked CRC32C,
 `Event`/`Summary` protobuf messages encoded by hand), so training needs neither TensorFlow nor the
@@ -195,13 +196,12 @@ class TrainingCurves:
         self.upload_every_s = upload_every_s
         self.log = log or (lambda message: None)
         self.local_dir = Path(local_dir)
-        name = event_file_name([info.key for info in store.list(f"{self.prefix}/{EVENT_FILE_PREFIX}")])
+        self._keys = [info.key for info in store.list(f"{self.prefix}/{EVENT_FILE_PREFIX}")]
         # A resumed run trains the steps after its checkpoint again: readers drop what the interrupted
-        # process logged from there on.
-        self.writer = EventFileWriter(
-            self.local_dir / name, purge_from_step=start_step + 1 if start_step > 0 else None
-        )
-        self.key = f"{self.prefix}/{name}"
+        # process logged from there on (its first file says so).
+        self._purge_from = start_step + 1 if start_step > 0 else None
+        self.writer: EventFileWriter | None = None  # begun at the first event, so no file is empty
+        self.key = ""
         self._last_upload = time.monotonic()
         self._uploads = 0
         self.trackers = optional_trackers(run, dict(config or {}), self.log)
@@ -214,6 +214,11 @@ class TrainingCurves:
 
     def _log(self, step: int, scalars: Mapping[str, Any]) -> None:
         numbers = _finite(scalars)
+        if self.writer is None:
+            name = event_file_name(self._keys)
+            self.writer = EventFileWriter(self.local_dir / name, purge_from_step=self._purge_from)
+            self.key, self._purge_from = f"{self.prefix}/{name}", None
+            self._keys.append(self.key)
         self.writer.add_scalars(step, numbers)
         for tracker in list(self.trackers):
             try:
@@ -225,7 +230,10 @@ class TrainingCurves:
             self.upload()
 
     def upload(self) -> None:
-        """Upload a copy of the event file as it is now (in the background, through the uploader)."""
+        """Upload the current event file as it is now (in the background, through the uploader): a copy,
+        since it is still being appended to."""
+        if self.writer is None:
+            return
         self.writer.flush()
         self._last_upload = time.monotonic()
         self._uploads += 1
@@ -233,14 +241,22 @@ class TrainingCurves:
         shutil.copyfile(self.writer.path, snapshot)
         self.uploader.submit(snapshot, self.key, delete_after=True)
 
+    def rotate(self) -> None:
+        """End the current file: closed, uploaded a last time (and then deleted here); the next event
+        begins a new one. Done at each checkpoint."""
+        if self.writer is None:
+            return
+        self.writer.close()
+        self._last_upload = time.monotonic()
+        self.uploader.submit(self.writer.path, self.key, delete_after=True)
+        self.writer = None
+
     def close(self, *, failed: bool = False) -> None:
         """Final upload (waits for it), then close the optional trackers. After a failed run the curves
         so far are still uploaded, but an upload error is only logged: the run's own error matters."""
-        self.writer.close()
         try:
-            self.upload()
+            self.rotate()
             self.uploader.flush()
-            self.writer.path.unlink()  # the store has it now
         except Exception as error:
             if not failed:
                 raise

@@ -408,7 +408,7 @@ class DrafterTrainer:
         self.last_eval = self.evaluate()  # overlaps the upload
         self._log_eval()
         if self.curves is not None:
-            self.curves.upload()
+            self.curves.rotate()
         self.last_saved = self.step
         self._queue_report(self.step, self.store.uri(ref.prefix))
 

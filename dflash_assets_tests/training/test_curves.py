@@ -161,7 +161,9 @@ def test_a_resumed_run_continues_the_same_curves_in_an_s3_store(
     assert resumed.resumed_from_step == 4
 
     logdir = copy_of_the_run(store, "resumed", tmp_path / "copy")
-    assert len(list(logdir.iterdir())) == 2  # one event file per process
+    # Event files: per process, a new one at each checkpoint; names in the order they were begun.
+    files = sorted(path.name for path in logdir.iterdir())
+    assert len(files) == 5 and len({name.split(".")[3] for name in files}) == 5  # 0-2, 2-4, 4-5 | 5-6, 6-7
     # Step 5 was logged by the interrupted process and trained again after the resume: shown once.
     assert scalar_steps(logdir, "train/loss") == list(range(1, 8))
     expected = scalars(copy_of_the_run(store, "straight", tmp_path / "straight"))
