@@ -86,6 +86,8 @@ class ProgressSnapshot:
         count = _number(self.done) + (f"/{_number(self.total)}" if self.total is not None else "")
         fraction = self.fraction
         parts = [f"{fraction:.0%} {count} {self.unit}" if fraction is not None else f"{count} {self.unit}"]
+        if self.total is None and not self.done and self.rate is None:
+            parts = []  # a state, not a count yet ("loading the target model")
         if self.rate is not None:
             parts.append(f"{_rate(self.rate)} {self.unit}/s")
         eta = self.eta
