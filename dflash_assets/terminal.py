@@ -88,8 +88,10 @@ class ProgressSnapshot:
         parts = [f"{fraction:.0%} {count} {self.unit}" if fraction is not None else f"{count} {self.unit}"]
         if self.total is None and not self.done and self.rate is None:
             parts = []  # a state, not a count yet ("loading the target model")
-        if self.rate is not None:
+        if self.rate is not None and self.rate >= 0.1:
             parts.append(f"{_rate(self.rate)} {self.unit}/s")
+        elif self.rate:  # slow units read better the other way round: "42 s/step"
+            parts.append(f"{_rate(1 / self.rate)} s/{self.unit.removesuffix('s')}")
         eta = self.eta
         if fraction is not None and fraction >= 1.0:
             parts.append("done")

@@ -96,6 +96,8 @@ def test_the_figures_say_done_of_total_rate_and_eta_or_what_is_known() -> None:
         "42% 1,234/2,934 samples · 23.1 samples/s · ETA 12m05s"
     )
     assert ProgressSnapshot("x", 7, None, "rows").figures() == "7 rows"
+    slow = ProgressSnapshot("x", 1, 4, "steps", 1 / 312)
+    assert slow.figures() == "25% 1/4 steps · 312 s/step · ETA 15m36s"
     assert ProgressSnapshot("x", status="loading the target model on cpu").figures() == (
         "loading the target model on cpu"
     )
