@@ -105,8 +105,9 @@ class ProgressSnapshot:
         """The status line, at most `width` characters: task, bar (when the total is known), figures."""
         text = self.figures()
         fraction = self.fraction
-        if fraction is not None and width >= len(self.task) + len(text) + 16:
-            cells = max(10, min(30, width - len(self.task) - len(text) - 6))
+        room = width - len(self.task) - 3 - len(text) - 1  # what the figures leave for a bar
+        cells = min(24, room) if fraction is not None and room >= 10 else 0  # the figures come first
+        if cells:
             filled = int(round(fraction * cells))
             full, empty = ("█", "░") if unicode else ("#", "-")
             text = f"{full * filled}{empty * (cells - filled)} {text}"
