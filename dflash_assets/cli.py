@@ -223,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        return run_demo(args.steps)
+        from dflash_assets import terminal
+
+        with terminal.live_progress():  # a status line on a terminal (quiet otherwise), output above it
+            return run_demo(args.steps)
     if args.command == "build-demo-model":
         from dflash_assets import settings
         from dflash_assets.target.demo_model import build_demo_model, ensure_demo_model
@@ -257,19 +260,22 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
     if args.command == "bench":
-        if args.gpu:
-            from dflash_assets import settings
-            from dflash_assets.bench.gpu import run_gpu_bench
-            from dflash_assets.planning.gpu_result import gpu_result_path
+        from dflash_assets import terminal
 
-            result = args.result or (None if args.tiny else gpu_result_path(settings.cache_dir()))
-            run_gpu_bench(tiny=args.tiny, tokens=args.tokens, rounds=args.rounds, result_path=result)
-            return 0
-        if args.tiny or args.tokens or args.rounds or args.result:
-            parser.error("--tiny, --tokens, --rounds and --result go with --gpu")
-        from dflash_assets.bench.run import run_bench
+        with terminal.live_progress():  # a status line on a terminal (quiet otherwise), output above it
+            if args.gpu:
+                from dflash_assets import settings
+                from dflash_assets.bench.gpu import run_gpu_bench
+                from dflash_assets.planning.gpu_result import gpu_result_path
 
-        return run_bench(quick=args.quick, only=args.only, threads=args.threads)
+                result = args.result or (None if args.tiny else gpu_result_path(settings.cache_dir()))
+                run_gpu_bench(tiny=args.tiny, tokens=args.tokens, rounds=args.rounds, result_path=result)
+                return 0
+            if args.tiny or args.tokens or args.rounds or args.result:
+                parser.error("--tiny, --tokens, --rounds and --result go with --gpu")
+            from dflash_assets.bench.run import run_bench
+
+            return run_bench(quick=args.quick, only=args.only, threads=args.threads)
     return 2
 
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
-from dflash_assets.storage.units import human_bytes  # torch-free, unlike extraction/
+from dflash_assets import terminal
+from dflash_assets.storage.units import human_bytes, human_duration  # torch-free, unlike extraction/
 
 if TYPE_CHECKING:
     from dflash_assets.extraction.monitor import ExtractionProgress
@@ -29,15 +30,6 @@ if TYPE_CHECKING:
     RangeProgress = ExtractionProgress | RegenerationProgress
 
 PROGRESS_TAG = "dflash/progress"
-
-
-def human_duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def progress_line(progress: RangeProgress) -> str:
@@ -89,6 +81,28 @@ def progress_metadata(progress: RangeProgress, run_id: str) -> dict[str, Metadat
     return metadata
 
 
+def terminal_snapshot(progress: RangeProgress, task: str) -> terminal.ProgressSnapshot:
+    """The same snapshot for the terminal's status line (`dflash-assets demo`)."""
+    status = progress.reason if progress.reason and progress.reason != "done" else ""
+    regenerating = hasattr(progress, "generated_this_run")
+    if regenerating:  # conversations answered by the target
+        figures = f"{progress.tokens_per_s:,.0f} tokens/s · {progress.requests} requests"
+        figures += f" · {progress.retries} retries" if progress.retries else ""
+        moving = progress.generated_this_run
+    else:
+        figures = f"{progress.tokens_per_s:,.0f} tokens/s · staging {human_bytes(progress.staging_bytes)}"
+        moving = progress.extracted_this_run
+    return terminal.ProgressSnapshot(
+        task=task,
+        done=progress.samples_done,
+        total=progress.samples_total,
+        unit="conversations" if regenerating else "samples",
+        rate=progress.samples_per_s if moving else None,
+        eta_s=progress.eta_s,
+        status=" · ".join(filter(None, [figures, status])),
+    )
+
+
 class RangeProgressReporter:
     """The `on_progress` callback of one range's extraction or regeneration (see the module docstring)."""
 
@@ -97,10 +111,12 @@ class RangeProgressReporter:
         self._partition_key = partition_key
         self._observe_every_s = observe_every_s
         self._last_observed: float | None = None
+        self._task = f"{context.asset_key.to_user_string()} {partition_key}"
 
     def set_status(self, text: str) -> None:
         """The run's progress tag, for states before any snapshot (loading, waiting for a device)."""
         self._context.instance.add_run_tags(self._context.run_id, {PROGRESS_TAG: text[:200]})
+        terminal.report(terminal.ProgressSnapshot(self._task, status=text))
 
     def log_line(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -109,6 +125,10 @@ class RangeProgressReporter:
         self.set_status(progress_line(progress))
         now = time.monotonic()
         final = progress.reason == "done"
+        if final:
+            terminal.finish(self._task)
+        else:
+            terminal.report(terminal_snapshot(progress, self._task))
         if final or self._last_observed is None or now - self._last_observed >= self._observe_every_s:
             self._last_observed = now
             self._context.log_event(

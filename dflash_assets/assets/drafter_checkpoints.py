@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import time
 from pathlib import Path
 
 from dagster import AssetExecutionContext, AssetIn, AssetObservation, Config, MetadataValue, asset
@@ -12,6 +13,7 @@ from dflash_assets.assets.hidden_states import load_tokenized
 from dflash_assets.io_manager import PartitionOutput
 from dflash_assets.k8s import gpu_step_tags
 from dflash_assets.nodes import step_node
+from dflash_assets.progress import PROGRESS_TAG
 from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition
 
@@ -229,6 +231,13 @@ def drafter_checkpoints(
             metadata.update(_block_metadata("spec_", report.get("speculative")))
             context.log_event(AssetObservation(asset_key=context.asset_key, metadata=metadata))
 
+        tagged_at = [0.0]
+
+        def on_progress(snapshot) -> None:  # the Runs list's `dflash/progress`, as for extraction ranges
+            if time.monotonic() - tagged_at[0] >= 5.0 or snapshot.done == snapshot.total:
+                tagged_at[0] = time.monotonic()
+                context.instance.add_run_tags(context.run_id, {PROGRESS_TAG: snapshot.figures()[:200]})
+
         with store.uploader() as uploader:
             result = train_drafter(
                 drafter_config,
@@ -244,6 +253,7 @@ def drafter_checkpoints(
                 # Offline: a speculative evaluation that does not fit beside the drafter may borrow a
                 # free device for the target (training/memory.py).
                 spare_device=lambda: devices.try_lease(holder=holder, exclude=[device, *target_devices]),
+                on_progress=on_progress,
             )
             export_dir, metrics = export_trained_drafter(
                 result, drafter_config, work_dir / "export", run=config.run_name,

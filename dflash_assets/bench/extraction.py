@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_assets import settings
+from dflash_assets import settings, terminal
 from dflash_assets.bench.capture_ways import run_anchors_way, run_capture
 from dflash_assets.bench.workload import TOKEN_BUDGET, demo_layer_ids, demo_samples
 from dflash_assets.conversations.samples import TokenizedSample
@@ -167,11 +167,13 @@ def bench_extraction(count: int, rounds: int) -> dict[str, float]:
     moto = _moto_store()
     # Capture alone and with writes run back to back in every round, so they see the same load.
     kinds = ["anchors", "forward", "capture", "local", "local_fp8"] + (["s3"] if moto else [])
+    progress = terminal.TaskProgress("bench extraction", rounds * len(kinds), "measurements")
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(rounds):
             rate: dict[str, float] = {}
             cpu: dict[str, float] = {}  # process CPU seconds (every thread): load elsewhere hardly moves it
             for kind in kinds if round_index % 2 == 0 else reversed(kinds):
+                progress.set_status(f"round {round_index + 1}/{rounds}: {kind}")
                 cpu_started = time.process_time()
                 if kind in ("local", "local_fp8", "s3"):
                     url = moto[0] if kind == "s3" else str(Path(tmp) / f"store-{kind}-{round_index}")
@@ -186,6 +188,7 @@ def bench_extraction(count: int, rounds: int) -> dict[str, float]:
                     to_host = kind == "capture"
                     rate[kind], ours_padding = _timed(partial(_ours, model, samples, layer_ids, to_host))
                 cpu[kind] = time.process_time() - cpu_started
+                progress.advance()
             speedups.append(rate["capture"] / rate["anchors"])
             local_ratios.append(rate["local"] / rate["capture"])
             local_vs_forward.append(rate["local"] / rate["forward"])
@@ -202,6 +205,7 @@ def bench_extraction(count: int, rounds: int) -> dict[str, float]:
                 f"with writes {cpu['local']:.2f}",
                 flush=True,
             )
+    progress.finish()
     if moto:
         moto[1]()
     memory_ours = _peak_memory("ours", model_dir, count)

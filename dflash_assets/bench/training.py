@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_assets import settings
+from dflash_assets import settings, terminal
 from dflash_assets.bench.workload import demo_layer_ids, demo_samples
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.storage.open_store import open_store
@@ -81,7 +81,10 @@ def bench_training(count: int, steps: int, rounds: int) -> dict[str, float]:
             samples, [read_sample(store.get_bytes(k)).hidden_states for k, _ in objects]
         )
 
+        progress = terminal.TaskProgress("bench training", rounds * 3, "trainings")
+
         def rate(mode: str, data, run: str) -> float:
+            progress.set_status(run)
             result = train_drafter(
                 config,
                 TrainSettings(mode=mode, **train_settings),
@@ -91,6 +94,7 @@ def bench_training(count: int, steps: int, rounds: int) -> dict[str, float]:
                 work_dir=Path(tmp) / run,
                 log=lambda message: None,
             )
+            progress.advance()
             return result.tokens_per_second
 
         for round_index in range(rounds):
@@ -115,6 +119,7 @@ def bench_training(count: int, steps: int, rounds: int) -> dict[str, float]:
             offline_ratio.append(from_store / from_memory)
             offline_rates.append(from_store)
             online_rates.append(online)
+        progress.finish()
     return {
         "training tokens/s streaming from the store / tensors in memory (target >= 0.9)": statistics.median(
             offline_ratio

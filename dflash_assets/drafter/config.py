@@ -24,6 +24,9 @@ DRAFTER_FORMAT = "dflash-assets.drafter/2"  # our provenance block inside the re
 ARCHITECTURE = "DFlashDraftModel"  # what SGLang, vLLM and z-lab/dflash dispatch on
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 MASK_TOKEN_SETTING = "DFLASH_MASK_TOKEN_ID"
+# SGLang's name for the mask token when `dflash_config.mask_token` is absent; it looks the name up in the
+# target's tokenizer (and refuses one the tokenizer has under another id), else adds it at len(tokenizer).
+DEFAULT_MASK_TOKEN = "<|MASK|>"
 SHAPE_SETTING = "DFLASH_DRAFTER_SHAPE"
 
 # Where the two shared tensors live in a target checkpoint: plain causal LMs, then multimodal wrappers
@@ -64,6 +67,7 @@ class DrafterConfig:
     layer_types: list[str] = field(default_factory=list)  # per layer; empty: all full attention
     sliding_window: int | None = None  # tokens a sliding layer sees, its own included
     extra: dict[str, Any] = field(default_factory=dict)  # provenance: tokenizer, run, mask-token source...
+    mask_token: str = DEFAULT_MASK_TOKEN  # its text, `dflash_config.mask_token`: see mask_token_text
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -145,6 +149,7 @@ class DrafterConfig:
             "dflash_config": {
                 "target_layer_ids": list(self.target_layer_ids),
                 "mask_token_id": self.mask_token_id,
+                "mask_token": self.mask_token,
                 "block_size": self.block_size,
             },
             "torch_dtype": "bfloat16",
@@ -181,6 +186,7 @@ class DrafterConfig:
             layer_types=list(raw.get("layer_types") or []),
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             extra=provenance,
+            mask_token=str(dflash.get("mask_token") or DEFAULT_MASK_TOKEN),
         )
 
     def to_json(self) -> str:
@@ -223,6 +229,7 @@ class DrafterConfig:
         target_layer_ids = resolve_target_layer_ids(target, target_layer_ids, num_layers)
         vocab_size = int(target["vocab_size"])
         mask_token_id, mask_source = resolve_mask_token(target_model, mask_token_id, vocab_size)
+        mask_token = mask_token_text(target_model, mask_token_id) or DEFAULT_MASK_TOKEN
         rope = target.get("rope_parameters") or target.get("rope_scaling") or {}
         return cls(
             hidden_size=hidden_size,
@@ -237,6 +244,7 @@ class DrafterConfig:
             rope_theta=float(rope.get("rope_theta", target.get("rope_theta", 1_000_000.0))),
             max_position_embeddings=int(target.get("max_position_embeddings", 32768)),
             extra={"mask_token_source": mask_source, "shape": shape},
+            mask_token=mask_token,
             **drafter_shape(target, shape, num_layers),
         )
 
@@ -345,6 +353,32 @@ def resolve_mask_token(target_model: str | Path, explicit: int | None, vocab_siz
         f"no unused id is left for the drafter's mask slots; set {MASK_TOKEN_SETTING} (or run config "
         "mask_token_id) to an id whose embedding the drafter may use"
     )
+
+
+def mask_token_text(target_model: str | Path, mask_token_id: int) -> str | None:
+    """`dflash_config.mask_token`: what SGLang looks the mask token up by in the target's tokenizer.
+
+    The tokenizer's own token at `mask_token_id` when it names that id (`<|mask|>`, or e.g.
+    `<|audio_start|>` for Qwen3.6's 248070), so the lookup finds that very id. For an id past the named
+    tokens (Qwen3's 151669 = len(tokenizer)) `<|MASK|>`, which SGLang adds at len(tokenizer): the id the
+    first-unused-id rule picks. A tokenizer that already uses `<|MASK|>` for another id gets a name it does
+    not have. None when the target has no loadable tokenizer (the config then keeps `<|MASK|>`).
+    """
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(target_model))
+    except Exception:  # no tokenizer beside the weights (test targets): the text stays unknown
+        return None
+    if mask_token_id < len(tokenizer):
+        token = tokenizer.convert_ids_to_tokens(int(mask_token_id))
+        if isinstance(token, str) and token:
+            return token
+    vocab = tokenizer.get_vocab()
+    for candidate in (DEFAULT_MASK_TOKEN, "<|dflash_mask|>", f"<|dflash_mask_{mask_token_id}|>"):
+        if candidate not in vocab:
+            return candidate
+    return None
 
 
 def load_target_embeddings(target_model: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,13 @@
-"""The drafter as the engines load it: a model directory in the reference layout, and reading it back."""
+"""The drafter as the engines load it: a model directory in the reference layout, and reading it back.
+
+The directory also loads with `transformers.AutoModel.from_pretrained(dir, trust_remote_code=True)`:
+`config.json` carries an `auto_map` to `modeling_dflash.py`, copied in beside the weights.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -10,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_assets.drafter.config import (
+    CONFIG_NAME,
     WEIGHTS_NAME,
     DrafterConfig,
     load_target_embeddings,
@@ -17,6 +24,8 @@ from dflash_assets.drafter.config import (
 from dflash_assets.drafter.model import DFlashDrafter
 
 MODEL_CARD_NAME = "README.md"
+MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")  # torch + transformers only
+AUTO_MAP = {"AutoModel": f"{MODELING_FILE.stem}.DFlashDraftModel"}
 
 
 def export_drafter(
@@ -28,8 +37,9 @@ def export_drafter(
     model_card: str | None = None,
 ) -> Path:
     """Write the drafter as the engines load it: `config.json` (Qwen3 config with `architectures:
-    ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `dflash_config`), `model.safetensors` with
-    the reference weight names in `dtype` (bfloat16), and a model card `README.md`.
+    ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `dflash_config`, and an `auto_map` for
+    `AutoModel` with `trust_remote_code`), `model.safetensors` with the reference weight names in `dtype`
+    (bfloat16), `modeling_dflash.py`, and a model card `README.md`.
 
     The weights are the drafter's own, like the published drafters: the shared embedding and LM head
     stay in the target checkpoint. `provenance` is merged into the config's `dflash_assets` block.
@@ -43,7 +53,9 @@ def export_drafter(
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
     if model_card is not None:
         (directory / MODEL_CARD_NAME).write_text(model_card)
-    config.save(directory)  # last: a directory with a config is complete
+    shutil.copyfile(MODELING_FILE, directory / MODELING_FILE.name)
+    reference = {**config.to_reference_dict(), "auto_map": AUTO_MAP}
+    (directory / CONFIG_NAME).write_text(json.dumps(reference, indent=2) + "\n")  # last: marks it complete
     return directory
 
 

@@ -1,6 +1,12 @@
 """Which target decoder layers a drafter reads: DFlash's evenly spaced rule, or an explicit list.
 
 "Layer i" is the raw output of decoder layer i (0-based) = Hugging Face `output_hidden_states[i + 1]`.
+
+The last decoder layer (N-1) is never a target layer: Hugging Face's `hidden_states[N]` is its output
+after the model's final norm, and SGLang and vLLM capture a layer's output as the input of the next one
+("before layer i + 1"), which never runs for the last layer. A drafter trained on it would be served
+something else, or nothing. The rule below ends at N-3; only k = 1 on a target of at most 2 layers would
+reach N-1, and that is refused like an explicit list naming it.
 """
 
 from __future__ import annotations
@@ -29,13 +35,31 @@ def dflash_target_layer_ids(num_hidden_layers: int, num_draft_layers: int = 5) -
     else:
         span = num_hidden_layers - 4
         ids = [int(round(1 + (i * span) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-    if any(b <= a for a, b in zip(ids, ids[1:], strict=False)) or ids[-1] >= num_hidden_layers or ids[0] < 0:
+    if num_hidden_layers > 1 and ids[-1] == num_hidden_layers - 1:  # only k = 1 on a 2-layer target
+        reason = last_layer_reason(num_hidden_layers, explicit=False)
+        raise ValueError(f"the DFlash rule gives {ids} for {num_draft_layers} draft layer: {reason}")
+    increasing = all(a < b for a, b in zip(ids, ids[1:], strict=False))
+    if not increasing or ids[-1] >= num_hidden_layers - 1 or ids[0] < 0:
         raise ValueError(
             f"a model with {num_hidden_layers} decoder layers is too shallow for {num_draft_layers} evenly "
             f"spaced target layers (the rule gives {ids}); set {LAYER_IDS_SETTING} explicitly or use fewer "
             "draft layers"
         )
     return ids
+
+
+def last_layer_reason(num_layers: int, *, explicit: bool = True) -> str:
+    """Why the last decoder layer cannot be a target layer, and what to set instead."""
+    last = num_layers - 1
+    instead = f"Set {LAYER_IDS_SETTING} to layers in 0..{last - 1}"
+    if explicit and num_layers >= 4:
+        instead += f" (the DFlash rule ends at N-3 = {num_layers - 3}), or leave it empty for the rule"
+    return (
+        f"layer {last} is the last of the target's {num_layers} decoder layers, which a drafter cannot be "
+        f"served: Hugging Face's hidden_states[{num_layers}] is its output after the final norm, not its "
+        f"raw output, and SGLang and vLLM capture a layer as the input of the next one ('before layer "
+        f"{num_layers}'), which never runs. {instead}"
+    )
 
 
 def parse_layer_ids(text: str) -> list[int]:
@@ -71,8 +95,10 @@ def resolve_target_layer_ids(
         if not 0 <= layer_id < num_layers:
             raise ValueError(
                 f"{LAYER_IDS_SETTING} names layer {layer_id}, but the target model has {num_layers} decoder "
-                f"layers (valid ids 0..{num_layers - 1}; layer i is the raw output of decoder layer i)"
+                f"layers (valid ids 0..{num_layers - 2}; layer i is the raw output of decoder layer i)"
             )
+        if layer_id == num_layers - 1:
+            raise ValueError(f"{LAYER_IDS_SETTING}={layer_ids}: {last_layer_reason(num_layers)}")
     for previous, current in zip(layer_ids, layer_ids[1:], strict=False):
         if current <= previous:
             raise ValueError(

@@ -39,6 +39,12 @@ class TrainMetrics:
         self.window_steps += 1
         self.window_micro_batches += micro_batches
 
+    def steps_per_second(self, step: int) -> float | None:
+        """Optimiser steps per second in this process so far (None before its first step)."""
+        elapsed = time.monotonic() - self.run_started
+        done = step - self.start_step
+        return done / elapsed if done > 0 and elapsed > 0 else None
+
     @property
     def tokens_per_second(self) -> float:
         elapsed = time.monotonic() - self.run_started

@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dflash_assets import terminal
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.evaluate import evaluate_drafter
@@ -47,7 +49,9 @@ from dflash_assets.training.checkpoints import (
     CheckpointPolicy,
     DataPosition,
     restore_rng_state,
+    run_prefix,
 )
+from dflash_assets.training.curves import TENSORBOARD_DIR, TrainingCurves
 from dflash_assets.training.data import OfflineData, OfflineSource, OnlineData, OnlineSource
 from dflash_assets.training.memory import DeviceMemory, TorchDeviceMemory, target_for_evaluation
 from dflash_assets.training.metrics import TrainMetrics
@@ -89,6 +93,12 @@ def _index_ranges(indices: Sequence[int]) -> list[str]:
     return ranges
 
 
+def _gradient_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The global L2 norm of the gradients, as `clip_grad_norm_` measures it, without clipping."""
+    norms = [torch.linalg.vector_norm(p.grad.float()) for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
 class DrafterTrainer:
     """The parts of one training run, wired together: data plan, model, optimiser, checkpoints, metrics,
     and the evaluations (teacher-forced on held-out samples, speculative decoding with the target)."""
@@ -108,6 +118,7 @@ class DrafterTrainer:
         target_verifier: Callable[[], TargetVerifier] | None = None,
         device_memory: DeviceMemory | None = None,
         spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None = None,
+        on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
     ) -> None:
         if data.mode != settings.mode:
             raise ValueError(f"train mode is {settings.mode!r} but the data given is {data.mode!r}")
@@ -119,6 +130,8 @@ class DrafterTrainer:
         self.config, self.settings, self.store, self.run = config, settings, store, run
         self.log = log or (lambda message: None)
         self.on_checkpoint = on_checkpoint
+        self.on_progress = on_progress  # every step's snapshot, as the terminal gets it
+        self.work_dir = Path(work_dir)
         self.device = torch.device(settings.device)
         self.autocast_bf16 = self.device.type == "cuda" and settings.bf16_autocast
         # Offline, the trainer loads the target for each speculative evaluation itself, where it fits
@@ -175,6 +188,8 @@ class DrafterTrainer:
         self._eval_prompts: list[list[int]] | None = None
         self._speculative: SpeculativeEvaluator | None = None
         self.progress = TrainMetrics(config.block_size, 0, self.total_steps)
+        self.curves: TrainingCurves | None = None  # opened by train(), once the start step is known
+        self.step_scalars: dict[str, Any] = {}  # the last optimiser step's loss, gradient norm, sizes
         self.log(
             f"drafter: {config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} kv heads "
             f"x {config.head_dim} ({', '.join(sorted(set(config.layer_types)))}), mask token "
@@ -277,6 +292,7 @@ class DrafterTrainer:
             self.skipped_nonfinite += 1
             self._consecutive_nonfinite += 1
             self.optimizer.zero_grad(set_to_none=True)
+            self.step_scalars = self._step_scalars(outputs, len(samples), math.nan, None)
             self.log(f"WARNING: non-finite loss at step {self.step + 1} (samples {sample_indices}); skipped")
             if self._consecutive_nonfinite > self.settings.max_consecutive_nonfinite:
                 raise FloatingPointError(
@@ -286,14 +302,20 @@ class DrafterTrainer:
             return
         self._consecutive_nonfinite = 0
         weight = sum(o.weight_sum for o, _ in outputs)
+        grad_norm = None
         if weight > 0:  # a step without a single label leaves weights and moments alone
             for parameter in self.model.parameters():
                 if parameter.grad is not None:
                     parameter.grad.div_(weight)
             if self.settings.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+            else:
+                norm = _gradient_norm(self.model)
+            grad_norm = float(norm)  # before clipping, for the curves
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        loss = sum(o.weighted_ce_sum for o, _ in outputs) / weight if weight > 0 else None
+        self.step_scalars = self._step_scalars(outputs, len(samples), loss, grad_norm)
         for output, batch in outputs:
             self.progress.add(output, batch)
         self.progress.count_step(len(outputs))
@@ -316,6 +338,7 @@ class DrafterTrainer:
         """`{"teacher_forced": ..., "speculative": ...}` on the held-out samples (None without any)."""
         if not self.eval_ids:
             return None
+        self._report(f"evaluating {len(self.eval_ids)} held-out samples")
         rows: list[tuple[list[int], list[int]]] = []  # (token ids, loss mask) of each held-out sample
 
         def remember(stream: Iterator[DrafterBatch]) -> Iterator[DrafterBatch]:
@@ -343,6 +366,7 @@ class DrafterTrainer:
         prompts = (self._eval_prompts or [])[: self.settings.spec_eval_prompts]
         if not prompts:
             return None
+        self._report(f"speculative decoding with the target on {len(prompts)} held-out prompts")
         if not self._owns_target:
             verifier = self._speculative.verifier if self._speculative is not None else None
             return self._decode(verifier or self._target_verifier(), prompts)
@@ -407,6 +431,9 @@ class DrafterTrainer:
             },
         )
         self.last_eval = self.evaluate()  # overlaps the upload
+        self._log_eval()
+        if self.curves is not None:
+            self.curves.rotate()
         self.last_saved = self.step
         self._queue_report(self.step, self.store.uri(ref.prefix))
 
@@ -435,10 +462,13 @@ class DrafterTrainer:
     # -- the loop
 
     def train(self) -> TrainResult:
+        failed = True
         try:
+            self.curves = self._open_curves()
             if self.step == 0 and self.baseline is None:
                 # What an untrained drafter of this architecture achieves, measured the same way.
                 self.last_eval = self.baseline = self.evaluate()
+                self._log_eval()
                 self._queue_report(0, None)
                 self.report_committed(block=True)
             if self.step < self.total_steps:
@@ -446,8 +476,14 @@ class DrafterTrainer:
             if self.last_saved != self.step:
                 self.save_checkpoint()
             self.report_committed(block=True)
+            failed = False
         finally:
-            self.checkpoints.close()
+            try:
+                if self.curves is not None:
+                    self.curves.close(failed=failed)
+            finally:
+                terminal.finish(self.progress_task)
+                self.checkpoints.close()
         return self.result()
 
     def _train_steps(self) -> None:
@@ -461,10 +497,12 @@ class DrafterTrainer:
             with contextlib.closing(samples):
                 for index, ids in enumerate(steps, start=start):
                     here = DataPosition(epoch, index)
+                    started = time.monotonic()
                     self.train_step(here, [next(samples) for _ in ids], [self.source.lengths[i] for i in ids])
                     lr = self.optimizer.param_groups[0]["lr"]
                     self.scheduler.step()
                     self.step += 1
+                    self._record_step(lr, epoch, time.monotonic() - started)
                     last = index + 1 == len(plan)
                     self.position = DataPosition(epoch + 1, 0) if last else DataPosition(epoch, index + 1)
                     if self.step % self.settings.log_every_steps == 0 or self.step == self.total_steps:
@@ -475,6 +513,69 @@ class DrafterTrainer:
                         self.save_checkpoint()
                     self.report_committed(block=False)
             epoch, start = epoch + 1, 0
+
+    # -- curves and live progress
+
+    @property
+    def progress_task(self) -> str:
+        return f"training {self.run}"
+
+    def _open_curves(self) -> TrainingCurves:
+        return TrainingCurves(
+            self.store,
+            f"{run_prefix(self.run)}/{TENSORBOARD_DIR}",
+            self.work_dir / TENSORBOARD_DIR,
+            self.checkpoints.uploader,
+            run=self.run,
+            start_step=self.step,
+            config=self.settings.to_dict(),
+            log=self.log,
+        )
+
+    @staticmethod
+    def _step_scalars(
+        outputs: Sequence[tuple], sequences: int, loss: float | None, grad_norm: float | None
+    ) -> dict[str, Any]:
+        tokens = sum(batch.num_tokens for _, batch in outputs)
+        return {"loss": loss, "grad_norm": grad_norm, "sequences_per_step": sequences, "tokens": tokens}
+
+    def _record_step(self, lr: float, epoch: int, seconds: float) -> None:
+        """The step's scalars to the curves, its snapshot to the terminal (and `on_progress`)."""
+        scalars = dict(self.step_scalars)
+        tokens = scalars.pop("tokens", 0)
+        scalars.update(lr=lr, tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+        if self.curves is not None:
+            self.curves.log_step(self.step, scalars)
+        loss = scalars.get("loss")
+        loss_text = f" · loss {loss:.3f}" if isinstance(loss, float) else ""
+        self._report(f"epoch {epoch + 1}/{self.epochs_total}{loss_text}")
+
+    def _log_eval(self) -> None:
+        evaluation = self.last_eval or {}
+        teacher_forced = evaluation.get("teacher_forced") or {}
+        speculative = evaluation.get("speculative") or {}
+        if self.curves is not None and evaluation:
+            self.curves.log_eval(
+                self.step,
+                {
+                    "loss": teacher_forced.get("loss"),
+                    "tau_teacher_forced": teacher_forced.get("teacher_forced_tau"),
+                    "tau_measured": speculative.get("acceptance_length_tau"),
+                },
+            )
+
+    def _report(self, status: str) -> None:
+        snapshot = terminal.ProgressSnapshot(
+            task=self.progress_task,
+            done=self.step,
+            total=self.total_steps,
+            unit="steps",
+            rate=self.progress.steps_per_second(self.step),
+            status=status,
+        )
+        terminal.report(snapshot)
+        if self.on_progress is not None:
+            self.on_progress(snapshot)
 
     @property
     def epochs_total(self) -> int:
@@ -521,15 +622,18 @@ def train_drafter(
     target_verifier: Callable[[], TargetVerifier] | None = None,
     device_memory: DeviceMemory | None = None,
     spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None = None,
+    on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
 ) -> TrainResult:
     """Train a drafter, resuming from the newest complete checkpoint of `run` in `store` if any.
 
     Checkpoints go to `checkpoints/<run>/`. `log` gets a progress line every `log_every_steps` steps;
     `on_checkpoint` gets a dict (step, checkpoint URI, training and held-out metrics) once each
-    checkpoint is committed. Uploads run in the background while training continues; the final
-    checkpoint is committed before this returns. Offline, `spare_device` leases another device for a
-    speculative evaluation that does not fit beside the drafter (`training/memory.py`), and
-    `device_memory` reports free memory (default: what torch reports).
+    checkpoint is committed; `on_progress` a `terminal.ProgressSnapshot` at every step and evaluation
+    (the same one the terminal shows). Uploads run in the background while training continues; the
+    final checkpoint is committed before this returns. Per-step and per-evaluation scalars go to
+    TensorBoard event files under `checkpoints/<run>/tensorboard/` (see `curves.py`). Offline,
+    `spare_device` leases another device for a speculative evaluation that does not fit beside the
+    drafter (`training/memory.py`), and `device_memory` reports free memory (default: what torch reports).
     """
     trainer = DrafterTrainer(
         config,
@@ -544,6 +648,7 @@ def train_drafter(
         target_verifier=target_verifier,
         device_memory=device_memory,
         spare_device=spare_device,
+        on_progress=on_progress,
     )
     trainer.resume()
     return trainer.train()

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dflash_assets.drafter.config import resolve_mask_token
+from dflash_assets.drafter.config import DrafterConfig, mask_token_text, resolve_mask_token
 
 WORDS = ["<eos>", "hello", "world", "again"]
 
@@ -49,3 +49,32 @@ def test_a_tokenizer_that_names_every_row_and_no_mask_token_asks_for_the_setting
     directory = tokenizer_dir(tmp_path, mask_token=None, embedding_rows=len(WORDS))
     with pytest.raises(ValueError, match="set DFLASH_MASK_TOKEN_ID"):
         resolve_mask_token(directory, None, len(WORDS))
+
+
+# -- dflash_config.mask_token: the text SGLang looks the mask token up by
+
+
+def test_the_mask_tokens_text_is_the_tokenizers_own_token_at_that_id(tmp_path: Path) -> None:
+    directory = tokenizer_dir(tmp_path, mask_token="<mask>", embedding_rows=8)
+    assert mask_token_text(directory, 4) == "<mask>"
+    assert mask_token_text(directory, 1) == "hello"  # an explicit id the tokenizer names (like 248070)
+
+
+def test_an_id_past_the_named_tokens_is_sglangs_default_unless_the_tokenizer_has_it(tmp_path: Path) -> None:
+    # SGLang adds `<|MASK|>` at len(tokenizer): the very id the first-unused-id rule picks.
+    plain = tokenizer_dir(tmp_path / "plain", mask_token=None, embedding_rows=8)
+    assert mask_token_text(plain, len(WORDS)) == "<|MASK|>"
+    # A tokenizer that has `<|MASK|>` under another id would make SGLang refuse: another name is written.
+    taken = tokenizer_dir(tmp_path / "taken", mask_token="<|MASK|>", embedding_rows=8)
+    assert mask_token_text(taken, 6) == "<|dflash_mask|>"
+
+
+def test_the_export_writes_the_mask_token_beside_its_id(tmp_path: Path) -> None:
+    directory = tokenizer_dir(tmp_path, mask_token="<mask>", embedding_rows=8)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(hidden_size=16, num_hidden_layers=8, num_attention_heads=2, intermediate_size=32)
+    (directory / "config.json").write_text(json.dumps(config))
+    drafter = DrafterConfig.from_target(directory, num_layers=1, shape="target")
+    raw = drafter.to_reference_dict()["dflash_config"]
+    assert (raw["mask_token_id"], raw["mask_token"]) == (4, "<mask>")
+    assert DrafterConfig.from_reference_dict(drafter.to_reference_dict()).mask_token == "<mask>"

@@ -173,12 +173,12 @@ def test_objects_made_under_another_fingerprint_are_deleted_manifest_first_never
     store.put_bytes(f"{PREFIX}/{MANIFEST_NAME}", b'{"objects": {}}')
 
     changed = Extraction(store, tmp_path / "staging")
-    result = changed.run(target, samples, layer_ids=[0, TINY_LAYERS - 1])
+    result = changed.run(target, samples, layer_ids=[0, TINY_LAYERS - 2])
 
     assert result.extracted_now == 5 and result.reused_from_store == 0
     assert store.head(f"{PREFIX}/{MANIFEST_NAME}") is None
     for data in stored_objects(store).values():
-        assert read_sample(data).target_layer_ids == [0, TINY_LAYERS - 1]
+        assert read_sample(data).target_layer_ids == [0, TINY_LAYERS - 2]
     assert any("WARNING" in line and "deleting them" in line for line in changed.logs)
     assert store.deletions and store.objects_deleted_under_a_manifest() == []  # un-committed first
 

@@ -124,6 +124,22 @@ def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_
     ReferenceDrafter(local)  # every weight the reference layout names, and nothing else
     card = (local / "README.md").read_text()
     assert "sglang.launch_server" in card and "[1, 3, 5, 7, 9]" in card
+    assert config["dflash_config"]["mask_token"] == "<|mask|>"  # the demo tokenizer's token for id 3
+
+    # Training curves in the store: TensorBoard reads a loss (and the rest) at every step the run made.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir = tmp_path / "tensorboard"
+    for info in store.list("checkpoints/offline-run/tensorboard/"):
+        store.download(info.key, logdir / info.key.rsplit("/", 1)[-1])
+    curves = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    curves.Reload()
+    for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "sequences_per_step"):
+        assert [e.step for e in curves.Scalars(f"train/{tag}")] == list(range(1, TRAIN["max_steps"] + 1)), tag
+    assert [e.step for e in curves.Scalars("eval/tau_measured")] == [0, 2, 4, 6]
+
+    # The whole directory, copied out of the store, loads with transformers' AutoModel and remote code.
+    _check_automodel_export(store, "offline-run", tmp_path / "automodel", ranges["model_dir"])
 
     with open_instance(env["DAGSTER_HOME"]) as instance:
         event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
@@ -144,6 +160,33 @@ def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_
     assert len(observations) >= 4  # the untrained baseline, then one per checkpoint, for the UI's plots
     observed = observations[0].asset_observation.metadata
     assert {"eval_loss", "eval_teacher_forced_tau", "spec_acceptance_length_tau"} <= set(observed)
+
+
+def _check_automodel_export(store, run: str, local: Path, target_dir: Path) -> None:
+    """`AutoModel.from_pretrained(dir, trust_remote_code=True)` on a copy of drafter/<run>/ drafts what
+    the independent reader of the reference layout drafts."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for info in store.list(f"drafter/{run}/"):
+        store.download(info.key, local / info.key.rsplit("/", 1)[-1])
+    assert (local / "modeling_dflash.py").is_file()
+    remote = AutoModel.from_pretrained(local, trust_remote_code=True, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    ids = torch.randint(4, 1000, (25,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        states = target(input_ids=ids[None, :-1], output_hidden_states=True).hidden_states
+        context = torch.stack([states[i + 1][0] for i in remote.target_layer_ids], dim=1)  # [24, K, H]
+        block = torch.full((remote.block_size,), remote.mask_token_id)
+        block[0] = ids[-1]
+        hidden = remote(
+            position_ids=torch.arange(24 + remote.block_size)[None],
+            noise_embedding=target.get_input_embeddings()(block)[None],
+            target_hidden=context.reshape(1, 24, -1),
+        )
+        expected = ReferenceDrafter(local).draft_logits(
+            context, int(ids[-1]), target.get_input_embeddings(), target.lm_head
+        )
+    torch.testing.assert_close(target.lm_head(hidden[0, 1:]), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weights(ranges, tmp_path):
@@ -182,6 +225,24 @@ def test_hidden_states_captured_from_other_layers_are_refused_naming_the_partiti
     # The first object read names its partition (held-out samples are read first, for the baseline).
     assert any(f"(partition {key}," in output for key in RANGES)
     assert "[1, 3, 5, 7, 9]" in output and "[2, 4, 6, 8, 10]" in output
+
+
+def test_the_last_decoder_layer_as_a_target_layer_is_refused_naming_the_setting_and_why(ranges, tmp_path):
+    last = "DFLASH_TARGET_LAYER_IDS=[1, 3, 5, 7, 11]: layer 11 is the last of the target's 12 decoder layers"
+    for asset, partition in (("hidden_state_partitions", RANGES[0]), ("drafter_checkpoints", None)):
+        env = {
+            **ranges["env"],
+            "DAGSTER_HOME": make_dagster_home(tmp_path / asset),
+            "DFLASH_HOME": str(tmp_path / asset),
+            "DFLASH_TARGET_LAYER_IDS": "1,3,5,7,11",
+        }
+        config = {**TRAIN, "run_name": "last-layer"} if partition is None else None
+        done = _materialize(asset, env, partition, config)
+        assert done.returncode != 0
+        output = done.stdout + done.stderr
+        assert last in output and "hidden_states[12] is its output after the final norm" in output, asset
+    # Refused before anything was touched: the range's committed objects are still there.
+    assert read_manifest(open_store(ranges_store_url()), f"hidden-states/{RANGES[0]}") is not None
 
 
 def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ranges(ranges, tmp_path):

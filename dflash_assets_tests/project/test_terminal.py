@@ -1,0 +1,191 @@
+"""Live progress on a terminal: one steady status line with done/total, rate and ETA, other output
+scrolling above it whole; and nothing at all when the output is not a terminal (CI logs stay short)."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_assets import terminal
+from dflash_assets.terminal import LiveProgress, ProgressSnapshot
+
+CLEAR = "\r\x1b[2K"
+
+# A command as `dflash-assets demo` runs: reports from its own code, its own prints, and a child
+# process writing to the inherited stdout/stderr (as Dagster's compute-log `tail` does).
+SCRIPT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from dflash_assets import terminal
+
+    with terminal.live_progress():
+        for step in range(1, 21):
+            loss = f"loss {9 - step * 0.25:.2f}"
+            terminal.report(terminal.ProgressSnapshot(
+                "training run demo", done=step, total=20, unit="steps", rate=8.0, status=loss
+            ))
+            if step % 5 == 0:
+                print(f"step {step} on stdout")
+                subprocess.run([sys.executable, "-c", "print('a child process line')"])
+                print("a line on stderr", file=sys.stderr)
+            time.sleep(0.04)
+        terminal.finish("training run demo")
+    print("after the block")
+    """
+)
+
+
+def run_in_a_terminal(script: str) -> str:
+    """Run `script` with stdout and stderr on a pseudo-terminal; everything it drew, as text."""
+    main, child = pty.openpty()
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "120"}
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=child, stderr=child, env=env)
+    os.close(child)
+    chunks: list[bytes] = []
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the child side closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert process.wait(timeout=60) == 0
+    os.close(main)
+    return b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n")
+
+
+def test_a_terminal_shows_a_steady_status_line_and_output_scrolls_above_it_whole() -> None:
+    drawn = run_in_a_terminal(SCRIPT)
+    status = [part for part in drawn.split(CLEAR) if part.startswith("training run demo")]
+    assert any("25% 5/20 steps · 8.00 steps/s · ETA 2s · loss 7.75" in line for line in status)
+    assert any("100% 20/20 steps · 8.00 steps/s · done · loss 4.00" in line for line in status)
+    assert all("\n" not in line for line in status)  # redrawn in place, never a new line of its own
+    # Every output line arrives whole, on a cleared line, never glued to the status line.
+    for text in ("step 5 on stdout", "a child process line", "a line on stderr", "step 20 on stdout"):
+        assert f"{CLEAR}{text}\n" in drawn, text
+    lines = drawn.replace(CLEAR, "\n").split("\n")
+    assert not [line for line in lines if "steps/s" in line and ("stdout" in line or "stderr" in line)]
+    assert drawn.rstrip().endswith(f"{CLEAR}after the block")  # the status line is gone
+
+
+def test_without_a_terminal_nothing_is_drawn_and_the_output_is_untouched() -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert "\x1b" not in done.stdout + done.stderr and "\r" not in done.stdout + done.stderr
+    assert "steps" not in done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        line for step in (5, 10, 15, 20) for line in (f"step {step} on stdout", "a child process line")
+    ] + ["after the block"]
+    assert done.stderr.splitlines() == ["a line on stderr"] * 4
+
+
+def test_the_figures_say_done_of_total_rate_and_eta_or_what_is_known() -> None:
+    snapshot = ProgressSnapshot("hidden_state_partitions 00000000-00000099", 42, 100, "samples", 3.5)
+    assert snapshot.figures() == "42% 42/100 samples · 3.50 samples/s · ETA 17s"
+    assert ProgressSnapshot("x", 1234, 2934, "samples", 23.14, eta_s=725).figures() == (
+        "42% 1,234/2,934 samples · 23.1 samples/s · ETA 12m05s"
+    )
+    assert ProgressSnapshot("x", 7, None, "rows").figures() == "7 rows"
+    slow = ProgressSnapshot("x", 1, 4, "steps", 1 / 312)
+    assert slow.figures() == "25% 1/4 steps · 312 s/step · ETA 15m36s"
+    assert ProgressSnapshot("x", status="loading the target model on cpu").figures() == (
+        "loading the target model on cpu"
+    )
+    assert ProgressSnapshot("x", 0, 10, "steps", status="waiting for a device").figures() == (
+        "0% 0/10 steps · waiting for a device"
+    )
+    line = snapshot.line(120)
+    assert line.startswith("hidden_state_partitions 00000000-00000099  ███") and len(line) < 120
+    assert "░ 42% 42/100" in line and "█" * 20 not in line  # 42 % of the bar's cells
+    assert snapshot.line(120, unicode=False).startswith("hidden_state_partitions 00000000-00000099  ###")
+    narrow = snapshot.line(60)  # no room for a bar: the figures, cut to the width
+    assert "█" not in narrow and len(narrow) < 60 and narrow.endswith("…")
+
+
+def test_the_newest_task_is_shown_and_a_finished_one_goes_away(tmp_path: Path) -> None:
+    main, child = pty.openpty()
+    live = LiveProgress(fd=child, capture_output=False)
+    try:
+        live.report(ProgressSnapshot("extraction 00000000-00000099", 10, 100, "samples"))
+        live.report(ProgressSnapshot("training demo", 3, 6, "steps"))
+        assert live.current_line().startswith("[+1] training demo")
+        live.finish("training demo")
+        assert live.current_line().startswith("extraction 00000000-00000099")
+        live.finish("extraction 00000000-00000099")
+        assert live.current_line() == ""
+    finally:
+        live.close()
+        os.close(main)
+        os.close(child)
+
+
+def test_training_draws_every_step_with_its_loss_on_the_status_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from dflash_assets.storage.open_store import open_store
+    from dflash_assets.training.data import OnlineData
+    from dflash_assets.training.settings import TrainSettings
+    from dflash_assets.training.train import train_drafter
+    from dflash_assets_tests.support.drafter_fixtures import (
+        build_tiny_target,
+        counting_samples,
+        load_capture,
+        tiny_drafter_config,
+    )
+
+    target_dir = build_tiny_target(tmp_path / "target")
+    main, child = pty.openpty()
+    drawn: list[bytes] = []
+    reader = threading.Thread(target=lambda: _drain(main, drawn), daemon=True)
+    reader.start()
+    live = LiveProgress(fd=child, capture_output=False, refresh_s=0.01).start()
+    monkeypatch.setattr(terminal, "_current", live)  # what live_progress() sets, on this terminal
+    snapshots: list[ProgressSnapshot] = []
+    settings = TrainSettings(
+        mode="online", max_steps=5, global_batch_size=4, num_anchors=8, eval_samples=2, spec_eval_prompts=0,
+        log_every_steps=1, checkpoint_every_minutes=None,
+    )  # fmt: skip
+    try:
+        train_drafter(
+            tiny_drafter_config(target_dir), settings,
+            OnlineData(counting_samples(10), load_capture(target_dir)),
+            store=open_store(str(tmp_path / "store")), run="live", work_dir=tmp_path / "w",
+            on_progress=snapshots.append,
+        )  # fmt: skip
+        time.sleep(0.1)
+    finally:
+        live.close()
+        os.close(child)
+        reader.join(timeout=5)
+        os.close(main)
+
+    steps = [s.done for s in snapshots if s.status.startswith("epoch")]
+    assert steps == [1, 2, 3, 4, 5] and {s.total for s in snapshots} == {5}
+    assert all(s.task == "training live" and s.unit == "steps" for s in snapshots)
+    assert any(s.status.startswith("evaluating 2 held-out samples") for s in snapshots)
+    text = b"".join(drawn).decode("utf-8", "replace")
+    rate = r"(?:[\d.,]+ steps/s|[\d.,]+ s/step)"  # a loaded machine may be slow
+    figures = rf"\d+% [1-5]/5 steps · {rate} · ETA \S+ · epoch \d/\d · loss \d"
+    assert re.search(f"training live .*{figures}", text)
+    assert text.endswith(CLEAR)  # closing clears the line
+
+
+def _drain(fd: int, into: list[bytes]) -> None:
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        into.append(chunk)
