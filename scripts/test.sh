@@ -14,5 +14,6 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 . .venv/bin/activate
 ruff check dflash_assets dflash_assets_tests
-# One worker per core; a module's tests stay on one worker (they share its fixtures).
-exec python -m pytest -q -n "${DFLASH_TEST_WORKERS:-auto}" --dist loadscope "$@"
+# Four workers (DFLASH_TEST_WORKERS to change): many end-to-end tests wait on subprocesses and servers,
+# so two per core keep both cores busy; idle workers steal tests from busy ones.
+exec python -m pytest -q -n "${DFLASH_TEST_WORKERS:-4}" --dist worksteal "$@"
