@@ -24,10 +24,6 @@ from dflash_assets.training.data import OfflineData, OnlineData
 from dflash_assets.training.settings import TrainSettings
 from dflash_assets.training.train import TrainResult, train_drafter
 from dflash_assets_tests.support.drafter_fixtures import (
-    build_tiny_target,
-    counting_samples,
-    load_capture,
-    tiny_drafter_config,
     write_hidden_state_partition,
 )
 
@@ -37,26 +33,6 @@ EVAL_TAGS = {"eval/loss", "eval/tau_teacher_forced", "eval/tau_measured"}
 
 class Killed(Exception):
     pass
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-@pytest.fixture(scope="module")
-def config(target_dir: Path) -> DrafterConfig:
-    return tiny_drafter_config(target_dir)
-
-
-@pytest.fixture(scope="module")
-def capture(target_dir: Path) -> HiddenStateCapture:
-    return load_capture(target_dir)
-
-
-@pytest.fixture(scope="module")
-def samples() -> list[TokenizedSample]:
-    return counting_samples(12)
 
 
 def settings(**overrides: object) -> TrainSettings:

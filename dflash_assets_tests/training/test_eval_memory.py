@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.drafter.config import DrafterConfig, drafter_shape
-from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.training.data import OnlineData
 from dflash_assets.training.memory import (
@@ -26,12 +24,6 @@ from dflash_assets.training.memory import (
     training_memory,
 )
 from dflash_assets.training.settings import TrainSettings
-from dflash_assets_tests.support.drafter_fixtures import (
-    build_tiny_target,
-    counting_samples,
-    load_capture,
-    tiny_drafter_config,
-)
 
 GB = 10**9
 GIB = 2**30
@@ -167,26 +159,6 @@ class SpareLease:
             yield self.device
         finally:
             self.released += 1
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-@pytest.fixture(scope="module")
-def config(target_dir: Path) -> DrafterConfig:
-    return tiny_drafter_config(target_dir)
-
-
-@pytest.fixture(scope="module")
-def capture(target_dir: Path) -> HiddenStateCapture:
-    return load_capture(target_dir)
-
-
-@pytest.fixture(scope="module")
-def samples() -> list[TokenizedSample]:
-    return counting_samples(12)
 
 
 def _train(config, capture, samples, tmp_path, monkeypatch, memory, spare=None, load_error=None):

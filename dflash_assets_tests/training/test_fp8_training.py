@@ -9,43 +9,19 @@ import pytest
 import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.objective import DrafterBatch, anchor_generator, dflash_loss, sample_anchors
-from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.training.data import OfflineData, OfflineSource
 from dflash_assets.training.settings import TrainSettings
 from dflash_assets.training.train import train_drafter
 from dflash_assets_tests.support.drafter_fixtures import (
-    build_tiny_target,
-    counting_samples,
     load_capture,
     tiny_drafter_config,
     write_hidden_state_partition,
 )
 
 PARTITION = "00000000-00000099"
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-@pytest.fixture(scope="module")
-def config(target_dir: Path) -> DrafterConfig:
-    return tiny_drafter_config(target_dir)
-
-
-@pytest.fixture(scope="module")
-def capture(target_dir: Path) -> HiddenStateCapture:
-    return load_capture(target_dir)
-
-
-@pytest.fixture(scope="module")
-def samples() -> list[TokenizedSample]:
-    return counting_samples(12)
 
 
 def _partition(tmp_path: Path, samples, capture, target_dir: Path, dtype: str):

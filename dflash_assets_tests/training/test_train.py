@@ -21,34 +21,11 @@ from dflash_assets.training.schedule import lr_factor
 from dflash_assets.training.settings import TrainSettings
 from dflash_assets.training.train import TrainResult, train_drafter
 from dflash_assets_tests.support.drafter_fixtures import (
-    build_tiny_target,
     counting_samples,
-    load_capture,
-    tiny_drafter_config,
     write_hidden_state_partition,
 )
 
 PARTITION = "00000000-00000099"
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-@pytest.fixture(scope="module")
-def config(target_dir: Path) -> DrafterConfig:
-    return tiny_drafter_config(target_dir)
-
-
-@pytest.fixture(scope="module")
-def capture(target_dir: Path) -> HiddenStateCapture:
-    return load_capture(target_dir)
-
-
-@pytest.fixture(scope="module")
-def samples() -> list[TokenizedSample]:
-    return counting_samples(12)
 
 
 def quick_settings(**overrides: object) -> TrainSettings:
