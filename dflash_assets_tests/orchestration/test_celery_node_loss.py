@@ -53,7 +53,7 @@ def test_a_node_killed_mid_range_costs_nothing_and_the_range_is_finished_from_th
     while len(hidden_state_objects(cluster.store_url, key)) < 3:
         assert run.poll() is None, run.stdout.read()[-4000:]
         assert time.monotonic() < deadline, "node A never started uploading"
-        time.sleep(0.05)
+        time.sleep(0.1)
     # The finishing node reaches the store through a proxy that records its requests.
     watched = faulty_proxy()
     if finisher == "another node":  # node B, started later, idle

@@ -5,6 +5,7 @@ own devices, staging and caches. Test modules take the fixtures by importing the
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import uuid
@@ -113,13 +114,20 @@ def message_of(entry) -> str:
     return (entry.dagster_event.message if entry.dagster_event else None) or entry.user_message
 
 
+@functools.cache
+def _store(store_url: str):
+    """One client per store for the whole test run: the tests poll listings while the product runs,
+    and a new boto3 client per poll would take most of a core from the processes under test."""
+    return open_store(store_url)
+
+
 def hidden_state_objects(store_url: str, key: str) -> list[str]:
-    return [i.key.rsplit("/", 1)[-1] for i in open_store(store_url).list(f"hidden-states/{key}/hs_")]
+    return [i.key.rsplit("/", 1)[-1] for i in _store(store_url).list(f"hidden-states/{key}/hs_")]
 
 
 def assert_range_complete(store_url: str, key: str) -> None:
     """Every sample of the tokenized range stored exactly once, and the range committed."""
-    store = open_store(store_url)
+    store = _store(store_url)
     tokenized = read_manifest(store, f"tokenized-completions/{key}")
     manifest = read_manifest(store, f"hidden-states/{key}")
     assert tokenized is not None and manifest is not None, key
