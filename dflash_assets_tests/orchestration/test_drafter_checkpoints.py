@@ -23,6 +23,7 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
+from dflash_assets_tests.support.cli import IN_PROCESS
 from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
 
 RANGES = ["00000000-00000023", "00000024-00000047"]
@@ -44,12 +45,22 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([str(dagster), *args], env=env, capture_output=True, text=True, timeout=600)
 
 
-def _materialize(asset: str, env: dict[str, str], partition: str | None = None, config: dict | None = None):
+def _materialize(
+    asset: str,
+    env: dict[str, str],
+    partition: str | None = None,
+    config: dict | None = None,
+    in_process: bool = True,
+):
+    """The training step runs inside the `dagster` process (`IN_PROCESS`), except where a test kills it."""
     args = ["asset", "materialize", "-m", "dflash_assets.definitions", "--select", asset]
     if partition:
         args += ["--partition", partition]
-    if config:
-        args += ["--config-json", json.dumps({"ops": {asset: {"config": config}}})]
+    run_config: dict = {"ops": {asset: {"config": config}}} if config else {}
+    if in_process:
+        run_config.update(IN_PROCESS)
+    if run_config:
+        args += ["--config-json", json.dumps(run_config)]
     return _cli(args, env)
 
 
@@ -74,7 +85,7 @@ def ranges(tmp_path_factory, moto_endpoint, demo_ranges, demo_model_dir):
 
 
 def _train(
-    ranges, tmp_path: Path, name: str, run: str, **extra_env
+    ranges, tmp_path: Path, name: str, run: str, in_process: bool = True, **extra_env
 ) -> tuple[subprocess.CompletedProcess, dict]:
     env = {
         **ranges["env"],
@@ -82,7 +93,7 @@ def _train(
         "DFLASH_HOME": str(tmp_path / name),
         **extra_env,
     }
-    done = _materialize("drafter_checkpoints", env, config={**TRAIN, "run_name": run})
+    done = _materialize("drafter_checkpoints", env, config={**TRAIN, "run_name": run}, in_process=in_process)
     return done, env
 
 
@@ -190,13 +201,18 @@ def _check_automodel_export(store, run: str, local: Path, target_dir: Path) -> N
 
 
 def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weights(ranges, tmp_path):
-    done, _ = _train(ranges, tmp_path, "uninterrupted", "straight")
+    # The user's default command throughout: the fault point SIGKILLs the step's own process.
+    done, _ = _train(ranges, tmp_path, "uninterrupted", "straight", in_process=False)
     assert done.returncode == 0, done.stderr[-4000:]
 
-    killed, env = _train(ranges, tmp_path, "killed", "resumed", DFLASH_FAULT_POINTS="train_step@5")
+    killed, env = _train(
+        ranges, tmp_path, "killed", "resumed", in_process=False, DFLASH_FAULT_POINTS="train_step@5"
+    )
     assert killed.returncode != 0
     assert read_manifest(open_store(ranges_store_url()), "checkpoints/resumed") is None
-    resumed = _materialize("drafter_checkpoints", env, config={**TRAIN, "run_name": "resumed"})
+    resumed = _materialize(
+        "drafter_checkpoints", env, config={**TRAIN, "run_name": "resumed"}, in_process=False
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resuming run resumed from" in resumed.stdout + resumed.stderr
 

@@ -26,9 +26,9 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
+from dflash_assets_tests.support.cli import IN_PROCESS, materialize_args
 from dflash_assets_tests.support.cli import dagster as _dagster
 from dflash_assets_tests.support.cli import kill_when as _kill_when
-from dflash_assets_tests.support.cli import materialize_args
 from dflash_assets_tests.support.cli import run_cli as _run_cli
 
 KEY = "00000000-00000023"  # 24 samples per range keeps each run to seconds
@@ -243,7 +243,7 @@ def _extract(pipeline, url: str, endpoint: str, **store_config) -> tuple[int, st
     """Run the range through the CLI against `endpoint`; returns exit code, output and the run's metadata."""
     env = {**pipeline["env"], "DFLASH_STORE_URL": url, "AWS_ENDPOINT_URL_S3": endpoint}
     args = _materialize_args("hidden_state_partitions")
-    args += ["--config-json", json.dumps({"resources": {"store": {"config": store_config}}})]
+    args += ["--config-json", json.dumps({"resources": {"store": {"config": store_config}}, **IN_PROCESS})]
     code, output = _run_cli(args, env)
     metadata = {}
     if code == 0:
@@ -365,9 +365,10 @@ def test_two_ranges_started_at_once_from_two_shells_get_different_devices(pipeli
     proxy = faulty_proxy()
     proxy.throttle(latency_s=0.1)
     second = "00000024-00000047"
-    for key in (KEY, second):
-        code, output = _run_cli(_materialize_args("tokenized_completions", key), env)
-        assert code == 0, output[-3000:]
+    for key in (KEY, second):  # both ranges are tokenized in the shared store
+        source, target = open_store(pipeline["base"]), open_store(env["DFLASH_STORE_URL"])
+        for info in source.list(f"tokenized-completions/{key}/"):
+            target.put_bytes(info.key, source.get_bytes(info.key))
     code, output = _run_cli(["instance", "concurrency", "set", "gpu", "2"], env)
     assert code == 0, output
     slow = {**env, "AWS_ENDPOINT_URL_S3": proxy.endpoint_url, "DFLASH_UPLOAD_MAX_IN_FLIGHT": "2"}
@@ -424,9 +425,11 @@ def test_a_two_asset_range_finishes_while_dead_runs_are_reaped_and_says_whom_it_
             assert live.poll() is None, "".join(output)[-4000:]
             assert time.monotonic() < deadline, "the run never waited for the device"
             reaped.append(_reap(env))  # the first step's process has exited: the run must survive
+            time.sleep(0.5)  # each reap is a process of its own: leave the cores to the run
         reaped.append(_reap(env))
     while live.poll() is None:
         reaped.append(_reap(env))
+        time.sleep(0.5)
     reader.join(timeout=60)
     text = "".join(output)
     assert live.returncode == 0, text[-4000:]

@@ -52,7 +52,7 @@ def test_a_step_stops_within_seconds_when_its_run_worker_is_killed(
 ):
     # os.environ: dflash_env's homes and the AWS variables pointing at moto, both set by fixtures.
     env = {**os.environ, "DFLASH_STORE_URL": s3_store_url, "DFLASH_SAMPLES_PER_PARTITION": "16"}
-    code, output = run_cli(materialize_args("tokenized_completions", KEY), env)
+    code, output = run_cli(materialize_args("tokenized_completions", KEY, in_process=True), env)
     assert code == 0, output[-3000:]
     slow = faulty_proxy()
     slow.throttle(latency_s=0.5)  # the step would run on for many seconds

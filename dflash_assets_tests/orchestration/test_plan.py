@@ -14,7 +14,9 @@ from dagster import AssetKey
 
 from dflash_assets.extraction.sample_format import parse_sample_object_name, read_sample
 from dflash_assets.storage.open_store import open_store
-from dflash_assets_tests.conftest import make_dagster_home, open_instance
+from dflash_assets_tests.conftest import make_dagster_home, open_instance, shared_tmp_dir
+from dflash_assets_tests.support.cli import IN_PROCESS
+from dflash_assets_tests.support.shared import build_once
 
 KEY = "00000000-00000023"
 PLAN_KEYS = (
@@ -45,7 +47,7 @@ def _materialize(env: dict[str, str]) -> None:
     dagster = Path(sys.executable).with_name("dagster")
     select = "tokenized_completions,hidden_state_partitions"
     _run([str(dagster), "asset", "materialize", "-m", "dflash_assets.definitions", "--select", select,
-          "--partition", KEY], env)  # fmt: skip
+          "--partition", KEY, "--config-json", json.dumps(IN_PROCESS)], env)  # fmt: skip
 
 
 def _stored_objects(store_url: str) -> dict[str, int]:
@@ -59,27 +61,31 @@ def _stored_objects(store_url: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def planned_and_stored(tmp_path_factory, demo_model_dir):
-    """The plan on embedded defaults (24-sample ranges), then one range materialised in each dtype."""
-    root = tmp_path_factory.mktemp("plan")
-    env = {
-        **os.environ,
-        "DFLASH_HOME": str(root / "home"),
-        "DFLASH_CACHE_DIR": str(demo_model_dir.parent),
-        "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
-        "DFLASH_SAMPLES_PER_PARTITION": "24",
-        "OMP_NUM_THREADS": "1",
-    }
-    plan = _plan(env)
-    stores = {}
-    for dtype in ("bf16", "fp8"):
-        dtype_env = {
-            **env,
-            "DFLASH_HIDDEN_STATE_DTYPE": dtype,
-            "DFLASH_STORE_URL": str(root / f"store-{dtype}"),
+    """The plan on embedded defaults (24-sample ranges), then one range materialised in each dtype;
+    built once per test run (`build_once`), whichever workers run this module's tests."""
+
+    def build(root: Path) -> dict:
+        env = {
+            **os.environ,
+            "DFLASH_HOME": str(root / "home"),
+            "DFLASH_CACHE_DIR": str(demo_model_dir.parent),
+            "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
+            "DFLASH_SAMPLES_PER_PARTITION": "24",
+            "OMP_NUM_THREADS": "1",
         }
-        _materialize(dtype_env)
-        stores[dtype] = dtype_env
-    return {"plan": plan, "stores": stores, "env": env}
+        plan = _plan(env)
+        stores = {}
+        for dtype in ("bf16", "fp8"):
+            dtype_env = {
+                **env,
+                "DFLASH_HIDDEN_STATE_DTYPE": dtype,
+                "DFLASH_STORE_URL": str(root / f"store-{dtype}"),
+            }
+            _materialize(dtype_env)
+            stores[dtype] = dtype_env
+        return {"plan": plan, "stores": stores, "env": env}
+
+    return build_once(shared_tmp_dir(tmp_path_factory) / "plan", build)
 
 
 def test_the_plan_has_every_figure_the_issue_names_and_is_exact_when_every_row_is_tokenized(

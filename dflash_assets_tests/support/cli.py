@@ -26,7 +26,17 @@ def dagster(args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
     )
 
 
-def materialize_args(asset: str, partition: str, config: dict | None = None) -> list[str]:
+# Run config that runs every step inside the `dagster` process instead of a child process per step.
+# For tests about what a range stores or how a run fails, not about processes: each child process
+# imports torch and transformers again, which would double a two-step run's CPU time on the 2-core
+# machine. Every test about kills, orphans, device leases or the user's default command keeps the
+# multiprocess executor a user gets.
+IN_PROCESS = {"execution": {"config": {"in_process": {}}}}
+
+
+def materialize_args(
+    asset: str, partition: str, config: dict | None = None, *, in_process: bool = False
+) -> list[str]:
     args = [
         "asset",
         "materialize",
@@ -37,8 +47,11 @@ def materialize_args(asset: str, partition: str, config: dict | None = None) -> 
         "--partition",
         partition,
     ]
-    if config:
-        args += ["--config-json", json.dumps({"ops": {asset: {"config": config}}})]
+    run_config: dict = {"ops": {asset: {"config": config}}} if config else {}
+    if in_process:
+        run_config.update(IN_PROCESS)
+    if run_config:
+        args += ["--config-json", json.dumps(run_config)]
     return args
 
 

@@ -8,19 +8,17 @@ what they change into a store of their own.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.store import ObjectStore
+from dflash_assets_tests.support.shared import exclusive
 
 RANGE_KEYS = ("00000000-00000023", "00000024-00000047")
 SAMPLES_PER_RANGE = 24
@@ -49,17 +47,6 @@ class DemoRanges:
         for prefix in prefixes:
             for info in source.list(prefix + "/"):
                 target.put_bytes(info.key, source.get_bytes(info.key))
-
-
-@contextlib.contextmanager
-def exclusive(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _run(args: list[str], env: dict[str, str]) -> str:
