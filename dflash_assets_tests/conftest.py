@@ -50,10 +50,30 @@ _REAL_AWS_VARIABLES = (
 SLOW_FOLDERS = frozenset({"orchestration"})
 
 
+# The longest tests (mostly waiting on workers, brokers and killed processes) start first, so the
+# run does not end with one worker waiting on them while the others are idle; xdist's work stealing
+# spreads the rest. Files not named keep their place after these, in collection order.
+LONGEST_FIRST = (
+    "test_celery_node_loss.py",
+    "test_celery_nodes.py",
+    "test_drafter_checkpoints.py",
+    "test_hidden_state_partitions.py",
+    "test_orphan_steps.py",
+    "test_target_completions.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FOLDERS & set(item.path.parts):
             item.add_marker(pytest.mark.slow)
+
+    def rank(item: pytest.Item) -> int:
+        if item.path.name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(item.path.name)
+        return len(LONGEST_FIRST) + (0 if SLOW_FOLDERS & set(item.path.parts) else 1)
+
+    items.sort(key=rank)  # stable: the same order on every worker
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -40,6 +40,10 @@ TRAIN = {
 }
 
 
+# For the tests of one setting's plumbing (online mode, devices, the mask token): one checkpoint.
+SHORT = {**TRAIN, "max_steps": 2}
+
+
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     dagster = Path(sys.executable).with_name("dagster")
     return subprocess.run([str(dagster), *args], env=env, capture_output=True, text=True, timeout=600)
@@ -85,7 +89,7 @@ def ranges(tmp_path_factory, moto_endpoint, demo_ranges, demo_model_dir):
 
 
 def _train(
-    ranges, tmp_path: Path, name: str, run: str, in_process: bool = True, **extra_env
+    ranges, tmp_path: Path, name: str, run: str, in_process: bool = True, train: dict = TRAIN, **extra_env
 ) -> tuple[subprocess.CompletedProcess, dict]:
     env = {
         **ranges["env"],
@@ -93,7 +97,7 @@ def _train(
         "DFLASH_HOME": str(tmp_path / name),
         **extra_env,
     }
-    done = _materialize("drafter_checkpoints", env, config={**TRAIN, "run_name": run}, in_process=in_process)
+    done = _materialize("drafter_checkpoints", env, config={**train, "run_name": run}, in_process=in_process)
     return done, env
 
 
@@ -262,7 +266,7 @@ def test_the_last_decoder_layer_as_a_target_layer_is_refused_naming_the_setting_
 
 
 def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ranges(ranges, tmp_path):
-    done, env = _train(ranges, tmp_path, "online", "online-run", DFLASH_TRAIN_MODE="online")
+    done, env = _train(ranges, tmp_path, "online", "online-run", train=SHORT, DFLASH_TRAIN_MODE="online")
     assert done.returncode == 0, done.stderr[-4000:]
     manifest = read_manifest(open_store(ranges_store_url()), "checkpoints/online-run")
     assert manifest["mode"] == "online"
@@ -270,7 +274,7 @@ def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ran
     with open_instance(env["DAGSTER_HOME"]) as instance:
         event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
-    assert metadata["mode"] == "online" and metadata["steps"] == TRAIN["max_steps"]
+    assert metadata["mode"] == "online" and metadata["steps"] == SHORT["max_steps"]
     assert metadata["loss"] > 0
 
 
@@ -283,7 +287,7 @@ def test_online_training_with_the_target_on_other_devices_than_the_drafter(range
         "DFLASH_DEVICES": "cpu:0,cpu:1,cpu:2",
     }
     done = _materialize(
-        "drafter_checkpoints", env, config={**TRAIN, "run_name": "multi-device", "online_target_devices": 2}
+        "drafter_checkpoints", env, config={**SHORT, "run_name": "multi-device", "online_target_devices": 2}
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "target replicas on cpu:1, cpu:2; drafter on cpu:0" in done.stdout + done.stderr
@@ -291,11 +295,11 @@ def test_online_training_with_the_target_on_other_devices_than_the_drafter(range
         event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
     assert metadata["target_devices"] == "cpu:1, cpu:2" and metadata["device"] == "cpu:0"
-    assert metadata["steps"] == TRAIN["max_steps"]
+    assert metadata["steps"] == SHORT["max_steps"]
 
 
 def test_an_explicit_mask_token_id_reaches_the_export(ranges, tmp_path):
-    done, _ = _train(ranges, tmp_path, "mask", "mask-run", DFLASH_MASK_TOKEN_ID="1530")
+    done, _ = _train(ranges, tmp_path, "mask", "mask-run", train=SHORT, DFLASH_MASK_TOKEN_ID="1530")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "mask token 1530: explicit setting" in done.stdout + done.stderr
     store = open_store(ranges_store_url())

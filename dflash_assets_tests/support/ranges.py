@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.store import ObjectStore
+from dflash_assets_tests.support.cli import IN_PROCESS
 from dflash_assets_tests.support.shared import exclusive
 
 RANGE_KEYS = ("00000000-00000023", "00000024-00000047")
@@ -82,7 +83,10 @@ def materialise_demo_ranges(root: Path, demo_model_dir: Path, dagster_yaml: str)
                 env.pop(name)  # a local store: no S3 settings leak in from the test's environment
             binaries = Path(sys.executable).parent
             registered = int(_run([str(binaries / "dflash-assets"), "ranges"], env).split()[0])
-            config = json.dumps({"ops": {"hidden_state_partitions": {"config": EXTRACT_CONFIG}}})
+            # Both steps inside the `dagster` process (tests about step processes make their own).
+            config = json.dumps(
+                {"ops": {"hidden_state_partitions": {"config": EXTRACT_CONFIG}}, **IN_PROCESS}
+            )
             for key in RANGE_KEYS:
                 _run(
                     [str(binaries / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions",
