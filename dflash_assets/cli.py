@@ -117,6 +117,7 @@ def run_demo(steps: int | None = None) -> int:
         if not result.success:
             _print_failure(result)
             return 1
+        _print_acceptance(result)
     print(f"done in {time.monotonic() - started:.0f}s. Results under {store.url}:")
     from dflash_assets.storage.open_store import open_store
 
@@ -131,6 +132,20 @@ def run_demo(steps: int | None = None) -> int:
             f"runs are in the Dagster instance at {os.environ['DAGSTER_HOME']} (see them with scripts/ui.sh)"
         )
     return 0
+
+
+def _print_acceptance(result) -> None:
+    """The number a drafter is judged by, from the training run's own metadata."""
+    for event in result.asset_materializations_for_node("drafter_checkpoints"):
+        metadata = {k: v.value for k, v in event.metadata.items()}
+        tau, fresh = metadata.get("acceptance_length_tau"), metadata.get("baseline_acceptance_length_tau")
+        if tau is None:
+            continue
+        against = f" (the fresh drafter: {fresh:.3f})" if fresh is not None else ""
+        print(
+            f"  acceptance length τ {tau:.3f}{against}: tokens per target forward in speculative decoding "
+            f"on held-out prompts; drafter at {metadata.get('drafter_uri', '?')}"
+        )
 
 
 def _print_failure(result) -> None:
