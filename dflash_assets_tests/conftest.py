@@ -50,44 +50,10 @@ _REAL_AWS_VARIABLES = (
 SLOW_FOLDERS = frozenset({"orchestration"})
 
 
-# The longest tests (mostly waiting on workers, brokers and killed processes), dealt out so each xdist
-# worker starts its share with some of them. xdist's work stealing first hands each worker one
-# contiguous block of the collection, in order, and later moves tests from the end of a busy worker's
-# block to an idle one: a block that began with all the long tests would run them one after another.
-LONGEST_FIRST = (
-    "test_celery_node_loss.py",
-    "test_celery_nodes.py",
-    "test_drafter_checkpoints.py",
-    "test_hidden_state_partitions.py",
-    "test_orphan_steps.py",
-    "test_target_completions.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FOLDERS & set(item.path.parts):
             item.add_marker(pytest.mark.slow)
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        items[:] = _dealt_for_workers(items, workers)  # the same order on every worker
-
-
-def _dealt_for_workers(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
-    longest = sorted(
-        (i for i in items if i.path.name in LONGEST_FIRST), key=lambda i: LONGEST_FIRST.index(i.path.name)
-    )
-    rest = iter([i for i in items if i.path.name not in LONGEST_FIRST])
-    dealt: list[pytest.Item] = []
-    remaining = len(items)
-    for block in range(workers):  # the block sizes xdist's first hand-out gives
-        size = remaining // (workers - block)
-        remaining -= size
-        mine = longest[block::workers]
-        dealt += mine + [next(rest) for _ in range(max(0, size - len(mine)))]
-    dealt += list(rest)
-    assert len(dealt) == len(items)
-    return dealt
 
 
 def pytest_configure(config: pytest.Config) -> None:
