@@ -475,6 +475,11 @@ class DrafterTrainer:
                 self._train_steps()
             if self.last_saved != self.step:
                 self.save_checkpoint()
+            elif self.last_eval is None:
+                # Resumed at its last checkpoint (a finished run materialised again): the figures the
+                # export, its card and the UI carry are measured again on the same weights, not blanked.
+                self.last_eval = self.evaluate()
+                self._log_eval()
             self.report_committed(block=True)
             failed = False
         finally:

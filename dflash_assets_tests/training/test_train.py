@@ -369,3 +369,31 @@ def test_the_target_is_loaded_for_each_speculative_evaluation_and_released_after
     # The baseline, step 2 and step 4: three evaluations, three loads, nothing held in between.
     assert [r["step"] for r in reports] == [0, 2, 4] and all(r["speculative"] for r in reports)
     assert len(loads) == 3 and trainer._speculative.verifier is None
+
+
+def test_a_finished_run_materialised_again_reports_the_same_measured_acceptance(
+    config: DrafterConfig,
+    capture: HiddenStateCapture,
+    samples: list[TokenizedSample],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dflash_assets.training.train as train_module
+
+    monkeypatch.setattr(train_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
+    settings = quick_settings(
+        max_steps=2, checkpoint_every_steps=2, spec_eval_prompts=1, spec_eval_max_new_tokens=4
+    )
+    store = open_store(str(tmp_path / "store"))
+
+    def run(work: str) -> TrainResult:
+        return train_drafter(
+            config, settings, OnlineData(samples, capture), store=store, run="again", work_dir=tmp_path / work
+        )
+
+    first = run("first")
+    again = run("again")  # resumes at its last checkpoint: nothing left to train
+    assert again.resumed_from_step == first.steps == again.steps == 2
+    assert first.acceptance_length_tau is not None and first.teacher_forced_tau is not None
+    assert again.acceptance_length_tau == first.acceptance_length_tau  # measured, not left blank
+    assert again.teacher_forced_tau == first.teacher_forced_tau
