@@ -22,9 +22,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # uv installs the ~170 packages in seconds where pip takes a minute; it keeps the torch above (the
   # requirement is loose). DFLASH_INSTALLER=pip uses pip alone (uv reads no pip.conf: a private index
   # configured only for pip is reached by pip). Without uv on the index, pip does the work.
-  if [ "${DFLASH_INSTALLER:-uv}" = uv ] && python -m pip install -q uv 2>/dev/null; then
-    python -m uv pip install -q -e ".[test]"
+  if [ "${DFLASH_INSTALLER:-uv}" = uv ] && python -m pip install -q uv 2>/dev/null \
+    && python -m uv pip install -q -e ".[test]"; then
+    :
   else
+    if [ "${DFLASH_INSTALLER:-uv}" = uv ]; then
+      echo "uv could not install the packages; pip installs them" >&2
+    fi
     python -m pip install -q -e ".[test]"
   fi
   touch "$stamp"
