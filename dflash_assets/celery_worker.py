@@ -126,6 +126,33 @@ def _stop_when_run_ends(
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _create_instance_tables(attempts: int = 5) -> None:
+    """Open the node's Dagster instance once before taking steps, so its tables exist before any run.
+
+    Dagster creates an instance's tables on first use. On a fresh PostgreSQL database several
+    processes doing that at once collide (`relation "instance_info" already exists`), which fails
+    every run but one of a batch launched at once. Nodes start before the runs they serve, so they
+    make the tables first. Two nodes started together may still collide: the loser tries again.
+    Without `DAGSTER_HOME` there is nothing to prepare (each step gets its instance from its run).
+    """
+    if not os.environ.get("DAGSTER_HOME"):
+        return
+    import time
+
+    from dagster import DagsterInstance
+
+    for attempt in range(1, attempts + 1):
+        try:
+            with DagsterInstance.get():
+                return
+        except Exception as error:  # the database's own error types vary by storage
+            if attempt == attempts:
+                raise
+            reason = type(error).__name__
+            print(f"the Dagster instance is not ready ({reason}); trying again", file=sys.stderr)
+            time.sleep(attempt)
+
+
 def worker_argv(queues: Sequence[str], name: str, concurrency: int, loglevel: str = "INFO") -> list[str]:
     """`celery worker` arguments: no broker URL among them (the app reads it from the environment)."""
     hostname = name if "@" in name else f"{name}@%h"
@@ -157,6 +184,8 @@ def run_worker(queues: Sequence[str], name: str, concurrency: int | None = None)
     app = node_app(queues)
     app.task(bind=True, name=TASK_NAME)(execute_step)
     import dflash_assets.definitions  # noqa: F401  a code location that does not load fails here, once
+
+    _create_instance_tables()
 
     processes = concurrency or node_device_count()
     print(

@@ -54,17 +54,17 @@ def test_a_node_killed_mid_range_costs_nothing_and_the_range_is_finished_from_th
         assert run.poll() is None, run.stdout.read()[-4000:]
         assert time.monotonic() < deadline, "node A never started uploading"
         time.sleep(0.1)
-    # The finishing node reaches the store through a proxy that records its requests.
-    watched = faulty_proxy()
-    if finisher == "another node":  # node B, started later, idle
-        nodes("node-b", "cpu:0", cluster, AWS_ENDPOINT_URL_S3=watched.endpoint_url)
-    node_a.kill_group()
+    node_a.kill_group()  # at once: node A goes on uploading for as long as it lives
     killed_at = time.monotonic()
     time.sleep(1.0)  # a request node A's link had already taken lands now, or never
     before = {k: v for k, v in list_with_etags(cluster, prefix).items() if "/hs_" in k}
     staged_on_a = list((cluster.root / "node-a" / "staging" / prefix).glob("hs_*.safetensors"))
     assert 0 < len(before) < SAMPLES and staged_on_a, "node A was not killed mid-range"
-    if finisher != "another node":  # node A again, under its own name, with its staging
+    # The finishing node reaches the store through a proxy that records its requests.
+    watched = faulty_proxy()
+    if finisher == "another node":  # node B, started after the loss, takes the step submitted again
+        nodes("node-b", "cpu:0", cluster, AWS_ENDPOINT_URL_S3=watched.endpoint_url)
+    else:  # node A again, under its own name, with its staging
         node_a.env = {**node_a.env, "AWS_ENDPOINT_URL_S3": watched.endpoint_url}
         node_a.start()
 
