@@ -25,19 +25,7 @@ from dflash_assets.drafter.objective import (
 from dflash_assets_tests.support.drafter_fixtures import (
     MASK_TOKEN_ID,
     TARGET_LAYER_IDS,
-    build_tiny_target,
-    tiny_drafter_config,
 )
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-@pytest.fixture(scope="module")
-def config(target_dir: Path) -> DrafterConfig:
-    return tiny_drafter_config(target_dir)
 
 
 @pytest.fixture

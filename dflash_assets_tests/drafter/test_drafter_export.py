@@ -8,23 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import Qwen3Config
 
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.export import export_drafter, load_drafter
 from dflash_assets.drafter.model import DFlashDrafter
-from dflash_assets_tests.support.drafter_fixtures import MASK_TOKEN_ID, build_tiny_target, tiny_drafter_config
+from dflash_assets_tests.support.drafter_fixtures import MASK_TOKEN_ID, tiny_drafter_config
 from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-@pytest.fixture(scope="module")
-def target(target_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
 
 def trained_like(config: DrafterConfig, seed: int = 0) -> DFlashDrafter:

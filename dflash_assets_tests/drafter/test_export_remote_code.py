@@ -25,21 +25,10 @@ from dflash_assets_tests.support.drafter_fixtures import (
     CYCLE_START,
     MASK_TOKEN_ID,
     build_counting_target,
-    build_tiny_target,
     load_capture,
     tiny_drafter_config,
 )
 from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-@pytest.fixture(scope="module")
-def target(target_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
 
 
 def trained_like(config: DrafterConfig, seed: int) -> DFlashDrafter:

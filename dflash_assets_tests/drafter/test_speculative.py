@@ -27,20 +27,9 @@ from dflash_assets_tests.support.drafter_fixtures import (
     CYCLE_START,
     MASK_TOKEN_ID,
     build_counting_target,
-    build_tiny_target,
     load_capture,
     tiny_drafter_config,
 )
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))  # a hybrid: gated delta net + attention
-
-
-@pytest.fixture(scope="module")
-def config(target_dir: Path) -> DrafterConfig:
-    return tiny_drafter_config(target_dir)
 
 
 @pytest.fixture(scope="module")

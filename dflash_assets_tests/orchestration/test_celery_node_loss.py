@@ -20,7 +20,6 @@ from dflash_assets_tests.support.celery_cluster import (
     BROKER_SECRET,
     SAMPLES,
     assert_range_complete,
-    gone_within,
     hidden_state_objects,
     latest_materialization,
     list_with_etags,
@@ -29,6 +28,7 @@ from dflash_assets_tests.support.celery_cluster import (
     range_key,
     wait_ok,
 )
+from dflash_assets_tests.support.celery_nodes import gone_within
 from dflash_assets_tests.support.cli import dagster, materialize_args
 
 

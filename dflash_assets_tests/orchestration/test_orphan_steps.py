@@ -19,7 +19,7 @@ from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.target.devices import lease_device
 from dflash_assets_tests.conftest import open_instance
-from dflash_assets_tests.support.celery_nodes import process_alive, process_children
+from dflash_assets_tests.support.celery_nodes import gone_within, process_alive, process_children
 from dflash_assets_tests.support.cli import dagster, materialize_args, run_cli
 
 KEY = "00000000-00000015"
@@ -35,15 +35,6 @@ def _step_process(run_worker: int) -> int | None:
         if b"spawn_main" in cmdline:
             return pid
     return None
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while process_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.parametrize("kill", ["the run worker alone", "the whole process group"])
@@ -72,7 +63,7 @@ def test_a_step_stops_within_seconds_when_its_run_worker_is_killed(
     else:
         os.killpg(run.pid, signal.SIGKILL)
     run.wait(timeout=30)
-    assert _gone_within(step, 5.0), f"step process {step} outlived its run worker"
+    assert gone_within(step, 5.0), f"step process {step} outlived its run worker"
     lock_dir = Path(env["DFLASH_CACHE_DIR"]) / "device-leases"
     with lease_device(["cpu"], lock_dir=lock_dir, timeout_s=1.0) as device:  # free at once
         assert device == "cpu"
@@ -135,7 +126,7 @@ def test_an_armed_process_dies_with_its_parent_by_either_way(way):
     assert said == ["ready"] and process_alive(child)
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    assert _gone_within(child, 3.0)
+    assert gone_within(child, 3.0)
 
 
 def test_a_child_of_the_run_worker_named_in_the_environment_arms_itself_and_dies_with_it():
@@ -143,7 +134,7 @@ def test_a_child_of_the_run_worker_named_in_the_environment_arms_itself_and_dies
     assert said == ["True", "ready"]
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    assert _gone_within(child, 3.0)
+    assert gone_within(child, 3.0)
 
 
 def test_a_process_whose_parent_is_not_that_run_worker_does_not_arm_itself():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ from dagster import AssetKey, AssetRecordsFilter, DagsterRunStatus, RunsFilter
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import TEST_REGION, aws_env, aws_env_set, create_bucket, open_instance
-from dflash_assets_tests.support.celery_nodes import process_alive
 from dflash_assets_tests.support.postgres import postgres_dagster_home
 
 BROKER_SECRET = "broker-secret-do-not-print"  # Redis accepts any password for its passwordless user
@@ -99,15 +97,6 @@ def latest_materialization(instance, asset: str, partition: str) -> dict:
     assert records, f"{asset} {partition} was not materialised"
     metadata = records[0].asset_materialization.metadata
     return {"run_id": records[0].run_id, **{k: v.value for k, v in metadata.items()}}
-
-
-def gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while process_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def message_of(entry) -> str:

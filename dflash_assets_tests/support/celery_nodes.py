@@ -62,6 +62,16 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def gone_within(pid: int, seconds: float) -> bool:
+    """Whether process `pid` is gone (or a zombie) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 class Node:
     """One `dflash-assets worker --queue … --name NAME` process and its log file."""
 
