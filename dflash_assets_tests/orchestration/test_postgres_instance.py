@@ -55,3 +55,27 @@ def test_a_range_materialises_against_the_postgres_instance_and_its_history_is_i
         assert event is not None and event.asset_materialization.partition == "00000100-00000199"
         assert event.asset_materialization.metadata["samples"].value > 0
     assert not os.path.exists(Path(postgres_home["DAGSTER_HOME"]) / "history")  # nothing fell back to SQLite
+
+
+def test_a_worker_node_creates_the_instance_tables_before_any_run(tmp_path, monkeypatch):
+    """Runs launched at once on an empty database would each try to create them, and collide."""
+    import psycopg2
+
+    from dflash_assets.celery_worker import _create_instance_tables
+    from dflash_assets_tests.support.postgres import HOST, PORT, USER
+
+    with postgres_dagster_home(tmp_path / "dagster-home") as env:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
+        def tables() -> set[str]:
+            with psycopg2.connect(host=HOST, port=PORT, user=USER, dbname=env["DAGSTER_PG_DB"]) as db:
+                cursor = db.cursor()
+                cursor.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+                names = {row[0] for row in cursor.fetchall()}
+            db.close()
+            return names
+
+        assert "instance_info" not in tables()
+        _create_instance_tables()
+        assert {"instance_info", "runs", "event_logs"} <= tables()
