@@ -23,7 +23,7 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
-from dflash_assets_tests.support.cli import IN_PROCESS
+from dflash_assets_tests.support.cli import materialize_args
 from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
 
 RANGES = ["00000000-00000023", "00000024-00000047"]
@@ -57,15 +57,7 @@ def _materialize(
     in_process: bool = True,
 ):
     """The training step runs inside the `dagster` process (`IN_PROCESS`), except where a test kills it."""
-    args = ["asset", "materialize", "-m", "dflash_assets.definitions", "--select", asset]
-    if partition:
-        args += ["--partition", partition]
-    run_config: dict = {"ops": {asset: {"config": config}}} if config else {}
-    if in_process:
-        run_config.update(IN_PROCESS)
-    if run_config:
-        args += ["--config-json", json.dumps(run_config)]
-    return _cli(args, env)
+    return _cli(materialize_args(asset, partition, config, in_process=in_process), env)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from dagster import AssetKey
 from dflash_assets.extraction.sample_format import parse_sample_object_name, read_sample
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import make_dagster_home, open_instance, shared_tmp_dir
-from dflash_assets_tests.support.cli import IN_PROCESS
+from dflash_assets_tests.support.cli import materialize_args
 from dflash_assets_tests.support.shared import build_once
 
 KEY = "00000000-00000023"
@@ -46,8 +46,7 @@ def _plan(env: dict[str, str], *extra: str) -> dict:
 def _materialize(env: dict[str, str]) -> None:
     dagster = Path(sys.executable).with_name("dagster")
     select = "tokenized_completions,hidden_state_partitions"
-    _run([str(dagster), "asset", "materialize", "-m", "dflash_assets.definitions", "--select", select,
-          "--partition", KEY, "--config-json", json.dumps(IN_PROCESS)], env)  # fmt: skip
+    _run([str(dagster), *materialize_args(select, KEY, in_process=True)], env)
 
 
 def _stored_objects(store_url: str) -> dict[str, int]:

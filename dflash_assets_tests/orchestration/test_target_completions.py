@@ -21,7 +21,7 @@ from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord,
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import make_dagster_home, open_instance, shared_tmp_dir
-from dflash_assets_tests.support.cli import IN_PROCESS, dagster
+from dflash_assets_tests.support.cli import dagster, materialize_args
 from dflash_assets_tests.support.inference_server import TransformersServer
 from dflash_assets_tests.support.shared import build_once
 
@@ -72,14 +72,9 @@ def conversations() -> list[dict]:
 
 
 def materialize(
-    env: dict[str, str],
-    select: str = "target_completions,tokenized_completions",
-    run_config: dict | None = None,
+    env: dict[str, str], select: str = "target_completions,tokenized_completions", in_process: bool = False
 ) -> str:
-    args = ["asset", "materialize", "-m", "dflash_assets.definitions", "--select", select, "--partition", KEY]
-    if run_config:
-        args += ["--config-json", json.dumps(run_config)]
-    process = dagster(args, env)
+    process = dagster(materialize_args(select, KEY, in_process=in_process), env)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     return output
@@ -115,7 +110,7 @@ def in_process(setup, tmp_path_factory):
             "DFLASH_STORE_URL": str(root / "store-in-process"),
             "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
         }
-        materialize(env, run_config=IN_PROCESS)  # both steps in the `dagster` process
+        materialize(env, in_process=True)  # both steps in the `dagster` process
         return env
 
     env = build_once(shared_tmp_dir(tmp_path_factory) / "regenerated-in-process", build)
@@ -231,9 +226,7 @@ def test_a_served_range_killed_mid_way_asks_again_only_for_unfinished_conversati
         "DFLASH_GENERATE_CONCURRENCY": "2",
     }
     journal = Path(env["DFLASH_HOME"]) / "staging" / f"target-completions/{KEY}" / "journal.jsonl"
-    args = ["asset", "materialize", "-m", "dflash_assets.definitions", "--select", "target_completions",
-            "--partition", KEY]  # fmt: skip
-    process = dagster(args, env)
+    process = dagster(materialize_args("target_completions", KEY), env)
     deadline = time.monotonic() + 300
     while not (journal.exists() and len(journal.read_text().splitlines()) >= 3):
         assert process.poll() is None, process.stdout.read()[-3000:]

@@ -35,18 +35,13 @@ IN_PROCESS = {"execution": {"config": {"in_process": {}}}}
 
 
 def materialize_args(
-    asset: str, partition: str, config: dict | None = None, *, in_process: bool = False
+    asset: str, partition: str | None, config: dict | None = None, *, in_process: bool = False
 ) -> list[str]:
-    args = [
-        "asset",
-        "materialize",
-        "-m",
-        "dflash_assets.definitions",
-        "--select",
-        asset,
-        "--partition",
-        partition,
-    ]
+    """`dagster asset materialize` of `asset` (a selection), one partition unless `partition` is None;
+    `config` is the op config of `asset` when it names one asset."""
+    args = ["asset", "materialize", "-m", "dflash_assets.definitions", "--select", asset]
+    if partition is not None:
+        args += ["--partition", partition]
     run_config: dict = {"ops": {asset: {"config": config}}} if config else {}
     if in_process:
         run_config.update(IN_PROCESS)
