@@ -4,9 +4,10 @@ A node is a Celery worker of this code location: `--queue gpu` takes GPU steps (
 training, regeneration), `--queue default` tokenisation. Each step runs in a fresh child process
 of the worker (one step per process, so a step's memory and device are released when it ends),
 with the node's own environment: its `DFLASH_DEVICES`, staging and cache directories, and its
-credentials. The worker's main process never imports torch: CUDA must not be initialised in a
-process that forks the step processes. `--name` becomes `DFLASH_NODE`, which every step records
-(metadata `node`, a compute-log line) and which names the Celery worker (`NAME@host`).
+credentials. The worker's main process imports what steps import (`step_imports.py`) once, so
+each step starts without importing torch and transformers again, but never initialises CUDA: a
+process forked after CUDA is initialised cannot use it. `--name` becomes `DFLASH_NODE`, which every
+step records (metadata `node`, a compute-log line) and which names the Celery worker (`NAME@host`).
 
 A step stops by itself when its run has ended elsewhere (its run worker died and was reaped, or
 the run was terminated): nothing is left computing for a run nobody waits for.
@@ -184,6 +185,7 @@ def run_worker(queues: Sequence[str], name: str, concurrency: int | None = None)
     app = node_app(queues)
     app.task(bind=True, name=TASK_NAME)(execute_step)
     import dflash_assets.definitions  # noqa: F401  a code location that does not load fails here, once
+    import dflash_assets.step_imports  # noqa: F401  once for every step process (no CUDA initialised)
 
     _create_instance_tables()
 

@@ -11,13 +11,19 @@ as processes of the run worker, or in it with `execution: {config: {in_process: 
 of `k8s.py`; needs the `k8s` extra) or `celery` (`celery_executor.py`: steps queued on a broker for
 `dflash-assets worker` nodes, on the `dagster-celery/queue` of `k8s.py`; needs the `celery` extra).
 
+The local engine's step processes start from a forkserver that has imported the code location and
+what steps import (`step_imports.py`), instead of each importing torch and transformers again (spawn,
+Dagster's default): a run's steps then start in a fraction of a second. A run chooses otherwise with
+`execution: {config: {multiprocess: {start_method: {spawn: {}}}}}`.
+
 While the run worker executes a run, step processes it starts die with it (`orphans.py`); a step
-process arms that watchdog when it imports this module to rebuild its job.
+process arms that watchdog when it imports this module to rebuild its job (the forkserver does, and
+the steps forked from it re-arm against it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from dagster import DagsterEvent, ExecutorDefinition, InitExecutorContext, multi_or_in_process_executor
 from dagster._core.execution.context.system import PlanOrchestrationContext
@@ -31,6 +37,19 @@ from dflash_assets.orphans import arm_if_started_by_a_run_worker, run_worker_env
 from dflash_assets.recovery import reap_dead_runs, record_run_worker
 
 arm_if_started_by_a_run_worker()
+
+# What the forkserver of the local engine imports before forking step processes.
+STEP_PRELOAD = ("dflash_assets.definitions", "dflash_assets.step_imports")
+
+
+def with_forkserver_steps(executor_config: Mapping[str, object]) -> Mapping[str, object]:
+    """The local engine's config with step processes started from a preloaded forkserver, unless the
+    run chose a start method (or runs its steps in process)."""
+    multiprocess = executor_config.get("multiprocess")
+    if not isinstance(multiprocess, Mapping) or multiprocess.get("start_method"):
+        return executor_config
+    start = {"forkserver": {"preload_modules": list(STEP_PRELOAD)}}
+    return {**executor_config, "multiprocess": {**multiprocess, "start_method": start}}
 
 
 class RunWorkerRecordingExecutor(Executor):
@@ -64,12 +83,17 @@ class RunWorkerRecordingExecutor(Executor):
         return getattr(self._inner, name)
 
 
-def recording(inner: ExecutorDefinition) -> ExecutorDefinition:
-    """`inner` with the same name, config schema and requirements, recording its run worker."""
+def recording(inner: ExecutorDefinition, *, forkserver_steps: bool = False) -> ExecutorDefinition:
+    """`inner` with the same name, config schema and requirements, recording its run worker (and with
+    `forkserver_steps`, its step processes started by `with_forkserver_steps`)."""
     creation_fn = inner.executor_creation_fn
     assert creation_fn is not None, f"executor {inner.name} has no creation function"
 
     def create(init_context: InitExecutorContext) -> Executor:
+        if forkserver_steps:
+            init_context = init_context._replace(
+                executor_config=with_forkserver_steps(init_context.executor_config)
+            )
         return RunWorkerRecordingExecutor(creation_fn(init_context))
 
     return ExecutorDefinition(
@@ -93,4 +117,4 @@ def code_location_executor() -> ExecutorDefinition:
         return recording(celery_step_executor())
     if kind != "local":
         raise ValueError(f"{settings.EXECUTOR.name}={kind!r}: expected `local`, `k8s` or `celery`")
-    return recording(multi_or_in_process_executor)
+    return recording(multi_or_in_process_executor, forkserver_steps=True)

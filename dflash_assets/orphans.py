@@ -11,9 +11,12 @@ run worker arms a watchdog:
 - on Linux the kernel sends it SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG)`; strictly,
   when the parent's thread that started it ends: Dagster starts step processes from the thread
   that runs the executor, which lives as long as the run worker executes the run);
-- everywhere, a thread checks twice a second that its parent is still the one it started with.
+- where that is not available, a thread checks twice a second that its parent is still the one it
+  started with.
 
-A process forked from an armed one (a forkserver's steps) arms itself against its own parent.
+A process forked from an armed one (the steps of a forkserver, `executor.py`) arms itself against its
+own parent. With the kernel's signal armed, no thread is started: a forkserver must stay
+single-threaded, since forking a process with threads can deadlock the child (Python 3.12 warns of it).
 The step is killed, not interrupted: it is then in the same state as a step whose whole process
 group was killed, which extraction resumes exactly once and the reaper (`recovery.py`) cleans up
 after, and a process that ignores or is too busy for SIGINT still stops within a second.
@@ -67,11 +70,11 @@ def arm(parent_pid: int, *, use_prctl: bool = True) -> None:
     if _armed_against == parent_pid:
         return
     _armed_against = parent_pid
-    if use_prctl:
-        _set_parent_death_signal(signal.SIGKILL)
+    signalled = use_prctl and _set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # died before the signal was armed
         _die()
-    threading.Thread(target=_watch, args=(parent_pid,), name="dflash-parent-watch", daemon=True).start()
+    if not signalled:
+        threading.Thread(target=_watch, args=(parent_pid,), name="dflash-parent-watch", daemon=True).start()
     if not _fork_hook and hasattr(os, "register_at_fork"):
         _fork_hook = True
         os.register_at_fork(after_in_child=_rearm_after_fork)

@@ -26,14 +26,21 @@ KEY = "00000000-00000015"
 
 
 def _step_process(run_worker: int) -> int | None:
-    """The multiprocess executor's step child of the run worker (not multiprocessing's resource tracker)."""
+    """The multiprocess executor's step process: a child of the forkserver the run worker started
+    (not of multiprocessing's resource tracker, its other child)."""
     for pid in process_children(run_worker):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"spawn_main" in cmdline:
-            return pid
+        if b"multiprocessing.forkserver" in cmdline:
+            steps = process_children(pid)
+            if steps:
+                # it preloaded what steps import: torch is mapped before any step asked for it
+                assert "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+                # and it forks from one thread: forking a process with threads can deadlock the child
+                assert len(list(Path(f"/proc/{pid}/task").iterdir())) == 1
+            return steps[0] if steps else None
     return None
 
 
