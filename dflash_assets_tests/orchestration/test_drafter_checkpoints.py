@@ -105,8 +105,19 @@ def ranges_store_url() -> str:
     return "s3://train-ranges/shared"
 
 
-def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_drafter(ranges, tmp_path):
+@pytest.fixture(scope="module")
+def offline_run(ranges, tmp_path_factory):
+    """One uninterrupted offline training run (`offline-run`): what the first test checks, and the
+    weights a killed and resumed run must end at."""
+    tmp_path = tmp_path_factory.mktemp("offline")
     done, env = _train(ranges, tmp_path, "offline", "offline-run")
+    return done, env
+
+
+def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_drafter(
+    ranges, offline_run, tmp_path
+):
+    done, env = offline_run
     assert done.returncode == 0, done.stderr[-4000:]
     assert TEST_SECRET_ACCESS_KEY not in done.stdout + done.stderr
 
@@ -196,11 +207,13 @@ def _check_automodel_export(store, run: str, local: Path, target_dir: Path) -> N
     torch.testing.assert_close(target.lm_head(hidden[0, 1:]), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weights(ranges, tmp_path):
-    # The user's default command throughout: the fault point SIGKILLs the step's own process.
-    done, _ = _train(ranges, tmp_path, "uninterrupted", "straight", in_process=False)
+def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weights(
+    ranges, offline_run, tmp_path
+):
+    done, _ = offline_run  # the same settings, never interrupted
     assert done.returncode == 0, done.stderr[-4000:]
 
+    # The user's default command: the fault point SIGKILLs the step's own process.
     killed, env = _train(
         ranges, tmp_path, "killed", "resumed", in_process=False, DFLASH_FAULT_POINTS="train_step@5"
     )
@@ -212,7 +225,7 @@ def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weigh
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resuming run resumed from" in resumed.stdout + resumed.stderr
 
-    straight, again = _exported("straight", tmp_path), _exported("resumed", tmp_path)
+    straight, again = _exported("offline-run", tmp_path), _exported("resumed", tmp_path)
     assert straight.keys() == again.keys()
     for name in straight:
         assert torch.equal(straight[name], again[name]), name  # bitwise on CPU

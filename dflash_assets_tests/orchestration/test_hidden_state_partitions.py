@@ -397,6 +397,7 @@ def _reap(env: dict[str, str]) -> str:
 def test_a_two_asset_range_finishes_while_dead_runs_are_reaped_and_says_whom_it_waits_for(
     pipeline, faulty_proxy, tmp_path
 ):
+    from dflash_assets.recovery import reap_dead_runs
     from dflash_assets.target.devices import lease_device
 
     url = _fresh_store(pipeline, "two-assets")
@@ -411,25 +412,33 @@ def test_a_two_asset_range_finishes_while_dead_runs_are_reaped_and_says_whom_it_
     _kill_when(doomed, lambda: len(list(store.list(HS_PREFIX + "/hs_"))) >= 2)
 
     # Another range, both assets in one run, while the device is busy (held here as another run
-    # would hold it) and the reaper runs again and again, as the sensor would.
+    # would hold it) and the reaper runs again and again, as the sensor would: here, in this process
+    # against the same instance, and last as `dflash-assets reap` from the shell.
     second = "00000024-00000047"
     lock_dir = Path(env["DFLASH_CACHE_DIR"]) / "device-leases"
     output: list[str] = []
-    with lease_device(["cpu"], lock_dir=lock_dir, holder="run held-by-another-run"):
-        live = _dagster(_materialize_args("tokenized_completions,hidden_state_partitions", second), env)
-        reader = threading.Thread(target=lambda: output.extend(iter(live.stdout.readline, "")), daemon=True)
-        reader.start()
-        reaped = []
-        deadline = time.monotonic() + 240
-        while "waiting for a device" not in "".join(output):
-            assert live.poll() is None, "".join(output)[-4000:]
-            assert time.monotonic() < deadline, "the run never waited for the device"
-            reaped.append(_reap(env))  # the first step's process has exited: the run must survive
-            time.sleep(0.5)  # each reap is a process of its own: leave the cores to the run
-        reaped.append(_reap(env))
-    while live.poll() is None:
-        reaped.append(_reap(env))
-        time.sleep(0.5)
+    reaped: list[str] = []
+
+    def reap_here(instance) -> None:
+        reap_dead_runs(instance, reaped.append)
+
+    with open_instance(env["DAGSTER_HOME"]) as instance:
+        with lease_device(["cpu"], lock_dir=lock_dir, holder="run held-by-another-run"):
+            live = _dagster(_materialize_args("tokenized_completions,hidden_state_partitions", second), env)
+            lines = iter(live.stdout.readline, "")
+            reader = threading.Thread(target=lambda: output.extend(lines), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + 240
+            while "waiting for a device" not in "".join(output):
+                assert live.poll() is None, "".join(output)[-4000:]
+                assert time.monotonic() < deadline, "the run never waited for the device"
+                reap_here(instance)  # the first step's process has exited: the run must survive
+                time.sleep(0.2)
+            reap_here(instance)
+        while live.poll() is None:
+            reap_here(instance)
+            time.sleep(0.2)
+    reaped.append(_reap(env))
     reader.join(timeout=60)
     text = "".join(output)
     assert live.returncode == 0, text[-4000:]

@@ -21,8 +21,9 @@ from dflash_assets.target.devices import lease_device
 from dflash_assets_tests.conftest import open_instance
 from dflash_assets_tests.support.celery_nodes import gone_within, process_alive, process_children
 from dflash_assets_tests.support.cli import dagster, materialize_args, run_cli
+from dflash_assets_tests.support.ranges import SAMPLES_PER_RANGE
 
-KEY = "00000000-00000015"
+KEY = "00000000-00000023"  # the first of conftest's `demo_ranges`, whose tokenized range is copied
 
 
 def _step_process(run_worker: int) -> int | None:
@@ -46,12 +47,13 @@ def _step_process(run_worker: int) -> int | None:
 
 @pytest.mark.parametrize("kill", ["the run worker alone", "the whole process group"])
 def test_a_step_stops_within_seconds_when_its_run_worker_is_killed(
-    kill, dflash_env, s3_store_url, faulty_proxy
+    kill, dflash_env, s3_store_url, faulty_proxy, demo_ranges
 ):
     # os.environ: dflash_env's homes and the AWS variables pointing at moto, both set by fixtures.
-    env = {**os.environ, "DFLASH_STORE_URL": s3_store_url, "DFLASH_SAMPLES_PER_PARTITION": "16"}
-    code, output = run_cli(materialize_args("tokenized_completions", KEY, in_process=True), env)
-    assert code == 0, output[-3000:]
+    samples = str(SAMPLES_PER_RANGE)
+    env = {**os.environ, "DFLASH_STORE_URL": s3_store_url, "DFLASH_SAMPLES_PER_PARTITION": samples}
+    assert demo_ranges.keys[0] == KEY
+    demo_ranges.copy_to(open_store(s3_store_url), prefixes=("tokenized-completions",))
     slow = faulty_proxy()
     slow.throttle(latency_s=0.5)  # the step would run on for many seconds
     slow_env = {**env, "AWS_ENDPOINT_URL_S3": slow.endpoint_url, "DFLASH_UPLOAD_MAX_IN_FLIGHT": "1"}
