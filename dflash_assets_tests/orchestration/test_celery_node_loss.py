@@ -27,6 +27,7 @@ from dflash_assets_tests.support.celery_cluster import (
     no_run_left_in_progress,
     range_key,
     wait_ok,
+    wait_until_tokenized,
 )
 from dflash_assets_tests.support.celery_nodes import gone_within
 from dflash_assets_tests.support.cli import dagster, materialize_args
@@ -44,11 +45,12 @@ def test_a_node_killed_mid_range_costs_nothing_and_the_range_is_finished_from_th
     prefix = f"hidden-states/{key}/"
     # Node A uploads through a slow link, so it is killed with some samples uploaded and some not.
     slow = faulty_proxy()
-    slow.throttle(latency_s=0.3)
     node_a = nodes(
         "node-a", "cpu:0", cluster, AWS_ENDPOINT_URL_S3=slow.endpoint_url, DFLASH_UPLOAD_MAX_IN_FLIGHT="1"
     )
     run = dagster(materialize_args(BOTH, key), cluster.env)
+    wait_until_tokenized(cluster.store_url, key, run)
+    slow.throttle(latency_s=0.3)
     deadline = time.monotonic() + 180
     while len(hidden_state_objects(cluster.store_url, key)) < 3:
         assert run.poll() is None, run.stdout.read()[-4000:]
@@ -99,8 +101,7 @@ def test_a_node_killed_mid_range_costs_nothing_and_the_range_is_finished_from_th
 @pytest.mark.slow
 def test_a_step_on_a_node_stops_once_its_dead_run_worker_s_run_is_reaped(cluster, nodes, faulty_proxy):
     key = range_key(7)
-    slow = faulty_proxy()
-    slow.throttle(latency_s=1.0)  # the step would go on for many seconds
+    slow = faulty_proxy()  # slowed once the range is tokenized: the extraction would go on for long
     node = nodes(
         "node-e",
         "cpu:0",
@@ -110,6 +111,8 @@ def test_a_step_on_a_node_stops_once_its_dead_run_worker_s_run_is_reaped(cluster
     )
     run = dagster(materialize_args(BOTH, key), cluster.env)
     deadline = time.monotonic() + 180
+    wait_until_tokenized(cluster.store_url, key, run)
+    slow.throttle(latency_s=1.0)
     while not hidden_state_objects(cluster.store_url, key):
         assert run.poll() is None, run.stdout.read()[-4000:]
         assert time.monotonic() < deadline, "the step never started uploading"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -112,6 +113,16 @@ def _store(store_url: str):
 
 def hidden_state_objects(store_url: str, key: str) -> list[str]:
     return [i.key.rsplit("/", 1)[-1] for i in _store(store_url).list(f"hidden-states/{key}/hs_")]
+
+
+def wait_until_tokenized(store_url: str, key: str, run, timeout_s: float = 180) -> None:
+    """Until the range's tokenized manifest is in the store (its first step done), while `run` lives.
+    Tests slow a node's link only then: a tokenisation through it would cost the suite a minute."""
+    deadline = time.monotonic() + timeout_s
+    while read_manifest(_store(store_url), f"tokenized-completions/{key}") is None:
+        assert run.poll() is None, run.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, f"range {key} was never tokenized"
+        time.sleep(0.1)
 
 
 def assert_range_complete(store_url: str, key: str) -> None:
