@@ -60,7 +60,7 @@ def build_plan(
         log=log,
     )
     model_dir, layer_ids = target_model.model_dir(), target_model.layer_ids()
-    facts = target_facts(model_dir, target_model.name, layer_ids, workload.lengths)
+    facts = target_facts(model_dir, target_model.name, layer_ids, workload.lengths, settings.cache_dir())
     measured = load_gpu_result(gpu_result or gpu_result_path(settings.cache_dir()))
     configured = [d.strip() for d in settings.DEVICES.get().split(",") if d.strip()]
     profile = device_profile(

@@ -8,23 +8,25 @@ from pathlib import Path
 from typing import Any
 
 from dflash_assets.planning.capacity import DEVICE_PROFILES, STATED_CPU_PEAK, DeviceProfile, TargetFacts
-from dflash_assets.target.flops import PEAK_SETTING, forward_flops, meta_target, peak_flops_of
+from dflash_assets.target.flops import PEAK_SETTING, peak_flops_of, target_forward_shape
 from dflash_assets.target.memory import host_total_bytes, parameter_count, target_config
 from dflash_assets.target.model import hidden_size_of, num_decoder_layers
 
 FLOPS_LENGTHS = 20_000  # sample lengths the attention term is averaged over
 
 
-def target_facts(model_dir: Path, name: str, layer_ids: Sequence[int], lengths: Sequence[int]) -> TargetFacts:
+def target_facts(
+    model_dir: Path, name: str, layer_ids: Sequence[int], lengths: Sequence[int], cache_dir: Path
+) -> TargetFacts:
     """FLOPs per token of a forward through the last captured layer, counted on the target built on the
-    meta device (exact for any architecture transformers builds); from its parameter count when it
-    cannot be built (2 FLOPs per weight of the layers run)."""
+    meta device (exact for any architecture transformers builds; kept in `cache_dir`); from its
+    parameter count when it cannot be built (2 FLOPs per weight of the layers run)."""
     config = target_config(model_dir)
     parameters = parameter_count(model_dir)
     sample = list(lengths)[:: max(1, len(lengths) // FLOPS_LENGTHS)] or [1]
     try:
-        model = meta_target(model_dir)
-        flops_per_token = forward_flops(model, sample, max(layer_ids), lm_head=False) / sum(sample)
+        shape = target_forward_shape(model_dir, cache_dir)
+        flops_per_token = shape.flops(sample, max(layer_ids), lm_head=False) / sum(sample)
     except Exception:  # an architecture transformers cannot build here: the parameter count will do
         share = (max(layer_ids) + 1) / num_decoder_layers(config)
         flops_per_token = 2.0 * parameters * share
