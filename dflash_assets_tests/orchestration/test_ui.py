@@ -90,34 +90,29 @@ def _chromium(*args: str) -> str:
     return done.stdout
 
 
-def _page_text(url: str, expected: list[str], tries: int = 3) -> str:
-    """The visible text of the page once the UI has fetched its data (it renders asynchronously)."""
+def _page_text(url: str, expected: list[str], screenshot: str, tries: int = 3) -> str:
+    """The page's text once every `expected` item is on it (or after `tries` loads), with a screenshot
+    of that same load kept as `screenshot` in the artifacts folder."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / screenshot
     for _ in range(tries):
-        dom = _chromium("--dump-dom", url)
+        path.unlink(missing_ok=True)
+        dom = _chromium(f"--screenshot={path}", "--dump-dom", url)
         dom = re.sub(r"<(script|style)[^>]*>.*?</\1>", " ", dom, flags=re.S)
         text = html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom)))
         if all(item in text for item in expected):
-            return text
-    return text
-
-
-def _screenshot(url: str, name: str) -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / name
-    path.unlink(missing_ok=True)
-    _chromium(f"--screenshot={path}", url)
+            break
     assert path.stat().st_size > 10_000  # a rendered page, not a blank one
-    return path
+    return text
 
 
 def test_the_asset_page_lists_the_ranges_with_the_extracted_one_materialised(ui):
     registered = ui["registered"]
     url = f"{ui['url']}/assets/hidden_state_partitions?view=partitions&partition={KEY}"
     expected = [KEY, "Materialized (2)", f"Missing ({registered - 2})", "samples_per_s", "reused_from_store"]
-    text = _page_text(url, expected)
+    text = _page_text(url, expected, "ui-partitions.png")
     for item in expected:
         assert item in text, f"{item!r} is not on the partitions page"
-    _screenshot(url, "ui-partitions.png")
 
 
 def test_the_latest_range_progress_observation_shows_its_figures(ui):
@@ -136,14 +131,12 @@ def test_the_latest_range_progress_observation_shows_its_figures(ui):
         "device",
         "100% 24/24",
     ]
-    text = _page_text(url, figures)
+    text = _page_text(url, figures, "ui-range-progress.png")
     for figure in figures:
         assert figure in text, f"{figure!r} is not shown for the range's latest progress observation"
-    _screenshot(url, "ui-range-progress.png")
 
 
 def test_the_runs_list_shows_the_runs_progress_tag(ui):
     url = f"{ui['url']}/runs"
-    text = _page_text(url, ["dflash/progress: 100% 24/24"])
+    text = _page_text(url, ["dflash/progress: 100% 24/24"], "ui-runs.png")
     assert "dflash/progress: 100% 24/24" in text
-    _screenshot(url, "ui-runs.png")
