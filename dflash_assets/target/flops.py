@@ -116,10 +116,11 @@ def target_forward_shape(model_dir: str | Path, cache_dir: Path) -> ForwardShape
         saved = json.loads(path.read_text())
         return ForwardShape(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
     shape = forward_shape(meta_target(model_dir))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(asdict(shape)))
-    os.replace(partial, path)  # whole or absent, whoever reads it
+    with contextlib.suppress(OSError):  # a cache that cannot be written costs the next count only
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(asdict(shape)))
+        os.replace(partial, path)  # whole or absent, whoever reads it
     return shape
 
 

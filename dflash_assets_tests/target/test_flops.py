@@ -51,3 +51,10 @@ def test_another_config_is_another_entry(demo_model_dir, tmp_path):
     shallow, full = target_forward_shape(other, cache), target_forward_shape(demo_model_dir, cache)
     assert len(shallow.layer_weights) == 4 < len(full.layer_weights)
     assert len(list((cache / "forward-shapes").glob("*.json"))) == 2
+
+
+def test_a_cache_that_cannot_be_written_still_gives_the_count(demo_model_dir, tmp_path):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the cache directory would be")
+    shape = target_forward_shape(demo_model_dir, blocked)
+    assert shape == target_forward_shape(demo_model_dir, tmp_path / "cache")
