@@ -26,16 +26,22 @@ from dflash_assets_tests.support.ranges import SAMPLES_PER_RANGE
 KEY = "00000000-00000023"  # the first of conftest's `demo_ranges`, whose tokenized range is copied
 
 
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+
+
 def _step_process(run_worker: int) -> int | None:
     """The multiprocess executor's step process: a child of the forkserver the run worker started
     (not of multiprocessing's resource tracker, its other child)."""
     for pid in process_children(run_worker):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"multiprocessing.forkserver" in cmdline:
-            steps = process_children(pid)
+        cmdline = _cmdline(pid)
+        if cmdline is not None and b"multiprocessing.forkserver" in cmdline:
+            # Forked, not exec'd: a step has the forkserver's command line. While it preloads, the
+            # forkserver may run short-lived programs of its own (a library probing the system).
+            steps = [child for child in process_children(pid) if _cmdline(child) == cmdline]
             if steps:
                 # it preloaded what steps import: torch is mapped before any step asked for it
                 assert "libtorch" in Path(f"/proc/{pid}/maps").read_text()
