@@ -33,7 +33,9 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
     if only in (None, "training"):
         figures.update(bench_training(count, steps=4 if quick else 10, rounds=2 if quick else 3))
     if only in (None, "generation"):
-        figures.update(bench_generation(16 if quick else 64, rounds=2 if quick else 3))
+        figures.update(
+            bench_generation(8, rounds=2, max_new_tokens=32) if quick else bench_generation(64, rounds=3)
+        )
     if only in (None, "fidelity"):
         # As the demo trains: every bundled conversation, 240 steps of 4 (quick: a smoke run).
         figures.update(bench_fidelity(64 if quick else 500, steps=12 if quick else 240))
