@@ -270,9 +270,26 @@ def test_the_last_decoder_layer_as_a_target_layer_is_refused_naming_the_setting_
     assert read_manifest(open_store(ranges_store_url()), f"hidden-states/{RANGES[0]}") is not None
 
 
-def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ranges(ranges, tmp_path):
-    done, env = _train(ranges, tmp_path, "online", "online-run", train=SHORT, DFLASH_TRAIN_MODE="online")
+@pytest.fixture(scope="module")
+def online_run(ranges, tmp_path_factory):
+    """One short online run with the target sharing the drafter's device and an explicit mask token:
+    two settings' plumbing checked on one run."""
+    tmp_path = tmp_path_factory.mktemp("online")
+    return _train(
+        ranges,
+        tmp_path,
+        "online",
+        "online-run",
+        train=SHORT,
+        DFLASH_TRAIN_MODE="online",
+        DFLASH_MASK_TOKEN_ID="1530",
+    )
+
+
+def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ranges(online_run):
+    done, env = online_run
     assert done.returncode == 0, done.stderr[-4000:]
+    assert "target replicas on cpu; drafter on cpu" in done.stdout + done.stderr  # one device, shared
     manifest = read_manifest(open_store(ranges_store_url()), "checkpoints/online-run")
     assert manifest["mode"] == "online"
     assert manifest["trained_partitions"] == RANGES
@@ -280,6 +297,7 @@ def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ran
         event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
     assert metadata["mode"] == "online" and metadata["steps"] == SHORT["max_steps"]
+    assert metadata["target_devices"] == metadata["device"] == "cpu"
     assert metadata["loss"] > 0
 
 
@@ -303,10 +321,10 @@ def test_online_training_with_the_target_on_other_devices_than_the_drafter(range
     assert metadata["steps"] == SHORT["max_steps"]
 
 
-def test_an_explicit_mask_token_id_reaches_the_export(ranges, tmp_path):
-    done, _ = _train(ranges, tmp_path, "mask", "mask-run", train=SHORT, DFLASH_MASK_TOKEN_ID="1530")
+def test_an_explicit_mask_token_id_reaches_the_export(online_run):
+    done, _ = online_run
     assert done.returncode == 0, done.stderr[-4000:]
     assert "mask token 1530: explicit setting" in done.stdout + done.stderr
     store = open_store(ranges_store_url())
-    config = json.loads(store.get_bytes("drafter/mask-run/config.json"))
+    config = json.loads(store.get_bytes("drafter/online-run/config.json"))
     assert config["dflash_config"]["mask_token_id"] == 1530
