@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,9 +60,10 @@ def _stored_objects(store_url: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def planned_and_stored(tmp_path_factory, demo_model_dir):
-    """The plan on embedded defaults (24-sample ranges), then one range materialised in each dtype;
-    built once per test run (`build_once`), whichever workers run this module's tests."""
+def planned_and_stored(tmp_path_factory, demo_model_dir, demo_ranges):
+    """The plan on embedded defaults (24-sample ranges), then one range in each dtype: bf16 is
+    conftest's `demo_ranges` (materialised through the CLI), fp8 is materialised here into a copy of
+    its instance, so one instance records both. Built once per test run (`build_once`)."""
 
     def build(root: Path) -> dict:
         env = {
@@ -73,15 +75,13 @@ def planned_and_stored(tmp_path_factory, demo_model_dir):
             "OMP_NUM_THREADS": "1",
         }
         plan = _plan(env)
-        stores = {}
-        for dtype in ("bf16", "fp8"):
-            dtype_env = {
-                **env,
-                "DFLASH_HIDDEN_STATE_DTYPE": dtype,
-                "DFLASH_STORE_URL": str(root / f"store-{dtype}"),
-            }
-            _materialize(dtype_env)
-            stores[dtype] = dtype_env
+        assert demo_ranges.keys[0] == KEY and demo_ranges.env["DFLASH_SAMPLES_PER_PARTITION"] == "24"
+        instance = root / "instance"
+        shutil.copytree(demo_ranges.dagster_home, instance)
+        stores = {"bf16": {**env, "DAGSTER_HOME": str(instance), "DFLASH_STORE_URL": demo_ranges.store_url}}
+        fp8 = {"DFLASH_HIDDEN_STATE_DTYPE": "fp8", "DFLASH_STORE_URL": str(root / "store-fp8")}
+        stores["fp8"] = {**stores["bf16"], **fp8}
+        _materialize(stores["fp8"])
         return {"plan": plan, "stores": stores, "env": env}
 
     return build_once(shared_tmp_dir(tmp_path_factory) / "plan", build)
