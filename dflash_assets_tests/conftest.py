@@ -178,6 +178,23 @@ def shared_tmp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def own_completions(tmp_path_factory: pytest.TempPathFactory):
+    """The counting target (support/drafter_fixtures.py) and 40 conversations whose assistant turns it
+    generated itself: `(target_dir, samples)`, built once per test run whichever workers ask."""
+    from dflash_assets.conversations.samples import TokenizedSample
+    from dflash_assets_tests.support.drafter_fixtures import build_counting_target, own_completion_samples
+    from dflash_assets_tests.support.shared import build_once
+
+    def build(root: Path) -> dict:
+        target_dir = build_counting_target(root / "counting-target")
+        samples = own_completion_samples(target_dir)
+        return {"target_dir": str(target_dir), "samples": [vars(s) for s in samples]}
+
+    recorded = build_once(shared_tmp_dir(tmp_path_factory) / "own-completions", build)
+    return Path(recorded["target_dir"]), [TokenizedSample(**s) for s in recorded["samples"]]
+
+
+@pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in demo target model (the real `from_pretrained` path), built once per test run and
     copied into a cache directory of this worker's own (a shared cache would share device leases)."""

@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.speculative import (
@@ -26,7 +25,6 @@ from dflash_assets.training.train import train_drafter
 from dflash_assets_tests.support.drafter_fixtures import (
     CYCLE_START,
     MASK_TOKEN_ID,
-    build_counting_target,
     load_capture,
     tiny_drafter_config,
 )
@@ -110,19 +108,18 @@ def test_held_out_prompts_end_where_the_last_assistant_turn_begins() -> None:
     assert held_out_prompts(ids, masks, max_prompt_tokens=4) == [[3, 4, 5, 6]]
 
 
-def test_training_on_the_targets_own_completions_raises_measured_acceptance(tmp_path: Path) -> None:
-    target_dir = build_counting_target(tmp_path / "counting-target")
+def test_training_on_the_targets_own_completions_raises_measured_acceptance(
+    tmp_path: Path, own_completions
+) -> None:
+    # The product's input: conversations whose assistant turns the target itself generated.
+    target_dir, samples = own_completions
     config = tiny_drafter_config(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     verifier = TargetVerifier(model, config.target_layer_ids)
-    # The product's input: conversations whose assistant turns the target itself generated.
-    samples = []
-    for index, prompt in enumerate(prompts(40, seed=7)):
-        prompt = [*prompt, CYCLE_START + index % 8]  # the target continues the cycle from there
-        completion = greedy_decode(verifier, prompt, 32, set())
-        assert completion[:3] == [CYCLE_START + (index + k) % 8 for k in (1, 2, 3)]
-        mask = [0] * len(prompt) + [1] * len(completion)
-        samples.append(TokenizedSample(index, prompt + completion, mask))
+    for sample in samples:  # the target continues the cycle from the prompt's last token
+        start = sample.loss_mask.index(1)
+        step = sample.input_ids[start - 1] - CYCLE_START
+        assert sample.input_ids[start : start + 3] == [CYCLE_START + (step + k) % 8 for k in (1, 2, 3)]
     settings = TrainSettings(
         mode="online",
         epochs=12,

@@ -143,3 +143,23 @@ def write_hidden_state_partition(
         objects.append((key, info.size))
         path.unlink()
     return objects
+
+
+def own_completion_samples(
+    target_dir: Path, count: int = 40, answer_tokens: int = 32
+) -> list[TokenizedSample]:
+    """`count` conversations whose assistant turns the counting target generated itself (greedy): a
+    prompt of random tokens ending in a cycle token, which the target continues around the cycle."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    verifier = TargetVerifier(model, TARGET_LAYER_IDS)
+    rng = random.Random(7)
+    samples = []
+    for index in range(count):
+        prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(4, 10))] + [CYCLE_START + index % 8]
+        completion = greedy_decode(verifier, prompt, answer_tokens, set())
+        samples.append(TokenizedSample(index, prompt + completion, [0] * len(prompt) + [1] * len(completion)))
+    return samples

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.objective import DrafterBatch, anchor_generator, dflash_loss, sample_anchors
 from dflash_assets.storage.open_store import open_store
@@ -116,27 +115,15 @@ def test_a_drafter_trained_on_fp8_objects_learns_as_one_trained_on_bf16_objects_
     assert gain_fp8 > 0.9 * gain_bf16, (fresh, bf16.eval["loss"], fp8.eval["loss"])
 
 
-def test_on_the_targets_own_completions_fp8_keeps_nearly_all_of_bf16s_measured_acceptance_gain(tmp_path):
-    """The check the issue names: drafters trained offline on fp8 and on bf16 objects of the same samples,
-    for the same steps, each evaluated by speculative decoding with the target (the trainer loads it
-    itself, as offline training does): fp8 keeps nearly all of bf16's gain in measured tau."""
-    import random
-
-    from transformers import AutoModelForCausalLM
-
-    from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode
-    from dflash_assets_tests.support.drafter_fixtures import CYCLE_START, build_counting_target
-
-    target_dir = build_counting_target(tmp_path / "counting-target")
+def test_on_the_targets_own_completions_fp8_keeps_nearly_all_of_bf16s_measured_acceptance_gain(
+    tmp_path, own_completions
+):
+    """The check the issue names: drafters trained offline on fp8 and on bf16 objects of the same samples
+    (conversations whose assistant turns the target generated), for the same steps, each evaluated by
+    speculative decoding with the target (the trainer loads it itself, as offline training does): fp8
+    keeps nearly all of bf16's gain in measured tau."""
+    target_dir, samples = own_completions
     config = tiny_drafter_config(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    verifier = TargetVerifier(model, config.target_layer_ids)
-    rng = random.Random(7)
-    samples = []
-    for index in range(40):  # conversations whose assistant turns the target itself generated
-        prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(4, 10))] + [CYCLE_START + index % 8]
-        completion = greedy_decode(verifier, prompt, 32, set())
-        samples.append(TokenizedSample(index, prompt + completion, [0] * len(prompt) + [1] * len(completion)))
     capture = load_capture(target_dir)
     settings = _settings(
         epochs=12,
