@@ -198,6 +198,7 @@ def counting(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"target_dir": target_dir, "target": model, "verifier": verifier, "export": root / "export"}
 
 
+@pytest.mark.slow  # `counting` trains a drafter first
 def test_spec_generate_decodes_what_the_projects_speculative_decoding_decodes(counting: dict) -> None:
     remote = AutoModel.from_pretrained(counting["export"], trust_remote_code=True, dtype=torch.float32)
     ours_reloaded = load_drafter(counting["export"], target_model=counting["target_dir"])
@@ -217,6 +218,7 @@ def test_spec_generate_decodes_what_the_projects_speculative_decoding_decodes(co
     assert accepted_any  # the drafts mattered: equal acceptance is not just "every draft rejected"
 
 
+@pytest.mark.slow  # `counting` trains a drafter first
 def test_spec_generate_stops_after_a_stop_token_as_z_labs_does(counting: dict) -> None:
     remote = AutoModel.from_pretrained(counting["export"], trust_remote_code=True, dtype=torch.float32)
     prompt = [*prompts(1, seed=12)[0], CYCLE_START]

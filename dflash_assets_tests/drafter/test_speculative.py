@@ -108,6 +108,7 @@ def test_held_out_prompts_end_where_the_last_assistant_turn_begins() -> None:
     assert held_out_prompts(ids, masks, max_prompt_tokens=4) == [[3, 4, 5, 6]]
 
 
+@pytest.mark.slow  # a drafter trained until tau moves, decoded with the target
 def test_training_on_the_targets_own_completions_raises_measured_acceptance(
     tmp_path: Path, own_completions
 ) -> None:

@@ -43,6 +43,7 @@ def _forward(mode: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow  # two fresh Python processes
 def test_a_hybrid_target_on_the_cpu_runs_without_the_cuda_kernel_notices() -> None:
     quiet = _forward("with-filter")
     assert NOTICE not in quiet.stdout + quiet.stderr

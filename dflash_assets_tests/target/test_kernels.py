@@ -48,6 +48,7 @@ def test_the_report_logs_the_path_and_sends_the_warning_to_warn():
         assert len(warnings) == 1 and "cuda:3" in warnings[0]
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_installed_flash_linear_attention_is_what_transformers_picks_and_what_is_reported(tmp_path: Path):
     # A stand-in `fla` package on the path (same module layout and function signature as the real one):
     # transformers must route the gated-delta rule to it at import, and the report must say so.

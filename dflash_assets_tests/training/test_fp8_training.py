@@ -115,6 +115,7 @@ def test_a_drafter_trained_on_fp8_objects_learns_as_one_trained_on_bf16_objects_
     assert gain_fp8 > 0.9 * gain_bf16, (fresh, bf16.eval["loss"], fp8.eval["loss"])
 
 
+@pytest.mark.slow  # two drafters trained until tau moves, each decoded with the target
 def test_on_the_targets_own_completions_fp8_keeps_nearly_all_of_bf16s_measured_acceptance_gain(
     tmp_path, own_completions
 ):
