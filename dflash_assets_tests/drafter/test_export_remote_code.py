@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, DynamicCache
 
-from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.export import export_drafter, load_drafter
 from dflash_assets.drafter.model import DFlashDrafter
@@ -24,7 +23,6 @@ from dflash_assets.training.train import train_drafter
 from dflash_assets_tests.support.drafter_fixtures import (
     CYCLE_START,
     MASK_TOKEN_ID,
-    build_counting_target,
     load_capture,
     tiny_drafter_config,
 )
@@ -174,18 +172,14 @@ def prompts(count: int, seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def counting(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A target whose greedy output a drafter learns in a few steps, and such a drafter, exported."""
+def counting(tmp_path_factory: pytest.TempPathFactory, own_completions) -> dict:
+    """A target whose greedy output a drafter learns in a few steps (conftest's `own_completions`: the
+    counting target and conversations it answered itself), and such a drafter, exported."""
     root = tmp_path_factory.mktemp("counting")
-    target_dir = build_counting_target(root / "target")
+    target_dir, samples = own_completions
     config = tiny_drafter_config(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     verifier = FullPrecisionVerifier(model, config.target_layer_ids)
-    samples = []
-    for index, prompt in enumerate(prompts(24, seed=7)):
-        prompt = [*prompt, CYCLE_START + index % 8]
-        completion = greedy_decode(verifier, prompt, 24, set())
-        samples.append(TokenizedSample(index, prompt + completion, [0] * len(prompt) + [1] * len(completion)))
     settings = TrainSettings(
         mode="online", epochs=8, global_batch_size=8, lr=3e-3, num_anchors=16, eval_samples=0,
         spec_eval_prompts=0, log_every_steps=100, checkpoint_every_minutes=None,
