@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from dflash_assets import terminal
 
-        with terminal.live_progress():  # a status line on a terminal (quiet otherwise), output above it
+        with terminal.live_progress():  # a status line on a terminal, a line now and then in a log
             return run_demo(args.steps)
     if args.command == "build-demo-model":
         from dflash_assets import settings
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from dflash_assets import terminal
 
-        with terminal.live_progress():  # a status line on a terminal (quiet otherwise), output above it
+        with terminal.live_progress():  # a status line on a terminal, a line now and then in a log
             if args.gpu:
                 from dflash_assets import settings
                 from dflash_assets.bench.gpu import run_gpu_bench

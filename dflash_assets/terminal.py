@@ -30,8 +30,10 @@ A command turns it on around its work (`dflash-assets demo` and `bench` do)::
     with terminal.live_progress():
         ...   # reports draw the status line; print() and child processes' output scroll above it
 
-`live_progress` is quiet when stderr is not a terminal (CI logs, pipes, files, `TERM=dumb`): then
-nothing is drawn, nothing is redirected and reports are dropped, so logs stay short. On a terminal it
+When stderr is not a terminal (CI logs, pipes, files, `TERM=dumb`), `live_progress` draws nothing and
+redirects nothing: a task that has run for `PLAIN_EVERY_S` since its first report, or since its last
+such line, gets one plain line on stderr (`training run demo  42% 101/240 steps · 1.93 steps/s · ...`),
+so a long step is not silent and a short one adds nothing to the log. On a terminal it
 takes a duplicate of the terminal's descriptor before anything else can redirect fd 2 (Dagster's
 compute-log capture does, per step), and routes this process's stdout/stderr (those that are the
 terminal) through a pipe it reads, so a log line never lands in the middle of the bar.
@@ -52,6 +54,7 @@ from dataclasses import dataclass, replace
 from dflash_assets.storage.units import human_duration
 
 REFRESH_S = 0.25  # redraw interval: smooth enough for a person, nothing for the CPU
+PLAIN_EVERY_S = 30.0  # without a terminal: one line per running task this often
 _CLEAR_LINE = "\r\x1b[2K"
 
 
@@ -133,12 +136,23 @@ def _rate(rate: float) -> str:
 class LiveProgress:
     """Draws the newest snapshot of the tasks still running as one line at the bottom of a terminal.
 
-    Made by `live_progress()`; inert (every method a no-op) when `fd` is not a terminal.
+    Made by `live_progress()`. When `fd` is not a terminal it draws nothing and captures nothing; it
+    writes a plain line per task every `plain_every_s` instead (None: nothing at all).
     """
 
-    def __init__(self, fd: int = 2, *, capture_output: bool = True, refresh_s: float = REFRESH_S) -> None:
+    def __init__(
+        self,
+        fd: int = 2,
+        *,
+        capture_output: bool = True,
+        refresh_s: float = REFRESH_S,
+        plain_every_s: float | None = PLAIN_EVERY_S,
+    ) -> None:
         self.active = _is_terminal(fd)
         self.refresh_s = refresh_s
+        self.plain_every_s = plain_every_s
+        self._plain: dict[str, float] = {}  # task -> when it was first reported or last written
+        self._plain_out = None
         self._lock = threading.RLock()
         self._tasks: dict[str, tuple[float, ProgressSnapshot]] = {}  # task -> (reported at, snapshot)
         self._drawn = ""
@@ -148,10 +162,15 @@ class LiveProgress:
         self._saved: dict[int, int] = {}  # redirected fd -> a duplicate of what it was
         self._pipe_read: int | None = None
         self._pending = b""
-        if not self.active:
-            return
         encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
         self._unicode = "utf" in encoding.lower()
+        if not self.active:
+            if plain_every_s is not None:
+                # Our own handle on the log, as below on a terminal: Dagster's per-step capture of
+                # fd 2 would otherwise take the lines into a compute log only.
+                with contextlib.suppress(OSError):
+                    self._plain_out = os.fdopen(os.dup(fd), "w", encoding=encoding, errors="replace")
+            return
         # Our own handle on the terminal: later redirections of fd 2 (compute-log capture) do not move it.
         self._tty = os.fdopen(os.dup(fd), "w", encoding=encoding, errors="replace")
         if capture_output:
@@ -161,13 +180,29 @@ class LiveProgress:
 
     def report(self, snapshot: ProgressSnapshot) -> None:
         if not self.active:
+            self._report_plain(snapshot)
             return
         with self._lock:
             self._tasks[snapshot.task] = (time.monotonic(), snapshot)
             self._dirty = True
 
+    def _report_plain(self, snapshot: ProgressSnapshot) -> None:
+        if self._plain_out is None or self.plain_every_s is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            since = self._plain.setdefault(snapshot.task, now)
+            if now - since < self.plain_every_s:
+                return
+            self._plain[snapshot.task] = now
+            with contextlib.suppress(OSError, ValueError):
+                self._plain_out.write(f"{snapshot.task}  {snapshot.figures()}\n")
+                self._plain_out.flush()
+
     def finish(self, task: str) -> None:
         if not self.active:
+            with self._lock:
+                self._plain.pop(task, None)
             return
         with self._lock:
             if self._tasks.pop(task, None) is not None:
@@ -282,6 +317,12 @@ class LiveProgress:
 
     def close(self) -> None:
         if not self.active:
+            with self._lock:
+                self._plain.clear()
+                if self._plain_out is not None:
+                    with contextlib.suppress(OSError):
+                        self._plain_out.close()
+                    self._plain_out = None
             return
         self._release()  # our write ends close: the pump sees the end of the pipe once child processes exit
         self._stop.set()
@@ -368,7 +409,9 @@ def is_live() -> bool:
 
 
 @contextlib.contextmanager
-def live_progress(*, capture_output: bool = True) -> Iterator[LiveProgress]:
+def live_progress(
+    *, capture_output: bool = True, plain_every_s: float | None = PLAIN_EVERY_S
+) -> Iterator[LiveProgress]:
     """Draw reported progress on the terminal for the duration of the block (see the module docstring).
     Nested uses share the outer line."""
     global _current
@@ -377,7 +420,7 @@ def live_progress(*, capture_output: bool = True) -> Iterator[LiveProgress]:
         if outer is not None:
             live = outer
         else:
-            live = LiveProgress(capture_output=capture_output).start()
+            live = LiveProgress(capture_output=capture_output, plain_every_s=plain_every_s).start()
             _current = live
     try:
         yield live

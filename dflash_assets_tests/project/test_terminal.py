@@ -1,5 +1,6 @@
 """Live progress on a terminal: one steady status line with done/total, rate and ETA, other output
-scrolling above it whole; and nothing at all when the output is not a terminal (CI logs stay short)."""
+scrolling above it whole; and when the output is not a terminal, nothing drawn, only a plain line now
+and then for a task that runs long (CI logs stay short)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,50 @@ def test_without_a_terminal_nothing_is_drawn_and_the_output_is_untouched() -> No
         line for step in (5, 10, 15, 20) for line in (f"step {step} on stdout", "a child process line")
     ] + ["after the block"]
     assert done.stderr.splitlines() == ["a line on stderr"] * 4
+
+
+# A log, not a terminal: a long task now and then, a short one never, and fd 2 taken by a step's
+# compute-log capture half-way (as Dagster does) does not swallow the lines.
+PLAIN_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from dflash_assets import terminal
+
+    with terminal.live_progress(plain_every_s=0.3):
+        terminal.report(terminal.ProgressSnapshot("a short task", done=1, total=2, unit="steps"))
+        terminal.finish("a short task")
+        for step in range(1, 41):
+            if step == 10:
+                sys.stderr.flush()
+                os.dup2(os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT), 2)
+            terminal.report(terminal.ProgressSnapshot(
+                "training run demo", done=step, total=40, unit="steps", rate=25.0, status=f"loss {step}"
+            ))
+            time.sleep(0.04)
+        terminal.finish("training run demo")
+    print("after the block")
+    """
+)
+
+
+def test_without_a_terminal_a_long_task_says_where_it_is_every_so_often_on_plain_lines(tmp_path) -> None:
+    captured = tmp_path / "compute-log"
+    done = subprocess.run(
+        [sys.executable, "-c", PLAIN_SCRIPT, str(captured)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "after the block\n"
+    lines = done.stderr.splitlines()
+    # 1.6 s of steps, a line every 0.3 s at most, none before the first 0.3 s: a handful, in order.
+    assert 2 <= len(lines) <= 5, lines
+    assert all(
+        re.fullmatch(r"training run demo  \d+% \d+/40 steps · 25\.0 steps/s · ETA \d+s · loss \d+", x)
+        for x in lines
+    ), lines
+    steps = [int(line.split("/40")[0].split()[-1]) for line in lines]
+    assert steps == sorted(steps) and steps[0] >= 5 and max(steps) > 10  # some after fd 2 was taken
+    assert "short" not in done.stderr + captured.read_text()
+    assert "\x1b" not in done.stderr and "\r" not in done.stderr
 
 
 def test_the_figures_say_done_of_total_rate_and_eta_or_what_is_known() -> None:
