@@ -25,6 +25,11 @@ class TrainMetrics:
         self.last_window: dict[str, Any] = {}
         self._reset()
 
+    def start_clock(self) -> None:
+        """Rates and ETAs count from here: the first optimiser step, not the evaluation of the untrained
+        weights before it (tens of seconds with the target, which made the first ETA read hours)."""
+        self.run_started = self.window_started = time.monotonic()
+
     def _reset(self) -> None:
         self.window = BlockMetrics(self.block_size)
         self.window_started = time.monotonic()

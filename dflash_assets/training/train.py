@@ -495,6 +495,7 @@ class DrafterTrainer:
         """Steps from `self.position` to `total_steps`; one streamed pass over the data per epoch (a
         sample appears once per pass, so the streaming cache never holds two copies of it)."""
         epoch, start = self.position.epoch, self.position.batch_index
+        self.progress.start_clock()
         while self.step < self.total_steps:
             plan = self.plan(epoch)
             steps = plan[start : start + self.total_steps - self.step]

@@ -180,7 +180,7 @@ def test_training_draws_every_step_with_its_loss_on_the_status_line(
     from dflash_assets.storage.open_store import open_store
     from dflash_assets.training.data import OnlineData
     from dflash_assets.training.settings import TrainSettings
-    from dflash_assets.training.train import train_drafter
+    from dflash_assets.training.train import DrafterTrainer, train_drafter
     from dflash_assets_tests.support.drafter_fixtures import (
         build_tiny_target,
         counting_samples,
@@ -189,6 +189,17 @@ def test_training_draws_every_step_with_its_loss_on_the_status_line(
     )
 
     target_dir = build_tiny_target(tmp_path / "target")
+    # The evaluation of the untrained weights takes a while before the first step (with a real target,
+    # tens of seconds): the rate and ETA count the steps, not that wait.
+    evaluate, evaluations = DrafterTrainer.evaluate, []
+
+    def slow_first_evaluation(self):
+        if not evaluations:
+            time.sleep(3.0)
+        evaluations.append(self.step)
+        return evaluate(self)
+
+    monkeypatch.setattr(DrafterTrainer, "evaluate", slow_first_evaluation)
     main, child = pty.openpty()
     drawn: list[bytes] = []
     reader = threading.Thread(target=lambda: _drain(main, drawn), daemon=True)
@@ -216,6 +227,8 @@ def test_training_draws_every_step_with_its_loss_on_the_status_line(
 
     steps = [s.done for s in snapshots if s.status.startswith("epoch")]
     assert steps == [1, 2, 3, 4, 5] and {s.total for s in snapshots} == {5}
+    first = next(s for s in snapshots if s.status.startswith("epoch"))
+    assert evaluations[0] == 0 and first.rate > 1 / 2.5, first  # 1 step in well under the 3 s wait
     assert all(s.task == "training live" and s.unit == "steps" for s in snapshots)
     assert any(s.status.startswith("evaluating 2 held-out samples") for s in snapshots)
     text = b"".join(drawn).decode("utf-8", "replace")
