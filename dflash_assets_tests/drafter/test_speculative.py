@@ -79,7 +79,7 @@ def test_speculative_decoding_returns_the_target_greedy_output_whatever_the_draf
     verifier: TargetVerifier, config: DrafterConfig, wrong: bool
 ) -> None:
     prompt = prompts(1, seed=4)[0]
-    continuation = greedy_decode(verifier, prompt, 120, set())
+    continuation = greedy_decode(verifier, prompt, 50 + config.block_size, set())  # what the drafts read
     drafter = ScriptedDrafter(config, len(prompt), continuation, wrong)
     result = speculative_decode(drafter, verifier, prompt, 50, set())
 

@@ -39,9 +39,15 @@ def answer_all(engine: InProcessEngine, conversations: list[list[dict]]) -> list
 def test_batched_greedy_answers_equal_generate_one_prompt_at_a_time(demo_target):
     model, tokenizer = demo_target
     settings = GenerationSettings(max_new_tokens=24)
-    conversations = bundled_conversations(10)
+    conversations = bundled_conversations(6)  # each turn is generated again alone: the slow half
     engine = InProcessEngine(model, tokenizer, settings, device="cpu", max_tokens_per_batch=400)
+    batches: list[list[int]] = []  # the prompt lengths of each batch the engine generated
+    generate_batch = engine._generate_batch
+    engine._generate_batch = lambda prompts, requests: (
+        batches.append([len(p) for p in prompts]) or generate_batch(prompts, requests)
+    )
     answered = answer_all(engine, conversations)
+    assert any(len(set(lengths)) > 1 for lengths in batches), batches  # padded batches among them
 
     for plan in answered:
         for position, answer in zip(plan.positions, plan.answers, strict=True):
