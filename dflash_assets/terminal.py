@@ -187,7 +187,7 @@ class LiveProgress:
             self._dirty = True
 
     def _report_plain(self, snapshot: ProgressSnapshot) -> None:
-        if self._plain_out is None or self.plain_every_s is None:
+        if self._plain_out is None:  # a terminal, or plain lines turned off
             return
         now = time.monotonic()
         with self._lock:
@@ -318,7 +318,6 @@ class LiveProgress:
     def close(self) -> None:
         if not self.active:
             with self._lock:
-                self._plain.clear()
                 if self._plain_out is not None:
                     with contextlib.suppress(OSError):
                         self._plain_out.close()

@@ -43,9 +43,12 @@ def test_batched_greedy_answers_equal_generate_one_prompt_at_a_time(demo_target)
     engine = InProcessEngine(model, tokenizer, settings, device="cpu", max_tokens_per_batch=400)
     batches: list[list[int]] = []  # the prompt lengths of each batch the engine generated
     generate_batch = engine._generate_batch
-    engine._generate_batch = lambda prompts, requests: (
-        batches.append([len(p) for p in prompts]) or generate_batch(prompts, requests)
-    )
+
+    def recorded(prompts, requests):
+        batches.append([len(p) for p in prompts])
+        return generate_batch(prompts, requests)
+
+    engine._generate_batch = recorded
     answered = answer_all(engine, conversations)
     assert any(len(set(lengths)) > 1 for lengths in batches), batches  # padded batches among them
 
