@@ -45,8 +45,8 @@ def run_demo(steps: int | None = None) -> int:
 
     os.environ.setdefault("DFLASH_COMPLETIONS", "target")
     from dflash_assets.definitions import defs
-    from dflash_assets.partitions import dataset_range_keys, register_sample_ranges
-    from dflash_assets.recovery import RUN_WORKER_TAG, RunWorker
+    from dflash_assets.orchestration.execution.recovery import RUN_WORKER_TAG, RunWorker
+    from dflash_assets.orchestration.partitions import dataset_range_keys, register_sample_ranges
 
     if steps is None and not os.environ.get("DFLASH_TRAIN_MAX_STEPS"):
         steps = DEMO_TRAIN_STEPS
@@ -161,8 +161,8 @@ def run_plan(args: argparse.Namespace) -> int:
     """`dflash-assets plan`: the table (or `--json`) for the configured dataset, target and settings."""
     import json
 
-    from dflash_assets.capacity_plan import build_plan, format_plan, plan_environment_note
-    from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
+    from dflash_assets.orchestration.capacity_plan import build_plan, format_plan, plan_environment_note
+    from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -253,13 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
     if args.command == "reap":
-        from dflash_assets.recovery import reap_dead_runs
+        from dflash_assets.orchestration.execution.recovery import reap_dead_runs
 
         reaped = reap_dead_runs(_instance())
         print(f"{len(reaped)} dead run(s) marked failed")
         return 0
     if args.command == "ranges":
-        from dflash_assets.partitions import dataset_range_keys, register_sample_ranges
+        from dflash_assets.orchestration.partitions import dataset_range_keys, register_sample_ranges
 
         keys = dataset_range_keys()
         new = register_sample_ranges(_instance(), keys)
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return run_plan(args)
     if args.command == "worker":
-        from dflash_assets.celery_worker import run_worker
+        from dflash_assets.orchestration.execution.celery_worker import run_worker
 
         try:
             return run_worker(args.queue, args.name, args.concurrency)

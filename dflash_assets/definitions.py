@@ -7,20 +7,20 @@ puts `target_completions` upstream of `tokenized_completions` (see that asset).
 
 from dagster import Definitions
 
-from dflash_assets.assets.drafter_checkpoints import drafter_checkpoints
-from dflash_assets.assets.hidden_states import hidden_state_partitions
-from dflash_assets.assets.target_completions import target_completions
-from dflash_assets.assets.tokenized_completions import COMPLETIONS_SOURCE, tokenized_completions
-from dflash_assets.executor import code_location_executor
-from dflash_assets.io_manager import StoreIOManager
-from dflash_assets.resources import (
+from dflash_assets.orchestration.assets.drafter_checkpoints import drafter_checkpoints
+from dflash_assets.orchestration.assets.hidden_states import hidden_state_partitions
+from dflash_assets.orchestration.assets.target_completions import target_completions
+from dflash_assets.orchestration.assets.tokenized_completions import COMPLETIONS_SOURCE, tokenized_completions
+from dflash_assets.orchestration.execution.executor import code_location_executor
+from dflash_assets.orchestration.io_manager import StoreIOManager
+from dflash_assets.orchestration.resources import (
     DatasetResource,
     DeviceLeaseResource,
     GenerationResource,
     StoreResource,
     TargetModelResource,
 )
-from dflash_assets.sensors import failed_range_sensor, sample_range_sensor
+from dflash_assets.orchestration.sensors import failed_range_sensor, sample_range_sensor
 
 store = StoreResource()
 regenerated = [target_completions] if COMPLETIONS_SOURCE == "target" else []

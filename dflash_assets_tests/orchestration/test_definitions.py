@@ -13,7 +13,7 @@ import pytest
 from dagster import AssetKey, DagsterInstance
 
 from dflash_assets.definitions import defs
-from dflash_assets.partitions import PARTITIONS_NAME, NotASampleRange, check_sample_range_key
+from dflash_assets.orchestration.partitions import PARTITIONS_NAME, NotASampleRange, check_sample_range_key
 from dflash_assets_tests.support.s3_server import free_port
 
 

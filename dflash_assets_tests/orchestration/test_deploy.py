@@ -17,7 +17,7 @@ from dagster import AssetKey, DagsterRun
 from dagster._config import process_config
 from dagster._core.instance.config import dagster_instance_config
 
-from dflash_assets.k8s import GPU_RESOURCE, STAGING_MOUNT
+from dflash_assets.orchestration.execution.k8s import GPU_RESOURCE, STAGING_MOUNT
 from dflash_assets_tests.conftest import REPO
 
 DEPLOY = REPO / "deploy"

@@ -397,7 +397,7 @@ def _reap(env: dict[str, str]) -> str:
 def test_a_two_asset_range_finishes_while_dead_runs_are_reaped_and_says_whom_it_waits_for(
     pipeline, faulty_proxy, tmp_path
 ):
-    from dflash_assets.recovery import reap_dead_runs
+    from dflash_assets.orchestration.execution.recovery import reap_dead_runs
     from dflash_assets.target.devices import lease_device
 
     url = _fresh_store(pipeline, "two-assets")

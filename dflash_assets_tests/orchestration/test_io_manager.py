@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from dagster import AssetIn, DagsterInstance, StaticPartitionsDefinition, asset, materialize
 
-from dflash_assets.io_manager import PartitionOutput, StoreIOManager
-from dflash_assets.resources import StoreResource
+from dflash_assets.orchestration.io_manager import PartitionOutput, StoreIOManager
+from dflash_assets.orchestration.resources import StoreResource
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 

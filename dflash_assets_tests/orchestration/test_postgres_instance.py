@@ -61,7 +61,7 @@ def test_a_worker_node_creates_the_instance_tables_before_any_run(tmp_path, monk
     """Runs launched at once on an empty database would each try to create them, and collide."""
     import psycopg2
 
-    from dflash_assets.celery_worker import _create_instance_tables
+    from dflash_assets.orchestration.execution.celery_worker import _create_instance_tables
     from dflash_assets_tests.support.postgres import HOST, PORT, USER
 
     with postgres_dagster_home(tmp_path / "dagster-home") as env:

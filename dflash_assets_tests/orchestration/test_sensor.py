@@ -23,8 +23,18 @@ from dagster import (
 from dagster._core.storage.tags import RUN_FAILURE_REASON_TAG
 from dagster._daemon.auto_run_reexecution.auto_run_reexecution import should_retry
 
-from dflash_assets.recovery import RUN_WORKER_TAG, RunWorker, _process_start_ticks, reap_dead_runs
-from dflash_assets.sensors import ATTEMPT_TAG, RETRIGGER_OF_TAG, failed_range_sensor, retrigger_requests
+from dflash_assets.orchestration.execution.recovery import (
+    RUN_WORKER_TAG,
+    RunWorker,
+    _process_start_ticks,
+    reap_dead_runs,
+)
+from dflash_assets.orchestration.sensors import (
+    ATTEMPT_TAG,
+    RETRIGGER_OF_TAG,
+    failed_range_sensor,
+    retrigger_requests,
+)
 from dflash_assets_tests.conftest import make_dagster_home, open_instance
 
 PARTS = StaticPartitionsDefinition(["00000000-00000099", "00000100-00000199"])
@@ -182,7 +192,7 @@ def test_a_range_that_was_already_run_again_is_not_relaunched(instance):
 
 
 def test_the_range_sensor_registers_the_ranges_covering_the_dataset_once(instance, tmp_path, monkeypatch):
-    from dflash_assets.sensors import sample_range_sensor
+    from dflash_assets.orchestration.sensors import sample_range_sensor
 
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     dataset = tmp_path / "conversations.jsonl"

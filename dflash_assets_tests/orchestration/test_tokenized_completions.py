@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInstance, materialize
 
-from dflash_assets.assets.tokenized_completions import tokenized_completions
 from dflash_assets.conversations.tokenize import read_shard
-from dflash_assets.io_manager import StoreIOManager
-from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
+from dflash_assets.orchestration.assets.tokenized_completions import tokenized_completions
+from dflash_assets.orchestration.io_manager import StoreIOManager
+from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY

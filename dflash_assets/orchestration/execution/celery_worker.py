@@ -173,7 +173,7 @@ def worker_argv(queues: Sequence[str], name: str, concurrency: int, loglevel: st
 
 def run_worker(queues: Sequence[str], name: str, concurrency: int | None = None) -> int:
     """Start this node's Celery worker (returns when it shuts down)."""
-    from dflash_assets.celery_app import TASK_NAME, node_app
+    from dflash_assets.orchestration.execution.celery_app import TASK_NAME, node_app
 
     if not queues:
         raise ValueError("a worker needs at least one --queue (gpu, default)")
@@ -185,7 +185,7 @@ def run_worker(queues: Sequence[str], name: str, concurrency: int | None = None)
     app = node_app(queues)
     app.task(bind=True, name=TASK_NAME)(execute_step)
     import dflash_assets.definitions  # noqa: F401  a code location that does not load fails here, once
-    import dflash_assets.step_imports  # noqa: F401  once for every step process (no CUDA initialised)
+    import dflash_assets.orchestration.execution.step_imports  # noqa: F401  once for every step process (no CUDA initialised)
 
     _create_instance_tables()
 

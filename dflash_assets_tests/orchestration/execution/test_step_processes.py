@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from dflash_assets.executor import STEP_PRELOAD, with_forkserver_steps
+from dflash_assets.orchestration.execution.executor import STEP_PRELOAD, with_forkserver_steps
 
 # Records every call of torch's functions that count or initialise CUDA devices, then imports `module`.
 _CUDA_CALLS = textwrap.dedent(

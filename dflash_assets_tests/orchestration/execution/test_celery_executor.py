@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from dagster_celery.tags import DAGSTER_CELERY_QUEUE_TAG
 
-from dflash_assets import celery_executor, settings
-from dflash_assets.celery_app import broker_url, result_backend
-from dflash_assets.celery_executor import NodeWatch, StepLost
-from dflash_assets.celery_worker import node_device_count, worker_argv
+from dflash_assets import settings
 from dflash_assets.definitions import defs
-from dflash_assets.k8s import CELERY_QUEUE_TAG
+from dflash_assets.orchestration.execution import celery_executor
+from dflash_assets.orchestration.execution.celery_app import broker_url, result_backend
+from dflash_assets.orchestration.execution.celery_executor import NodeWatch, StepLost
+from dflash_assets.orchestration.execution.celery_worker import node_device_count, worker_argv
+from dflash_assets.orchestration.execution.k8s import CELERY_QUEUE_TAG
 
 SECRET = "do-not-print-me"
 
@@ -31,7 +32,9 @@ def test_gpu_steps_go_to_the_gpu_queue_and_tokenisation_to_the_default_queue():
         "hidden_state_partitions": "gpu",
         "drafter_checkpoints": "gpu",
     }
-    from dflash_assets.assets.target_completions import target_completions  # DFLASH_COMPLETIONS=target
+    from dflash_assets.orchestration.assets.target_completions import (
+        target_completions,  # DFLASH_COMPLETIONS=target
+    )
 
     assert target_completions.op.tags[DAGSTER_CELERY_QUEUE_TAG] == "gpu"
 

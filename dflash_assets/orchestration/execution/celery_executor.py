@@ -34,8 +34,8 @@ from dagster_celery.core_execution_loop import core_celery_execution_loop
 from dagster_celery.executor import CeleryExecutor
 
 from dflash_assets import settings
-from dflash_assets.celery_app import TASK_NAME, broker_url, result_backend
-from dflash_assets.k8s import CPU_QUEUE
+from dflash_assets.orchestration.execution.celery_app import TASK_NAME, broker_url, result_backend
+from dflash_assets.orchestration.execution.k8s import CPU_QUEUE
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -14,8 +14,8 @@ from typing import Any
 
 from dagster import ConfigurableIOManager, InputContext, MetadataValue, OutputContext
 
-from dflash_assets.partitions import SampleRangePartitions, dataset_range_keys
-from dflash_assets.resources import StoreResource
+from dflash_assets.orchestration.partitions import SampleRangePartitions, dataset_range_keys
+from dflash_assets.orchestration.resources import StoreResource
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.manifest import (
     StoredPartition,

@@ -7,12 +7,12 @@ from pydantic import Field
 
 from dflash_assets import settings
 from dflash_assets.conversations.sample_range import SampleRange
-from dflash_assets.io_manager import PartitionOutput
-from dflash_assets.k8s import gpu_step_tags
-from dflash_assets.nodes import step_node
-from dflash_assets.partitions import SAMPLE_RANGES
-from dflash_assets.progress import RangeProgressReporter, human_duration
-from dflash_assets.resources import (
+from dflash_assets.orchestration.execution.k8s import gpu_step_tags
+from dflash_assets.orchestration.execution.nodes import step_node
+from dflash_assets.orchestration.io_manager import PartitionOutput
+from dflash_assets.orchestration.partitions import SAMPLE_RANGES
+from dflash_assets.orchestration.progress import RangeProgressReporter, human_duration
+from dflash_assets.orchestration.resources import (
     DatasetResource,
     DeviceLeaseResource,
     GenerationResource,

@@ -33,13 +33,16 @@ from dagster._core.execution.step_dependency_config import StepDependencyConfig
 from dagster._core.executor.base import Executor
 
 from dflash_assets import settings
-from dflash_assets.orphans import arm_if_started_by_a_run_worker, run_worker_environment
-from dflash_assets.recovery import reap_dead_runs, record_run_worker
+from dflash_assets.orchestration.execution.orphans import (
+    arm_if_started_by_a_run_worker,
+    run_worker_environment,
+)
+from dflash_assets.orchestration.execution.recovery import reap_dead_runs, record_run_worker
 
 arm_if_started_by_a_run_worker()
 
 # What the forkserver of the local engine imports before forking step processes.
-STEP_PRELOAD = ("dflash_assets.definitions", "dflash_assets.step_imports")
+STEP_PRELOAD = ("dflash_assets.definitions", "dflash_assets.orchestration.execution.step_imports")
 
 
 def with_forkserver_steps(executor_config: Mapping[str, object]) -> Mapping[str, object]:
@@ -112,7 +115,7 @@ def code_location_executor() -> ExecutorDefinition:
 
         return recording(k8s_job_executor)
     if kind == "celery":
-        from dflash_assets.celery_executor import celery_step_executor
+        from dflash_assets.orchestration.execution.celery_executor import celery_step_executor
 
         return recording(celery_step_executor())
     if kind != "local":

@@ -33,11 +33,11 @@ from dagster._core.events import RunFailureReason
 from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_FAILURE_REASON_TAG, WILL_RETRY_TAG
 
 from dflash_assets import settings
-from dflash_assets.assets.hidden_states import hidden_state_partitions
-from dflash_assets.assets.target_completions import target_completions
-from dflash_assets.assets.tokenized_completions import COMPLETIONS_SOURCE, tokenized_completions
-from dflash_assets.partitions import SAMPLE_RANGES, dataset_range_keys, unregistered_ranges
-from dflash_assets.recovery import reap_dead_runs
+from dflash_assets.orchestration.assets.hidden_states import hidden_state_partitions
+from dflash_assets.orchestration.assets.target_completions import target_completions
+from dflash_assets.orchestration.assets.tokenized_completions import COMPLETIONS_SOURCE, tokenized_completions
+from dflash_assets.orchestration.execution.recovery import reap_dead_runs
+from dflash_assets.orchestration.partitions import SAMPLE_RANGES, dataset_range_keys, unregistered_ranges
 
 ATTEMPT_TAG = "dflash/attempt"
 RETRIGGER_OF_TAG = "dflash/retrigger_of"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_assets import settings
-from dflash_assets.resources import DatasetResource, StoreResource, TargetModelResource
+from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.storage.units import human_bytes
 
 
@@ -45,7 +45,7 @@ def build_plan(
     except StoreError as error:  # the plan still works from the dataset alone
         log(f"the store is unreachable ({error}); planning from the dataset alone")
         object_store = None
-    from dflash_assets.partitions import dataset_row_count
+    from dflash_assets.orchestration.partitions import dataset_row_count
 
     workload = build_workload(
         dataset_uri=dataset.uri(),

@@ -9,12 +9,12 @@ from dagster import AssetExecutionContext, AssetIn, AssetObservation, Config, Me
 from pydantic import Field
 
 from dflash_assets import settings
-from dflash_assets.assets.hidden_states import load_tokenized
-from dflash_assets.io_manager import PartitionOutput
-from dflash_assets.k8s import gpu_step_tags
-from dflash_assets.nodes import step_node
-from dflash_assets.progress import PROGRESS_TAG
-from dflash_assets.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.orchestration.assets.hidden_states import load_tokenized
+from dflash_assets.orchestration.execution.k8s import gpu_step_tags
+from dflash_assets.orchestration.execution.nodes import step_node
+from dflash_assets.orchestration.io_manager import PartitionOutput
+from dflash_assets.orchestration.progress import PROGRESS_TAG
+from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.orphans import RUN_WORKER_ENV
+from dflash_assets.orchestration.execution.orphans import RUN_WORKER_ENV
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.target.devices import lease_device
