@@ -96,7 +96,7 @@ def test_a_step_stops_within_seconds_when_its_run_worker_is_killed(
 _CHILD = textwrap.dedent(
     """
     import os, sys, time
-    from dflash_assets import orphans
+    from dflash_assets.orchestration.execution import orphans
     if sys.argv[1] == "arm":
         orphans.arm(os.getppid(), use_prctl=sys.argv[2] == "prctl")
     else:
