@@ -14,6 +14,10 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 . .venv/bin/activate
 ruff check dflash_assets dflash_assets_tests
+# The manual: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails here.
+site="$(mktemp -d)"
+mkdocs build --strict --quiet --site-dir "$site"
+rm -rf "$site"
 # Three workers (DFLASH_TEST_WORKERS to change): the end-to-end tests wait on subprocesses and servers
 # now and then, so one more worker than cores keeps both busy; a fourth only adds contention (on the
 # 2-core machine: 352 and 363 s with three, 382 s with four, 396 s with two). Idle workers steal
