@@ -1,8 +1,10 @@
 """Every `DFLASH_*` environment variable in one table: name, default, meaning.
 
-The Dagster layer reads defaults from here; run config in the launchpad overrides them. The README's
-configuration table is this table. AWS settings are not here: boto3 reads the standard `AWS_*`
-variables itself, so credentials never pass through our config, logs or run config.
+The Dagster layer reads defaults from here; run config in the launchpad overrides them. The manual's
+configuration reference (docs/configuration.md) is written from this table by
+`python scripts/write_settings_reference.py`, and a test holds the two equal. AWS settings are not
+here: boto3 reads the standard `AWS_*` variables itself, so credentials never pass through our config,
+logs or run config.
 """
 
 from __future__ import annotations

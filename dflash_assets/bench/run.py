@@ -2,7 +2,7 @@
 
 The machine may be shared and noisy, so every figure is a ratio of two measurements taken side by
 side, interleaved over several rounds, and the median round is reported. Nothing here asserts: the
-README records the figures and the targets they are read against.
+manual (docs/benchmark.md) records the figures and the targets they are read against.
 """
 
 from __future__ import annotations

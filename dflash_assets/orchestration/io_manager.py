@@ -42,7 +42,7 @@ def _asset_name(context: InputContext | OutputContext) -> str:
 
 
 class StoreIOManager(ConfigurableIOManager):
-    """Keys outputs by asset and partition under the store layout in the README."""
+    """Keys outputs by asset and partition under the store layout of docs/store-layout.md."""
 
     store: StoreResource
 

@@ -404,7 +404,7 @@ def _warnings(figures: dict[str, Any], settings: PlanSettings, target: TargetFac
         warnings.append(
             f"{HIDDEN_STATE_DTYPE_SETTING}=fp8 would store {human_bytes(fp8)} instead of "
             f"{human_bytes(total)} ({fp8 / total:.0%}; e4m3 with a scale per token and layer, fidelity "
-            "measured in the README)"
+            "measured in docs/benchmark.md)"
             if total
             else f"{HIDDEN_STATE_DTYPE_SETTING}=fp8 would halve the bytes"
         )

@@ -16,7 +16,7 @@ from dflash_assets.storage.store import ObjectInfo, ObjectStore
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_FORMAT = "dflash-assets.manifest/1"
 
-# Asset name -> top-level prefix in the store (the layout in the README).
+# Asset name -> top-level prefix in the store (the layout in docs/store-layout.md).
 ASSET_PREFIXES = {
     "target_completions": "target-completions",
     "tokenized_completions": "tokenized-completions",

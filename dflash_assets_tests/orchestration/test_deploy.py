@@ -3,7 +3,7 @@ Dagster's own config schema, the Helm values for what the official chart needs (
 compute-log and instance sections against the schemas of the classes they configure), a step Job
 built by dagster_k8s's own job construction, the compose file, and the Dockerfile through hadolint.
 Nothing here talks to a cluster, a registry or Docker; what only a real cluster can show is listed
-in the README ("Run on Kubernetes")."""
+in docs/deploy.md ("Kubernetes")."""
 
 import re
 import shutil
