@@ -10,6 +10,17 @@ import time
 from pathlib import Path
 
 
+class UsageError(ValueError):
+    """A flag or argument of a `dflash-assets` command that cannot be used; printed as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a wrong flag in one line (usage stays behind `--help`)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _instance():
     from dagster import DagsterInstance
 
@@ -167,6 +178,7 @@ def run_plan(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    _check_plan_flags(args)
     log(f"planning for {plan_environment_note()}")
     plan = build_plan(
         store=StoreResource(),
@@ -185,9 +197,37 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_plan_flags(args: argparse.Namespace) -> None:
+    """Every `plan` flag, before the dataset is read or a row tokenized."""
+    from dflash_assets.planning.inputs import device_profile
+
+    positive = {
+        "--devices": args.devices,
+        "--device-memory-gib": args.device_memory_gib,
+        "--train-tokens-per-s": args.train_tokens_per_s,
+        "--mfu": args.mfu,
+    }
+    for flag, value in positive.items():
+        if value is not None and value <= 0:
+            raise UsageError(f"{flag} {value:g} must be more than 0")
+    if args.mfu is not None and args.mfu > 1:
+        raise UsageError(f"--mfu {args.mfu:g} is a fraction of the device's peak: give at most 1, e.g. 0.4")
+    if args.sample_rows < 0:
+        raise UsageError(f"--sample-rows {args.sample_rows} must be 0 (every row) or more")
+    if args.gpu_result and not Path(args.gpu_result).expanduser().is_file():
+        raise UsageError(f"--gpu-result {args.gpu_result}: no such file (`bench --gpu` saves one)")
+    if args.device:
+        try:
+            device_profile(
+                device_name=args.device, device_memory_bytes=None, gpu_result=None, configured_devices=[]
+            )
+        except ValueError as error:
+            raise UsageError(f"--device {args.device}: {error}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dflash-assets", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="dflash-assets", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = sub.add_parser("demo", help="materialise every asset on the current settings (embedded defaults)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (DFLASH_TRAIN_MAX_STEPS)")
     build = sub.add_parser("build-demo-model", help="build the built-in demo target model into a directory")
@@ -236,9 +276,25 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrency", type=int, default=None, help="steps at once (default: its devices, 1 on a CPU)"
     )
     args = parser.parse_args(argv)
+    from dflash_assets.orchestration.user_errors import check_settings, user_error_message
 
+    try:
+        check_settings()  # every DFLASH_* value, before any work
+        return _run(parser, args)
+    except Exception as error:
+        message = user_error_message(error) if not isinstance(error, UsageError) else str(error)
+        if message is None:
+            raise
+        print(f"dflash-assets {args.command}: {message}", file=sys.stderr)
+        return 2
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "demo":
         from dflash_assets import terminal
+
+        if args.steps is not None and args.steps < 1:
+            raise UsageError(f"--steps {args.steps} must be 1 or more")
 
         with terminal.live_progress():  # a status line on a terminal, a line now and then in a log
             return run_demo(args.steps)
@@ -247,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_assets.target.demo_model import build_demo_model, ensure_demo_model
 
         if args.directory:
-            path = build_demo_model(Path(args.directory))
+            try:
+                path = build_demo_model(Path(args.directory))
+            except FileExistsError as error:
+                raise UsageError(str(error)) from None
         else:
             path = ensure_demo_model(settings.cache_dir())
         print(path)

@@ -2,8 +2,15 @@
 
 Loading it reads no dataset, no store and no model, and imports no torch: partitions are dynamic
 (`partitions.py`), resources open what they need when a run uses them. `DFLASH_COMPLETIONS=target`
-puts `target_completions` upstream of `tokenized_completions` (see that asset).
+puts `target_completions` upstream of `tokenized_completions` (see that asset). A bad `DFLASH_*` value
+stops loading with one line naming it, before anything reads one.
 """
+# ruff: noqa: E402 - the settings are checked before any module that reads one is imported
+
+from dflash_assets.orchestration.user_errors import check_settings, report_in_one_line
+
+report_in_one_line()
+check_settings()
 
 from dagster import Definitions
 

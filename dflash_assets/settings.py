@@ -10,6 +10,7 @@ logs or run config.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,9 @@ class Setting:
         try:
             return int(raw)
         except ValueError:
-            raise SettingError(f"{self.name}={raw!r} is not an integer") from None
+            raise SettingError(
+                f"{self.name}={raw!r} is not an integer: {self._fix('a whole number')}"
+            ) from None
 
     def get_optional_int(self) -> int | None:
         """The integer value, or None when the variable is unset or empty and has no default."""
@@ -46,7 +49,11 @@ class Setting:
         try:
             return float(raw)
         except ValueError:
-            raise SettingError(f"{self.name}={raw!r} is not a number") from None
+            raise SettingError(f"{self.name}={raw!r} is not a number: {self._fix('a number')}") from None
+
+    def _fix(self, what: str) -> str:
+        default = f"the default, {self.default}" if self.default else "its default"
+        return f"set it to {what}, or unset it for {default}"
 
 
 def _home() -> Path:
@@ -57,7 +64,8 @@ HOME = Setting("DFLASH_HOME", "~/.dflash", "Root for the default local store, st
 STORE_URL = Setting(
     "DFLASH_STORE_URL",
     "",  # resolved by store_url(): $DFLASH_HOME/store
-    "Where assets live: `s3://bucket/prefix` or a local directory. Default `$DFLASH_HOME/store`.",
+    "Where assets live: `s3://bucket/prefix`, or a local directory (`file:///path`, an absolute path, or a "
+    "path relative to `$DFLASH_HOME`). Default `$DFLASH_HOME/store`.",
 )
 STAGING_DIR = Setting(
     "DFLASH_STAGING_DIR", "", "Local staging for objects waiting to upload. Default `$DFLASH_HOME/staging`."
@@ -257,8 +265,21 @@ K8S_TRAIN_GPUS = Setting(
 ALL_SETTINGS = [value for value in list(globals().values()) if isinstance(value, Setting)]
 
 
+# `s3:`, `file:`, `gs:` ... (two letters or more: `C:` is a drive, not a scheme).
+_URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")
+
+
 def store_url() -> str:
-    return STORE_URL.get() or str(_home() / "store")
+    """`DFLASH_STORE_URL` as given when it is a URL (checked by `storage.open_store`) or an absolute path;
+    a relative path lies under `DFLASH_HOME`, so every process (shell, UI, daemon, run workers) finds the
+    same store whatever its working directory. Default: `$DFLASH_HOME/store`."""
+    value = STORE_URL.get()
+    if not value:
+        return str(_home() / "store")
+    if _URL_SCHEME.match(value):
+        return value
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else _home() / path)
 
 
 def staging_dir() -> Path:

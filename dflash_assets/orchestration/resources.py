@@ -85,7 +85,7 @@ class TargetModelResource(ConfigurableResource):
             return ensure_demo_model(Path(self.cache_dir).expanduser())
         path = Path(self.model).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
+            raise settings.SettingError(
                 f"target model directory {str(path)!r} has no config.json: set DFLASH_TARGET_MODEL "
                 "(or the target_model resource's `model`) to a Hugging Face model directory, or to "
                 "`demo` for the built-in model"
@@ -128,8 +128,11 @@ class TargetModelResource(ConfigurableResource):
         from dflash_assets.target.layer_ids import parse_layer_ids, resolve_target_layer_ids
 
         config = AutoConfig.from_pretrained(self.model_dir())
-        explicit = parse_layer_ids(self.target_layer_ids) if self.target_layer_ids.strip() else None
-        return resolve_target_layer_ids(config, explicit, num_draft_layers=self.num_draft_layers)
+        try:
+            explicit = parse_layer_ids(self.target_layer_ids) if self.target_layer_ids.strip() else None
+            return resolve_target_layer_ids(config, explicit, num_draft_layers=self.num_draft_layers)
+        except ValueError as error:  # the messages name DFLASH_TARGET_LAYER_IDS: a setting to change
+            raise settings.SettingError(str(error)) from None
 
 
 class DatasetResource(ConfigurableResource):

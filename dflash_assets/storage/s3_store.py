@@ -64,7 +64,8 @@ class S3Settings:
             raise StoreConfigError("S3 max_attempts, max_pool_connections and list_page_size must be >= 1")
 
 
-def _parse_s3_url(url: str) -> tuple[str, str]:
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """`s3://bucket/prefix` -> (bucket, prefix), or a `StoreConfigError` naming the setting."""
     parsed = urlparse(url)
     bucket = parsed.netloc
     if parsed.scheme != "s3" or not bucket or parsed.query or parsed.fragment:
@@ -93,7 +94,7 @@ class S3Store(ObjectStore):
         from boto3.s3.transfer import TransferConfig
 
         self.settings = settings or S3Settings()
-        self.bucket, self.prefix = _parse_s3_url(url)
+        self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         try:
             self._session = boto3.session.Session(

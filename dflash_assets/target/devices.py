@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     import torch
 
 DEVICES_ENV = "DFLASH_DEVICES"
-_DEVICE_NAME = re.compile(r"^[a-z]+(:\d+)?$")
+# The device kinds torch runs a target on; `cpu:N` names distinct leases of the one CPU.
+_DEVICE_NAME = re.compile(r"^(cpu|cuda|mps|xpu)(:\d+)?$")
 
 
 class DeviceLeaseTimeout(TimeoutError):

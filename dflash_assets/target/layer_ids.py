@@ -15,8 +15,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_assets.target.model import num_decoder_layers
-
 LAYER_IDS_SETTING = "DFLASH_TARGET_LAYER_IDS"
 
 
@@ -85,6 +83,8 @@ def resolve_target_layer_ids(
 
     `model_config` is a transformers config or the parsed `config.json` dict.
     """
+    from dflash_assets.target.model import num_decoder_layers  # torch: not for parsing a setting
+
     num_layers = num_decoder_layers(model_config)
     if explicit is None:
         return dflash_target_layer_ids(num_layers, num_draft_layers)

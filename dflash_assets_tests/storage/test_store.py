@@ -170,6 +170,31 @@ def test_open_store_picks_the_backend_from_the_url(tmp_path: Path) -> None:
             open_store(bad)
 
 
+@pytest.mark.parametrize("typo", ["s3:/nobucket", "s3:nobucket", "S3:/x", "file:relative", "gs://bucket/x"])
+def test_a_malformed_or_foreign_store_url_is_refused_before_anything_is_created(
+    typo: str, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreConfigError, match="DFLASH_STORE_URL"):
+        open_store(typo).check()
+    assert list(tmp_path.iterdir()) == []  # no directory named after the typo
+
+
+def test_a_relative_store_path_lies_under_DFLASH_HOME_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from dflash_assets import settings
+
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for relative in ("store-b", "./nested/store"):
+        monkeypatch.setenv("DFLASH_STORE_URL", relative)
+        assert settings.store_url() == str(tmp_path / "home" / relative)
+    for kept in (str(tmp_path / "abs"), "s3://bucket/prefix", f"file://{tmp_path}/x", "s3:/typo"):
+        monkeypatch.setenv("DFLASH_STORE_URL", kept)
+        assert settings.store_url() == kept  # absolute paths and URLs as given (typos refused later)
+
+
 # ------------------------------------------------------------------------------------------- S3 only
 
 

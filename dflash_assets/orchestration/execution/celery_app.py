@@ -36,14 +36,14 @@ def broker_url() -> str:
     """`DFLASH_CELERY_BROKER_URL`, checked; errors name the setting and the scheme, never the URL."""
     url = settings.CELERY_BROKER_URL.get()
     if not url:
-        raise ValueError(
+        raise settings.SettingError(
             f"{settings.EXECUTOR.name}=celery and `dflash-assets worker` need "
             f"{settings.CELERY_BROKER_URL.name}: the broker, e.g. redis://127.0.0.1:6379/0 or "
             "amqp://user:password@host:5672//"
         )
     scheme = _scheme(url)
     if scheme not in REDIS_SCHEMES + AMQP_SCHEMES:
-        raise ValueError(
+        raise settings.SettingError(
             f"{settings.CELERY_BROKER_URL.name} must be a Redis (redis://, rediss://) or RabbitMQ (amqp://, "
             f"amqps://) URL; it starts with {scheme + '://' if scheme else 'no scheme'}"
         )

@@ -1,0 +1,258 @@
+"""Mistakes a user fixes by changing one setting, flag, path or URL, told in one line without a traceback.
+
+`check_settings` reads every `DFLASH_*` value that has a shape to check, before any work: when a
+`dflash-assets` command starts and when the code location loads. It reads values only (no file, store,
+model or network: a dataset that is missing or a bucket that refuses us is found when a command uses
+it) and never prints a secret's value. `user_error_message` picks such a mistake out of an exception
+(a bug keeps its traceback); the CLI prints it, and `report_in_one_line` makes a `dagster` or `dg`
+command that loads this code location do the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from dflash_assets import settings
+from dflash_assets.settings import Setting, SettingError
+
+# Values of settings whose meaning lives in a module that imports torch (so not read at load); tests
+# hold them equal to the core's (`drafter.config.DRAFTER_SHAPES`, `training.settings`, the executor).
+DRAFTER_SHAPES = ("auto", "dflash", "dflash-swa", "target")
+TRAIN_MODES = ("offline", "online")
+EXECUTORS = ("local", "k8s", "celery")
+
+# Integers: the smallest value, and whether the setting may also be empty (unset: no value).
+_INTEGERS: dict[Setting, tuple[int, bool]] = {
+    settings.STAGING_MAX_BYTES: (1, False),
+    settings.UPLOAD_MAX_IN_FLIGHT: (1, False),
+    settings.SAMPLES_PER_PARTITION: (1, False),
+    settings.MAX_LENGTH: (1, False),
+    settings.GENERATE_CONCURRENCY: (1, False),
+    settings.GENERATE_MAX_NEW_TOKENS: (1, True),
+    settings.NUM_DRAFT_LAYERS: (1, False),
+    settings.MAX_TOKENS_PER_BATCH: (1, False),
+    settings.TRAIN_MAX_STEPS: (0, True),
+    settings.TRAIN_GLOBAL_BATCH_SIZE: (1, False),
+    settings.MASK_TOKEN_ID: (0, True),
+    settings.CHECKPOINT_EVERY_STEPS: (0, False),
+    settings.RETRIGGER_MAX_ATTEMPTS: (0, False),
+    settings.CELERY_STEP_RESUBMITS: (0, False),
+    settings.K8S_TRAIN_GPUS: (1, False),
+}
+# Numbers: the smallest value, and whether it is allowed itself.
+_NUMBERS: dict[Setting, tuple[float, bool]] = {
+    settings.GENERATE_TEMPERATURE: (0.0, True),
+    settings.CHECKPOINT_EVERY_MINUTES: (0.0, True),
+    settings.RETRIGGER_BACKOFF_S: (0.0, True),
+    settings.CELERY_NODE_LOST_AFTER_S: (0.0, False),
+    settings.CELERY_RUN_CHECK_S: (0.0, False),
+}
+
+
+def _choices() -> dict[Setting, tuple[str, ...]]:
+    from dflash_assets.storage.store import CHECKSUM_MODES
+
+    return {
+        settings.COMPLETIONS: ("dataset", "target"),
+        settings.S3_CHECKSUM: CHECKSUM_MODES,
+        settings.TRAIN_MODE: TRAIN_MODES,
+        settings.DRAFTER_SHAPE: DRAFTER_SHAPES,
+        settings.EXECUTOR: EXECUTORS,
+    }
+
+
+def _hidden_state_dtype(value: str) -> None:
+    from dflash_assets.extraction.object_size import check_hidden_state_dtype
+
+    check_hidden_state_dtype(value)
+
+
+def _store_url(value: str) -> None:
+    from dflash_assets.storage.open_store import check_store_url
+
+    check_store_url(settings.store_url())
+
+
+def _dataset(value: str) -> None:
+    if value == "bundled" or value.startswith(("s3://", "file://")) or "://" not in value:
+        if value.startswith("s3://") and len(value.split("/", 3)) < 4:
+            raise SettingError(f"{settings.DATASET.name}={value!r} must name one object: s3://<bucket>/<key>")
+        return
+    raise SettingError(
+        f"{settings.DATASET.name}={value!r} has an unsupported scheme: use a local path, file:///path, "
+        "s3://<bucket>/<key> or `bundled`"
+    )
+
+
+def _local_directory(setting: Setting) -> Callable[[str], None]:
+    def check(value: str) -> None:
+        if "://" in value:
+            raise SettingError(f"{setting.name}={value!r} must be a local directory, not a URL")
+
+    return check
+
+
+def _layer_ids(value: str) -> None:
+    from dflash_assets.target.layer_ids import parse_layer_ids
+
+    if any(layer < 0 for layer in parse_layer_ids(value)):
+        raise SettingError(f"{settings.TARGET_LAYER_IDS.name}={value!r}: layer ids are 0 or more")
+
+
+def _devices(value: str) -> None:
+    from dflash_assets.target.devices import check_device_name
+
+    for device in filter(None, (d.strip() for d in value.split(","))):
+        check_device_name(device)
+
+
+def _generate_urls(value: str) -> None:
+    from dflash_assets.generation.openai_server import Server, parse_urls
+
+    for url in parse_urls(value):
+        Server(url)
+
+
+def _node_selector(value: str) -> None:
+    for pair in filter(None, (p.strip() for p in value.split(","))):
+        key, sep, _ = pair.partition("=")
+        if not sep or not key.strip():
+            raise SettingError(
+                f"{settings.K8S_NODE_SELECTOR.name}={value!r}: expected key=value[,key=value], e.g. "
+                "nvidia.com/gpu.present=true"
+            )
+
+
+def _run_name(value: str) -> None:
+    if "/" in value or value in (".", "..") or not value.isprintable():
+        raise SettingError(
+            f"{settings.RUN_NAME.name}={value!r} must be one path segment (it names checkpoints/<run>/ "
+            "and drafter/<run>/): no '/'"
+        )
+
+
+def _special() -> dict[Setting, Callable[[str], None]]:
+    return {
+        settings.STORE_URL: _store_url,
+        settings.DATASET: _dataset,
+        settings.HIDDEN_STATE_DTYPE: _hidden_state_dtype,
+        settings.HOME: _local_directory(settings.HOME),
+        settings.STAGING_DIR: _local_directory(settings.STAGING_DIR),
+        settings.CACHE_DIR: _local_directory(settings.CACHE_DIR),
+        settings.TARGET_LAYER_IDS: _layer_ids,
+        settings.DEVICES: _devices,
+        settings.GENERATE_URL: _generate_urls,
+        settings.K8S_NODE_SELECTOR: _node_selector,
+        settings.RUN_NAME: _run_name,
+    }
+
+
+def _check_one(setting: Setting) -> None:
+    value = setting.get()
+    if setting in _INTEGERS:
+        smallest, may_be_empty = _INTEGERS[setting]
+        if may_be_empty and not value:
+            return
+        number = setting.get_int()
+        if number < smallest:
+            raise SettingError(f"{setting.name}={value!r} must be {smallest} or more")
+    elif setting in _NUMBERS:
+        smallest, inclusive = _NUMBERS[setting]
+        number = setting.get_float()
+        if number < smallest or (number == smallest and not inclusive):
+            raise SettingError(
+                f"{setting.name}={value!r} must be {'at least' if inclusive else 'more than'} {smallest:g}"
+            )
+    elif setting in (choices := _choices()):
+        allowed = choices[setting]
+        if value and value not in allowed:
+            raise SettingError(
+                f"{setting.name}={value!r} is not one of {', '.join(allowed)}"
+                + (f": unset it for the default, {setting.default}" if setting.default else "")
+            )
+    elif setting in (special := _special()) and value:
+        special[setting](value)
+    if setting is settings.EXECUTOR and value == "celery":
+        from dflash_assets.orchestration.execution.celery_app import broker_url
+
+        broker_url()  # its messages name the setting and the scheme, never the URL
+
+
+def check_settings() -> None:
+    """Raise one `SettingError` naming every `DFLASH_*` value that cannot be used, and what to do."""
+    problems = []
+    for setting in settings.ALL_SETTINGS:
+        try:
+            _check_one(setting)
+        except ValueError as error:  # SettingError, and the core's parsers' ValueErrors
+            message = str(error)
+            problems.append(message if setting.name in message else f"{setting.name}: {message}")
+    if problems:
+        raise SettingError("; ".join(problems))
+
+
+# ------------------------------------------------------------------------------ reporting
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from dflash_assets.conversations.datasets import DatasetError
+    from dflash_assets.storage.store import StoreConfigError
+
+    return (SettingError, DatasetError, StoreConfigError)
+
+
+def user_error_message(error: BaseException) -> str | None:
+    """The one line for a mistake of the user's anywhere in `error`'s chain (a bad setting, a missing
+    dataset, a store URL or credentials refused, an asset the settings leave out); None for anything
+    else, which keeps its traceback."""
+    types = _user_error_types()
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, types):
+            return " ".join(str(current).split())
+        missing = _missing_target_completions(current)
+        if missing:
+            return missing
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _missing_target_completions(error: BaseException) -> str | None:
+    """Dagster's "no such asset" for `target_completions` when the settings leave it out of the graph."""
+    if type(error).__name__ not in ("DagsterInvalidSubsetError", "DagsterInvalidDefinitionError"):
+        return None
+    if "target_completions" not in str(error):
+        return None
+    try:
+        if settings.completions_source() == "target":
+            return None
+    except SettingError as bad:
+        return str(bad)
+    return (
+        f"target_completions is in the asset graph only with {settings.COMPLETIONS.name}=target (now "
+        f"{settings.COMPLETIONS.get()!r}: tokenized_completions reads the dataset's own answers): "
+        f"export {settings.COMPLETIONS.name}=target before the command (scripts/up.sh and scripts/ui.sh "
+        "set it)"
+    )
+
+
+def report_in_one_line() -> None:
+    """Make an uncaught user mistake end this process with one line on stderr (exit status 1), not a
+    traceback: for `dagster` and `dg` commands, which load the code location in their own process.
+    Anything else still goes to the previous hook. Idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "_dflash_one_line", False):
+        return
+
+    def hook(kind, value, traceback) -> None:
+        message = user_error_message(value) if isinstance(value, BaseException) else None
+        if message is None:
+            previous(kind, value, traceback)
+        else:
+            print(f"dflash-assets: {message}", file=sys.stderr, flush=True)
+
+    hook._dflash_one_line = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
