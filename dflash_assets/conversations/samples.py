@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -26,3 +28,12 @@ class TokenizedSample:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+
+def samples_digest(samples: Iterable[TokenizedSample]) -> str:
+    """A digest of the samples' content (index, token ids, loss mask), whatever file they were read from:
+    what a later stage's work was made from."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        digest.update(f"{sample.sample_index}:{sample.input_ids}:{sample.loss_mask}\n".encode())
+    return digest.hexdigest()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.conversations.samples import TokenizedSample, samples_digest
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.monitor import (
     ExtractionCounters,
@@ -72,17 +72,25 @@ class ExtractionResult:
 
 
 def extraction_fingerprint(
-    target_model: str, target_layer_ids: Sequence[int], hidden_size: int, hidden_state_dtype: str = "bf16"
+    target_model: str,
+    target_layer_ids: Sequence[int],
+    hidden_size: int,
+    hidden_state_dtype: str = "bf16",
+    made_from: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """What must be equal for two objects to belong to the same partition: a range is never a mix of
-    targets, layer sets or stored dtypes (a changed `DFLASH_HIDDEN_STATE_DTYPE` re-extracts it)."""
-    return {
+    targets, layer sets or stored dtypes (a changed `DFLASH_HIDDEN_STATE_DTYPE` re-extracts it), nor of
+    tokenized ranges (`made_from`: where the samples were read and `samples_digest` of them)."""
+    fingerprint: dict[str, Any] = {
         "format": SAMPLE_FORMAT,
         "target_model": target_model,
         "target_layer_ids": [int(i) for i in target_layer_ids],
         "hidden_size": int(hidden_size),
         "hidden_state_dtype": check_hidden_state_dtype(hidden_state_dtype),
     }
+    if made_from is not None:
+        fingerprint["made_from"] = dict(made_from)
+    return fingerprint
 
 
 def extract_range(
@@ -104,6 +112,7 @@ def extract_range(
     warn: Callable[[str], None] | None = None,
     on_progress: Callable[[ExtractionProgress], None] | None = None,
     hidden_state_dtype: str = "bf16",
+    source: str | None = None,
 ) -> ExtractionResult:
     """Make `<prefix>/hs_<index>.safetensors` exist in `store` for every sample, computing only the gaps.
 
@@ -115,6 +124,9 @@ def extract_range(
     `on_progress` the same progress as an `ExtractionProgress` (e.g. for asset observations).
     `hidden_state_dtype` is how the objects store the states: `bf16`, or `fp8` (e4m3 with a float32
     scale per token and layer, quantised on the device before the copy to the host: half the bytes).
+    `source` names where the samples were read (the tokenized range's prefix): with it, the fingerprint
+    records what the objects were made from (it and a digest of the samples), so staged files or
+    objects made from another tokenized range are never taken for this one's.
 
     The steps, in order: (1) one listing of the prefix, deleting objects another producer made;
     (2) what the store already holds; (3) finished files in staging, uploaded as they are; (4) the
@@ -127,8 +139,9 @@ def extract_range(
     capture = HiddenStateCapture(model, target_layer_ids)
     staging_dir = Path(staging_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)
+    made_from = {"tokenized": source, "samples_sha256": samples_digest(samples)} if source else None
     fingerprint = extraction_fingerprint(
-        target_model_name, capture.target_layer_ids, capture.hidden_size, hidden_state_dtype
+        target_model_name, capture.target_layer_ids, capture.hidden_size, hidden_state_dtype, made_from
     )
     partition = RangeInStore(store, prefix, fingerprint, by_index, capture, target_model_name, warn)
     staging = StagingDirectory(staging_dir, fingerprint)

@@ -30,12 +30,16 @@ class ExtractionIncomplete(StoreError):
 
 
 def earlier_fingerprints(fingerprint: dict[str, Any]) -> list[dict[str, Any]]:
-    """Fingerprints earlier versions wrote for objects this one would make the same way: format 1 was
-    bf16 only and named no dtype. Such a range is kept (its objects are read as they are), not redone."""
-    if fingerprint["hidden_state_dtype"] != "bf16":
-        return []
-    legacy = {key: value for key, value in fingerprint.items() if key != "hidden_state_dtype"}
-    return [{**legacy, "format": "dflash-assets.hidden-states/1"}]
+    """Fingerprints earlier versions wrote for objects this one would make the same way: before
+    fingerprints named what the objects were made from (`made_from`; the store's objects were made for
+    it, the store being this pipeline's), and format 1, bf16 only and naming no dtype. Such a range is
+    kept (its objects are read as they are), not redone."""
+    current = {key: value for key, value in fingerprint.items() if key != "made_from"}
+    earlier = [current] if current != fingerprint else []
+    if fingerprint["hidden_state_dtype"] == "bf16":
+        legacy = {key: value for key, value in current.items() if key != "hidden_state_dtype"}
+        earlier.append({**legacy, "format": "dflash-assets.hidden-states/1"})
+    return earlier
 
 
 class RangeInStore:
@@ -132,7 +136,7 @@ def resubmit_staged(
         problem = staged_file_problem(
             path,
             partition.by_index[index],
-            partition.fingerprint,
+            {key: value for key, value in partition.fingerprint.items() if key != "made_from"},
             partition.num_layers,
             partition.hidden_size,
         )

@@ -18,6 +18,7 @@ from dagster import ConfigurableResource
 from pydantic import PrivateAttr
 
 from dflash_assets import settings
+from dflash_assets.storage.local_state import local_state_dir
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.s3_store import S3Settings
 from dflash_assets.storage.store import ObjectStore
@@ -64,10 +65,29 @@ class StoreResource(ConfigurableResource):
             backoff_s=self.upload_backoff_s,
         )
 
+    def local_dir(self, root: str | Path) -> Path:
+        """The directory under the local `root` whose files belong to this store alone
+        (storage/local_state.py): staging, read caches and training work of two pipelines with different
+        stores never meet. Every local path of a step starts here."""
+        return local_state_dir(root, self.open())
+
     def staging_path(self, prefix: str) -> Path:
-        path = Path(self.staging_dir).expanduser() / prefix
+        """Staging of one asset's range (`prefix`, e.g. `hidden-states/<range>`), created if missing."""
+        path = self.local_dir(self.staging_dir) / prefix
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def read_cache_dir(self) -> Path:
+        """Local copies of this store's objects that a step reads (tokenized shards, completions)."""
+        return self.local_dir(settings.cache_dir() / "read-cache")
+
+    def training_dir(self, run: str) -> Path:
+        """A training run's local work directory (checkpoints before upload, curves, the export)."""
+        return self.local_dir(self.staging_dir) / "training" / run
+
+    def train_cache_dir(self, run: str) -> Path:
+        """A training run's bounded cache of streamed hidden-state objects."""
+        return self.local_dir(settings.cache_dir() / "train-cache") / run
 
 
 class TargetModelResource(ConfigurableResource):

@@ -26,18 +26,20 @@ def claim_prefix(
     prefix: str,
     fingerprint: dict[str, Any],
     warn: Callable[[str], None],
-    equivalent: Sequence[dict[str, Any]] = (),
+    equivalent: Sequence[dict[str, Any]] | Callable[[dict[str, Any]], bool] = (),
 ) -> dict[str, int]:
     """One listing of `prefix`; returns its objects (name -> size) if they carry `fingerprint`, or one of
-    `equivalent` (what an earlier version wrote for the same objects: the fingerprint is then upgraded
-    and the objects kept). Objects made under another fingerprint (or none) are deleted, manifest first,
-    and an empty listing returned. The fingerprint is (re)written before the caller writes any object."""
+    `equivalent` (what an earlier version wrote for the same objects, as a list or a test: the fingerprint
+    is then upgraded and the objects kept). Objects made under another fingerprint (or none) are deleted,
+    manifest first, and an empty listing returned. The fingerprint is (re)written before the caller writes
+    any object."""
     base = prefix.strip("/") + "/"
     listed = {info.key[len(base) :]: info.size for info in store.list(base)}
     stored = read_fingerprint(store, base, listed)
     if stored == fingerprint:
         return listed
-    if stored is not None and stored in list(equivalent):
+    same = equivalent if callable(equivalent) else (lambda value: value in list(equivalent))
+    if isinstance(stored, dict) and "unreadable" not in stored and same(stored):
         store.put_bytes(base + FINGERPRINT_NAME, json.dumps(fingerprint, indent=1).encode())
         return listed
     others = [name for name in listed if name != FINGERPRINT_NAME]

@@ -7,8 +7,11 @@ only written after one listing proves every object it names is in the store at i
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from dflash_assets.storage.store import ObjectInfo, ObjectStore
@@ -129,3 +132,27 @@ class StoredPartition:
 
     def object_keys(self) -> list[tuple[str, int]]:
         return [(f"{self.prefix}/{name}", size) for name, size in sorted(self.manifest["objects"].items())]
+
+    def local_copy(self, name: str, cache_dir: Path) -> Path:
+        """The object `name` as a local file under `cache_dir` (this store's read cache), downloaded once
+        per content: the copy's folder is named after the manifest's checksum of the object (its size
+        where the manifest predates checksums), so a partition committed again is fetched again, and
+        older copies of it are removed."""
+        tag = (self.manifest.get("checksums") or {}).get(name) or f"size-{self.manifest['objects'][name]}"
+        folder = Path(cache_dir) / self.prefix
+        version = _VERSION_CHARACTERS.sub("-", str(tag))[:40]
+        local = folder / version / name
+        if folder.is_dir():
+            for stale in folder.iterdir():
+                if stale.name == version:
+                    continue
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self.store.download(f"{self.prefix}/{name}", local)
+        return local
+
+
+_VERSION_CHARACTERS = re.compile(r"[^A-Za-z0-9._-]+")

@@ -106,7 +106,10 @@ class StagingDirectory:
         if reason is not None:
             samples = [p for p in leftovers if p.name != FINGERPRINT_NAME]
             if samples:
-                warn(f"staging {self.directory} holds {len(samples)} files {reason}; deleting them")
+                warn(
+                    f"staging {self.directory} holds {len(samples)} files {reason}, not by "
+                    f"{json.dumps(self.fingerprint)}; deleting them"
+                )
             for leftover in leftovers:
                 leftover.unlink(missing_ok=True)
             _write_replacing(self.directory / FINGERPRINT_NAME, json.dumps(self.fingerprint, indent=1))

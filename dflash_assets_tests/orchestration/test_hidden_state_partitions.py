@@ -30,6 +30,7 @@ from dflash_assets_tests.support.cli import IN_PROCESS, materialize_args
 from dflash_assets_tests.support.cli import dagster as _dagster
 from dflash_assets_tests.support.cli import kill_when as _kill_when
 from dflash_assets_tests.support.cli import run_cli as _run_cli
+from dflash_assets_tests.support.stores import staging_of
 
 KEY = "00000000-00000023"  # 24 samples per range keeps each run to seconds
 HS_PREFIX = f"hidden-states/{KEY}"
@@ -179,7 +180,7 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
             _materialize_args("hidden_state_partitions"), {**env, "DFLASH_FAULT_POINTS": "extract_forward@4"}
         )
         assert code != 0, output[-3000:]
-        staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
+        staging = staging_of(env, HS_PREFIX)
         finished = {i.key.rsplit("/", 1)[-1] for i in store.list(HS_PREFIX + "/hs_")}
         finished |= {p.name for p in staging.glob("hs_*.safetensors")}
         assert 0 < len(finished) < len(pipeline["reference"])  # died part-way, with work to keep
@@ -202,7 +203,7 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
         while (c := proxy.counters).requests > c.forwarded + c.faults and time.monotonic() < deadline:
             time.sleep(0.05)
     assert read_manifest(store, HS_PREFIX) is None  # never committed by the killed run
-    staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
+    staging = staging_of(env, HS_PREFIX)
     stored_before = {i.key.rsplit("/", 1)[-1] for i in store.list(HS_PREFIX + "/hs_")}
     staged_before = {p.name for p in staging.glob("hs_*.safetensors")} - stored_before
 
@@ -235,7 +236,7 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
     _assert_matches_reference(pipeline, url)
     manifest = read_manifest(store, HS_PREFIX)
     assert sorted(manifest["objects"]) == sorted(pipeline["reference"])
-    staging = Path(env["DFLASH_HOME"]) / "staging" / HS_PREFIX
+    staging = staging_of(env, HS_PREFIX)
     assert not list(staging.glob("hs_*")) if staging.exists() else True
 
 
@@ -312,7 +313,7 @@ def test_when_the_store_goes_down_the_run_fails_naming_the_endpoint_and_loses_no
     proxy.go_up()
 
     uploaded = {i.key.rsplit("/", 1)[-1] for i in store.list(HS_PREFIX + "/hs_")}
-    staging = Path(pipeline["env"]["DFLASH_HOME"]) / "staging" / HS_PREFIX
+    staging = staging_of(pipeline["env"], HS_PREFIX, url)
     staged = {p.name for p in staging.glob("hs_*.safetensors")}
     assert read_manifest(store, HS_PREFIX) is None
     assert staged, "finished samples that could not be uploaded stay in local staging"
@@ -329,7 +330,7 @@ def test_a_slow_store_pauses_extraction_instead_of_letting_staging_outgrow_its_b
     proxy = faulty_proxy()
     proxy.throttle(latency_s=0.05, bytes_per_s=2_000_000)
     budget = 300_000  # a handful of demo samples
-    staging = Path(pipeline["env"]["DFLASH_HOME"]) / "staging" / HS_PREFIX
+    staging = staging_of(pipeline["env"], HS_PREFIX, url)
     observed = [0]
     done = threading.Event()
 

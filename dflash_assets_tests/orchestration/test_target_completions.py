@@ -24,6 +24,7 @@ from dflash_assets_tests.conftest import make_dagster_home, open_instance, share
 from dflash_assets_tests.support.cli import dagster, materialize_args
 from dflash_assets_tests.support.inference_server import TransformersServer
 from dflash_assets_tests.support.shared import build_once
+from dflash_assets_tests.support.stores import staging_of
 
 KEY = "00000000-00000009"
 MAX_NEW_TOKENS = 16
@@ -225,7 +226,7 @@ def test_a_served_range_killed_mid_way_asks_again_only_for_unfinished_conversati
         "DFLASH_GENERATE_URL": proxy.endpoint_url + "/v1",
         "DFLASH_GENERATE_CONCURRENCY": "2",
     }
-    journal = Path(env["DFLASH_HOME"]) / "staging" / f"target-completions/{KEY}" / "journal.jsonl"
+    journal = staging_of(env, f"target-completions/{KEY}") / "journal.jsonl"
     process = dagster(materialize_args("target_completions", KEY), env)
     deadline = time.monotonic() + 300
     while not (journal.exists() and len(journal.read_text().splitlines()) >= 3):

@@ -8,8 +8,18 @@ import threading
 import time
 from pathlib import Path
 
+from dflash_assets.storage.local_state import store_namespace
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.manifest import MANIFEST_NAME
+from dflash_assets.storage.open_store import open_store
+
+
+def staging_of(env: dict[str, str], prefix: str, store_url: str | None = None) -> Path:
+    """Where a run under `env` stages `prefix` of its store (or of `store_url`): the product's own rule,
+    `<staging dir>/<store namespace>/<prefix>` (storage/local_state.py)."""
+    root = env.get("DFLASH_STAGING_DIR") or str(Path(env["DFLASH_HOME"]) / "staging")
+    url = open_store(store_url or env["DFLASH_STORE_URL"]).url
+    return Path(root).expanduser() / store_namespace(url) / prefix
 
 
 class WatchedStore(LocalStore):

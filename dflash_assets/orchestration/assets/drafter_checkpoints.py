@@ -169,8 +169,7 @@ def drafter_checkpoints(
         f"mask token {drafter_config.mask_token_id}: {drafter_config.extra['mask_token_source']}; "
         f"drafter {config_summary(drafter_config)}"
     )
-    work_dir = Path(store.staging_dir).expanduser() / "training" / config.run_name
-    cache_dir = Path(target_model.cache_dir).expanduser()
+    work_dir = store.training_dir(config.run_name)  # local state of this store's run (resources.py)
 
     target_devices: list[str] = []
     holder, waits = f"run {context.run_id}", context.log.info  # a waiting run says whom it waits for
@@ -198,13 +197,13 @@ def drafter_checkpoints(
         verifier = None  # offline: the target is loaded on the drafter's device for evaluation only
         if config.mode == "offline":
             data = _offline_data(
-                hidden_states, object_store, cache_dir / "train-cache", config.cache_budget_bytes
+                hidden_states, object_store, store.train_cache_dir(config.run_name), config.cache_budget_bytes
             )
         else:
             if not tokenized:
                 raise ValueError("No tokenized_completions ranges are materialised: materialise some first.")
             samples = [
-                s for partition in tokenized for s in load_tokenized(partition, cache_dir / "read-cache")
+                s for partition in tokenized for s in load_tokenized(partition, store.read_cache_dir())
             ]
             target_devices = [
                 target_leases.enter_context(devices.lease(holder=holder, log=waits))

@@ -48,10 +48,8 @@ class ExtractConfig(Config):
 
 
 def load_tokenized(partition: StoredPartition, cache_dir: Path):
-    local = cache_dir / partition.prefix / SHARD_NAME
-    local.parent.mkdir(parents=True, exist_ok=True)
-    partition.store.download(f"{partition.prefix}/{SHARD_NAME}", local)
-    return read_shard(local)
+    """The range's tokenized samples; `cache_dir`: the store's read cache (`StoreResource.read_cache_dir`)."""
+    return read_shard(partition.local_copy(SHARD_NAME, cache_dir))
 
 
 @asset(
@@ -84,7 +82,7 @@ def hidden_state_partitions(
     object_store = store.check()
     layer_ids = target_model.layer_ids()  # validated before anything touches a device
     dtype = check_hidden_state_dtype(config.hidden_state_dtype)
-    samples = load_tokenized(tokenized, Path(target_model.cache_dir).expanduser() / "read-cache")
+    samples = load_tokenized(tokenized, store.read_cache_dir())
     if not samples:
         raise ValueError(
             f"tokenized_completions {sample_range.key} holds no samples "
@@ -119,6 +117,7 @@ def hidden_state_partitions(
                 progress_every_s=config.progress_every_s,
                 on_progress=progress,
                 hidden_state_dtype=dtype,
+                source=tokenized.prefix,  # relative: a store copied elsewhere keeps its objects
             )
             upload_retries = uploader.stats.retries
 

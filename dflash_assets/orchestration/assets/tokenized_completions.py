@@ -50,9 +50,7 @@ def _from_target(config: TokenizeConfig, completions: StoredPartition, tokenizer
     from dflash_assets.generation.records import COMPLETIONS_NAME
     from dflash_assets.generation.tokenized import tokenize_completions
 
-    local = cache_dir / completions.prefix / COMPLETIONS_NAME
-    local.parent.mkdir(parents=True, exist_ok=True)
-    completions.store.download(f"{completions.prefix}/{COMPLETIONS_NAME}", local)
+    local = completions.local_copy(COMPLETIONS_NAME, cache_dir)
     generation = completions.manifest.get("generation", {})
     return tokenize_completions(
         tokenizer,
@@ -82,8 +80,7 @@ def _tokenize(
         result = _from_dataset(config, dataset, tokenizer, sample_range)
         source = {"completions": "dataset", "dataset": dataset.uri()}
     else:
-        cache_dir = Path(target_model.cache_dir).expanduser() / "read-cache"
-        result = _from_target(config, completions, tokenizer, cache_dir)
+        result = _from_target(config, completions, tokenizer, store.read_cache_dir())
         source = {
             "completions": "target",
             "regenerated_by": completions.manifest.get("target_model"),

@@ -31,6 +31,7 @@ from dflash_assets_tests.support.celery_cluster import (
 )
 from dflash_assets_tests.support.celery_nodes import gone_within
 from dflash_assets_tests.support.cli import dagster, materialize_args
+from dflash_assets_tests.support.stores import staging_of
 
 
 @pytest.mark.slow
@@ -60,7 +61,7 @@ def test_a_node_killed_mid_range_costs_nothing_and_the_range_is_finished_from_th
     killed_at = time.monotonic()
     time.sleep(1.0)  # a request node A's link had already taken lands now, or never
     before = {k: v for k, v in list_with_etags(cluster, prefix).items() if "/hs_" in k}
-    staged_on_a = list((cluster.root / "node-a" / "staging" / prefix).glob("hs_*.safetensors"))
+    staged_on_a = list(staging_of(node_a.env, prefix, cluster.store_url).glob("hs_*.safetensors"))
     assert 0 < len(before) < SAMPLES and staged_on_a, "node A was not killed mid-range"
     # The finishing node reaches the store through a proxy that records its requests.
     watched = faulty_proxy()
