@@ -1,9 +1,15 @@
 """One interface for every way of asking the target: the scheduler hands out turns, an engine answers them.
 
 `TurnScheduler` holds the conversations of a range. A conversation has one turn in the queue at a time
-(its next answer depends on the previous one); answering it queues the next, and the last answer hands
-the finished conversation to `on_finished`. Engines pull as many turns as they can use at once: the
-in-process engine a length-bucketed batch, a server engine one per request slot.
+(its next answer depends on the previous one); answering it hands the answer to `on_answered` (the
+journal) and queues the next turn, and the last answer hands the finished conversation to
+`on_finished`. Engines pull as many turns as they can use at once: the in-process engine a batch, a
+server engine one per request slot.
+
+The next turn of a conversation already under way goes out before the first turn of one not started:
+the engine's slots stay full (new conversations fill whatever the others leave free), while the
+conversations in progress finish as soon as they can. A range's data is then usable part-way, and a
+kill leaves few conversations half-answered, instead of every first turn answered and none finished.
 """
 
 from __future__ import annotations
@@ -51,16 +57,20 @@ class TurnScheduler:
         *,
         on_finished: Callable[[Regeneration], None],
         on_dropped: Callable[[Regeneration, Dropped], None],
+        on_answered: Callable[[Regeneration, int, Answer], None] | None = None,
     ) -> None:
-        self._on_finished, self._on_dropped = on_finished, on_dropped
+        """`conversations` may hold answers already (turns answered before a kill): they resume at
+        their next turn, ahead of the conversations not started."""
+        self._on_finished, self._on_dropped, self._on_answered = on_finished, on_dropped, on_answered
         self._condition = threading.Condition()
-        self._ready: deque[TurnRequest] = deque()
+        self._continuing: deque[TurnRequest] = deque()  # next turns of conversations under way
+        self._fresh: deque[TurnRequest] = deque()  # first turns, in sample order
         self._taken = 0
         self._unfinished = 0
         self._error: BaseException | None = None
         for conversation in conversations:
             self._unfinished += 1
-            self._ready.append(self._next(conversation))
+            (self._continuing if conversation.answers else self._fresh).append(self._next(conversation))
 
     @staticmethod
     def _next(conversation: Regeneration) -> TurnRequest:
@@ -75,21 +85,27 @@ class TurnScheduler:
         """Up to `limit` ready turns (all of them by default), waiting for one if none is ready yet.
         An empty list means every conversation is done (or `timeout_s` passed with nothing ready)."""
         with self._condition:
-            while not self._ready and self._unfinished and self._error is None:
+            while not self._ready() and self._unfinished and self._error is None:
                 if not self._condition.wait(timeout=timeout_s) and timeout_s is not None:
                     break
             if self._error is not None:
                 raise self._error
-            count = len(self._ready) if limit is None else min(limit, len(self._ready))
-            taken = [self._ready.popleft() for _ in range(count)]
+            count = self._ready() if limit is None else min(limit, self._ready())
+            # Conversations under way first.
+            taken = [(self._continuing or self._fresh).popleft() for _ in range(count)]
             self._taken += len(taken)
             return taken
+
+    def _ready(self) -> int:
+        return len(self._continuing) + len(self._fresh)
 
     def answer(self, request: TurnRequest, answer: Answer) -> None:
         conversation = request.conversation
         if len(conversation.answers) != request.turn:
             raise RuntimeError(f"sample {request.sample_index}: turn {request.turn} answered twice")
         conversation.answers.append(answer)
+        if self._on_answered is not None:
+            self._on_answered(conversation, request.turn, answer)  # journaled before the next turn goes
         finished = conversation.finished
         if finished:
             self._on_finished(conversation)  # persisted before the conversation counts as done
@@ -98,7 +114,7 @@ class TurnScheduler:
             if finished:
                 self._unfinished -= 1
             else:
-                self._ready.append(self._next(conversation))
+                self._continuing.append(self._next(conversation))
             self._condition.notify_all()
 
     def drop(self, request: TurnRequest, dropped: Dropped) -> None:

@@ -98,7 +98,9 @@ class InProcessEngine(Engine):
         return config
 
     def run(self, scheduler: TurnScheduler, tick: Callable[[], None]) -> None:
-        while requests := scheduler.take():
+        # A batch's worth at a time, so the next turns of conversations under way join the next batch
+        # (the scheduler hands them out first) instead of waiting behind every first turn of the range.
+        while requests := scheduler.take(limit=self.max_batch_size):
             prompts = [prompt_token_ids(self.tokenizer, r.messages, self.settings) for r in requests]
             budget = [len(p) + self.settings.max_new_tokens for p in prompts]
             for batch in plan_batches(

@@ -1,24 +1,30 @@
-"""Regenerating one sample range exactly once across kills: finished conversations persisted as they
-finish, the engine asked again only for the others.
+"""Regenerating one sample range exactly once per turn across kills: every answer persisted as it
+arrives, the engine asked again only for turns never answered.
 
-Where a finished conversation lives, in order:
-1. `journal.jsonl` in the range's staging directory: one line appended (and flushed to the page cache)
-   the moment its last answer arrives, so a SIGKILL loses only answers still in flight;
-2. a chunk of up to `chunk_records` lines (or `chunk_every_s` seconds' worth), written atomically beside
-   it and uploaded to `<prefix>/chunks/` through the bounded uploader;
+Where an answer lives, in order:
+1. `journal.jsonl` in the range's staging directory: one line per answered turn, appended (and flushed
+   to the page cache) the moment it arrives, so a SIGKILL loses only the requests still in flight; a
+   rerun resumes a half-answered conversation at its next turn, against the answers it already has;
+2. once a conversation is finished, a chunk of up to `chunk_records` conversations (or `chunk_every_s`
+   seconds' worth), written atomically beside the journal and uploaded to `<prefix>/chunks/` through the
+   bounded uploader (the journal then keeps only the turns of conversations still under way);
 3. once every row is answered, `completions.jsonl`: every chunk merged in sample order, each row once,
    dropped rows included as `{"sample_index", "dropped", "detail"}` lines; the chunks are deleted after
    it is confirmed, and the manifest (written by the IO manager) commits the range.
 
 A rerun reads `completions.jsonl` or the chunks from the store (one listing), uploads the chunks and
-journal left in staging, and generates only the rows found in none of them. A fingerprint of the target
-and the generation settings keeps two settings from ever sharing a range.
+finished conversations left in staging, resumes the half-answered ones, and generates only what is in
+none of them. The fingerprint (the target, the generation settings, and the dataset's rows the answers
+are made from) keeps two of them from ever sharing a range, in the store or in staging.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import heapq
+import json
 import shutil
 import threading
 import time
@@ -30,7 +36,7 @@ from typing import Any
 
 from dflash_assets.conversations.datasets import Dropped
 from dflash_assets.conversations.tokenize import BadRow, TooManyBadRows
-from dflash_assets.generation.conversation import Regeneration, plan_regeneration
+from dflash_assets.generation.conversation import Answer, Regeneration, plan_regeneration
 from dflash_assets.generation.engine import Engine, TurnScheduler
 from dflash_assets.generation.records import (
     CHUNKS_DIR,
@@ -63,15 +69,52 @@ class RegenerationIncomplete(StoreError):
 
 
 def completions_fingerprint(
-    target_model: str, settings: GenerationSettings, truncated: str = "keep"
+    target_model: str,
+    settings: GenerationSettings,
+    truncated: str = "keep",
+    *,
+    dataset: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """What must be equal for two answers to belong to the same range."""
-    return {
+    """What must be equal for two answers to belong to the same range: the target, the generation
+    settings, and what the answers were made from (`dataset`: see `dataset_identity`)."""
+    fingerprint: dict[str, Any] = {
         "format": COMPLETIONS_FORMAT,
         "target_model": target_model,
         "generation": settings.fingerprint(),
         "truncated": truncated,
     }
+    if dataset is not None:
+        fingerprint["dataset"] = dict(dataset)
+    return fingerprint
+
+
+def dataset_identity(uri: str, rows: Sequence[tuple[int, Any]]) -> dict[str, str]:
+    """The rows a range's answers are made from: where they were read and a digest of their content
+    (index and messages, or why a row is unreadable), so answers staged for another dataset, or for rows
+    that changed since, are never taken for this range's."""
+    digest = hashlib.sha256()
+    for index, row in rows:
+        body = {"dropped": row.reason} if isinstance(row, Dropped) else row
+        digest.update(json.dumps([index, body], sort_keys=True, ensure_ascii=False, default=str).encode())
+        digest.update(b"\n")
+    return {"uri": str(uri), "rows_sha256": digest.hexdigest()}
+
+
+def _same_answers(fingerprint: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
+    """Which stored fingerprints made answers this range can keep: the same one found elsewhere (a dataset
+    moved: same rows, another path), or one an earlier version wrote before fingerprints named the
+    dataset (such a store's answers were made for it; the store itself is this pipeline's)."""
+
+    def without_uri(value: dict[str, Any]) -> dict[str, Any]:
+        dataset = {k: v for k, v in (value.get("dataset") or {}).items() if k != "uri"}
+        return {**value, "dataset": dataset}
+
+    def same(stored: dict[str, Any]) -> bool:
+        if "dataset" not in stored:
+            return stored == {k: v for k, v in fingerprint.items() if k != "dataset"}
+        return without_uri(stored) == without_uri(fingerprint)
+
+    return same
 
 
 @dataclass(frozen=True)
@@ -174,45 +217,56 @@ def regenerate_range(
 
     with staging_lock(staging_dir):
         staging = StagingDirectory(staging_dir, fingerprint)
-        listed = claim_prefix(store, base, fingerprint, warn)
+        listed = claim_prefix(store, base, fingerprint, warn, equivalent=_same_answers(fingerprint))
         staging.reconcile(warn)
         in_store = _indices_in_store(store, base, listed)
         journal = _Journal(staging_dir, base, uploader, chunk_records, chunk_every_s, truncated)
-        in_staging = journal.recover(in_store, warn) - in_store
+        planned_by_index = {c.sample_index: c for c in planned}
+        in_staging, answered = journal.recover(in_store, planned_by_index, warn)
+        in_staging -= in_store
         done = in_store | in_staging
         missing = [c for c in planned if c.sample_index not in done]
+        for conversation in missing:  # half-answered before a kill: resume at the next turn
+            conversation.answers = list(answered.get(conversation.sample_index, []))
+        resumed = sum(1 for c in missing if c.answers)
         log(
             f"{where}: {len(all_rows)} rows ({len(unreadable)} unreadable); {len(in_store)} answered in the "
             f"store, {len(in_staging)} in local staging (uploading), {len(missing)} to generate"
+            + (
+                f" ({resumed} of them resumed after {sum(len(c.answers) for c in missing)} turns answered "
+                "before)"
+                if resumed
+                else ""
+            )
         )
         counters = _Counters(
             len(planned), len(planned) - len(missing), uploader, log, progress_every_s, on_progress
         )
         engine_name, stats, mismatches = "", None, 0
-        if missing:
-            with open_engine() as engine:
-                engine_name, counters.engine = engine.name, engine
-                described = getattr(engine, "description", engine.name)
-                log(f"{where}: generating {len(missing)} conversations with {described}")
-                scheduler = TurnScheduler(
-                    missing,
-                    on_finished=lambda c: counters.finished(
-                        journal.add(CompletionRecord.from_regeneration(c, engine.name))
-                    ),
-                    on_dropped=lambda c, dropped: counters.finished(
-                        journal.add(DroppedRow(c.sample_index, dropped))
-                    ),
-                )
+        try:
+            if missing:
+                with open_engine() as engine:
+                    engine_name, counters.engine = engine.name, engine
+                    described = getattr(engine, "description", engine.name)
+                    log(f"{where}: generating {len(missing)} conversations with {described}")
+                    scheduler = TurnScheduler(
+                        missing,
+                        on_answered=lambda c, turn, answer: journal.answered(c, turn, answer, engine.name),
+                        on_finished=lambda c: counters.finished(journal.finished(c, engine.name)),
+                        on_dropped=lambda c, dropped: counters.finished(journal.dropped(c, dropped)),
+                    )
 
-                def tick() -> None:
-                    journal.seal(force=False)
-                    counters.maybe_report()
+                    def tick() -> None:
+                        journal.seal(force=False)
+                        counters.maybe_report()
 
-                try:
-                    engine.run(scheduler, tick)
-                finally:
-                    journal.seal(force=True)  # what finished before a failure is kept either way
-                stats, mismatches = engine.stats, getattr(engine, "prompt_token_mismatches", 0)
+                    try:
+                        engine.run(scheduler, tick)
+                    finally:
+                        journal.seal(force=True)  # what finished before a failure is kept either way
+                    stats, mismatches = engine.stats, getattr(engine, "prompt_token_mismatches", 0)
+        finally:
+            journal.close()
         journal.seal(force=True)
         while not uploader.wait_idle(timeout_s=max(progress_every_s, 0.05)):
             counters.maybe_report(reason="waiting for uploads")
@@ -296,7 +350,7 @@ def _object_lines(store: ObjectStore, key: str) -> Iterator[Line]:
 
 
 class _Journal:
-    """Finished conversations, appended as they finish and sealed into chunks for upload."""
+    """Answered turns, appended as they arrive; finished conversations sealed into chunks for upload."""
 
     def __init__(
         self,
@@ -315,12 +369,16 @@ class _Journal:
         )
         self.path = staging_dir / JOURNAL_NAME
         self._lock = threading.Lock()
-        self._lines: list[Line] = []
+        self._finished: list[Line] = []  # finished or dropped conversations not sealed into a chunk yet
+        self._under_way: dict[int, list[str]] = {}  # sample -> journal lines of its answered turns
         self._handle: Any = None
         self._last_seal = time.monotonic()
 
-    def recover(self, in_store: set[int], warn: Callable[[str], None]) -> set[int]:
-        """Upload the chunks an earlier run left in staging, seal its journal; the rows they hold."""
+    def recover(
+        self, in_store: set[int], planned: dict[int, Regeneration], warn: Callable[[str], None]
+    ) -> tuple[set[int], dict[int, list[Answer]]]:
+        """Upload the chunks an earlier run left in staging and seal the conversations its journal
+        finished; returns the rows they hold and, per half-answered conversation, its answers so far."""
         recovered: set[int] = set()
         for path in sorted(self.staging_dir.iterdir()):
             if not (path.is_file() and is_chunk_name(path.name)):
@@ -337,55 +395,142 @@ class _Journal:
                 continue
             recovered |= rows
             self.uploader.submit(path, f"{self.base}{CHUNKS_DIR}/{path.name}")
+        answered: dict[int, list[Answer]] = {}
+        engines: dict[int, str] = {}  # sample -> the engine of its last answered turn
         if self.path.exists():
-            try:
-                lines = read_lines(self.path, tolerate_torn_tail=True)
-            except ValueError as error:
-                warn(f"staged {JOURNAL_NAME} is unusable ({error}); its rows are generated again")
-                lines = []
-            fresh = [line for line in lines if line.sample_index not in in_store | recovered]
-            recovered |= {line.sample_index for line in fresh}
-            self._lines = fresh
-            self.seal(force=True)
-            self.path.unlink(missing_ok=True)
-        return recovered
+            done = in_store | recovered
+            for index, entry in self._read_journal(warn):
+                if index in done or index not in planned:
+                    continue
+                if isinstance(entry, DroppedRow):
+                    self._finished.append(entry)
+                    done.add(index)
+                    continue
+                turn, answer, engines[index], text = entry
+                answers = answered.setdefault(index, [])
+                if turn != len(answers) or turn >= planned[index].turns:
+                    continue  # not the next turn of this conversation: the journal never holds such a line
+                answers.append(answer)
+                self._under_way.setdefault(index, []).append(text)
+            for index in sorted(answered):
+                conversation = planned[index]
+                if len(answered[index]) == conversation.turns:
+                    resumed = Regeneration(index, conversation.source, answers=list(answered.pop(index)))
+                    self._finished.append(self._record(resumed, engines[index]))
+                    del self._under_way[index]
+            recovered |= {line.sample_index for line in self._finished}
+            with self._lock:
+                if self._finished:
+                    self._seal_locked()
+                else:
+                    self._rewrite_journal_locked()
+        return recovered, answered
 
-    def add(self, line: Line) -> Line:
-        if self.truncated == "drop" and isinstance(line, CompletionRecord) and line.truncated:
+    def _read_journal(self, warn: Callable[[str], None]) -> Iterator[tuple[int, Any]]:
+        """`(sample, DroppedRow or (turn, Answer, engine, the line))` for every complete line; a last line
+        cut short by a kill was never acknowledged and is left out."""
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")
+        lines.pop()  # after the last newline: b"" for a complete file, else a torn write
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode()
+                body = json.loads(text)
+                index = int(body["sample_index"])
+                if "dropped" in body:
+                    entry: Any = DroppedRow(index, Dropped(body["dropped"], body.get("detail", "")))
+                else:
+                    entry = (int(body["turn"]), Answer(**body["answer"]), str(body.get("engine", "")), text)
+            except (ValueError, KeyError, TypeError) as error:
+                warn(f"staged {JOURNAL_NAME} line {number} is unusable ({error}); its turn is asked again")
+                continue
+            yield index, entry
+
+    def answered(self, conversation: Regeneration, turn: int, answer: Answer, engine: str) -> None:
+        """One answered turn, journaled before the conversation's next turn is asked for."""
+        line = _turn_line(conversation.sample_index, turn, answer, engine)
+        with self._lock:
+            self._append_locked(line)
+            self._under_way.setdefault(conversation.sample_index, []).append(line)
+            fault_point("regenerate_journal")  # crash tests: die with this turn journaled
+
+    def finished(self, conversation: Regeneration, engine: str) -> Line:
+        return self._close(conversation.sample_index, self._record(conversation, engine))
+
+    def dropped(self, conversation: Regeneration, dropped: Dropped) -> Line:
+        line = DroppedRow(conversation.sample_index, dropped)
+        with self._lock:
+            self._append_locked(line.to_json())
+        return self._close(conversation.sample_index, line)
+
+    def _record(self, conversation: Regeneration, engine: str) -> Line:
+        line: Line = CompletionRecord.from_regeneration(conversation, engine)
+        if self.truncated == "drop" and line.truncated:
             cut = [t["message"] for t in line.turns if t["finish_reason"] == "length"]
             line = DroppedRow(
                 line.sample_index, Dropped("truncated_answer", f"messages {cut} hit max_new_tokens")
             )
+        return line
+
+    def _close(self, index: int, line: Line) -> Line:
         with self._lock:
-            if self._handle is None:
-                self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open across adds
-            # One write of one whole line, flushed: in the page cache, it outlives a SIGKILL.
-            self._handle.write(line.to_json() + "\n")
-            self._handle.flush()
-            self._lines.append(line)
-            fault_point("regenerate_journal")  # crash tests: die with this conversation journaled
-            if len(self._lines) >= self.chunk_records:
+            self._under_way.pop(index, None)
+            self._finished.append(line)
+            if len(self._finished) >= self.chunk_records:
                 self._seal_locked()
         return line
 
+    def _append_locked(self, text: str) -> None:
+        if self._handle is None:
+            self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open across appends
+        # One write of one whole line, flushed: in the page cache, it outlives a SIGKILL.
+        self._handle.write(text + "\n")
+        self._handle.flush()
+
     def seal(self, *, force: bool) -> None:
         with self._lock:
-            if self._lines and (force or time.monotonic() - self._last_seal >= self.chunk_every_s):
+            if self._finished and (force or time.monotonic() - self._last_seal >= self.chunk_every_s):
                 self._seal_locked()
 
     def _seal_locked(self) -> None:
-        lines = sorted(self._lines, key=lambda line: line.sample_index)
+        lines = sorted(self._finished, key=lambda line: line.sample_index)
         path = self.staging_dir / chunk_name(lines)
         write_lines(path, lines)  # complete under its final name, or absent
-        # The journal's lines are in the chunk now; a kill between the two writes leaves both, and
-        # the rerun's chunk of the same lines gets the same name.
+        # The finished conversations are in the chunk now; the journal keeps the turns of those still
+        # under way. A kill between the two writes leaves both, and the rerun takes the chunk's rows.
+        self._rewrite_journal_locked()
+        self._finished = []
+        self._last_seal = time.monotonic()
+        self.uploader.submit(path, f"{self.base}{CHUNKS_DIR}/{path.name}")
+
+    def _rewrite_journal_locked(self) -> None:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
-        self.path.unlink(missing_ok=True)
-        self._lines = []
-        self._last_seal = time.monotonic()
-        self.uploader.submit(path, f"{self.base}{CHUNKS_DIR}/{path.name}")
+        kept = [line for index in sorted(self._under_way) for line in self._under_way[index]]
+        if not kept:
+            self.path.unlink(missing_ok=True)
+            return
+        partial = self.path.with_name(f".{self.path.name}.partial")
+        partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        partial.replace(self.path)  # the old journal or the new one, whole, whatever kills us
+
+    def close(self) -> None:
+        with self._lock:
+            if self._handle is not None:
+                self._handle.close()
+                self._handle = None
+
+
+def _turn_line(index: int, turn: int, answer: Answer, engine: str) -> str:
+    body = {key: value for key, value in dataclasses.asdict(answer).items() if value is not None}
+    return json.dumps(
+        {"sample_index": index, "turn": turn, "engine": engine, "answer": body},
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
 
 
 # ------------------------------------------------------------------------------ the merged object

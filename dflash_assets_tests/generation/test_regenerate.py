@@ -16,7 +16,7 @@ from dflash_assets.conversations.datasets import Dropped
 from dflash_assets.conversations.tokenize import TooManyBadRows
 from dflash_assets.generation.engine import EngineUnavailable
 from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, DroppedRow, parse_line
-from dflash_assets.generation.regenerate import completions_fingerprint, regenerate_range
+from dflash_assets.generation.regenerate import completions_fingerprint, dataset_identity, regenerate_range
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.manifest import new_manifest, write_manifest
@@ -31,24 +31,25 @@ SETTINGS = GenerationSettings(max_new_tokens=16)
 FINGERPRINT = completions_fingerprint("tiny@0123", SETTINGS)
 
 
-def conversation(index: int) -> list[dict]:
+def conversation(index: int, q: str = "q") -> list[dict]:
     """Three shapes in turn: two answered turns after a system prompt, a prompt only, an empty answer."""
     if index % 3 == 0:
         return [
             {"role": "system", "content": "be brief"},
-            {"role": "user", "content": f"q{index}a"},
+            {"role": "user", "content": f"{q}{index}a"},
             {"role": "assistant", "content": "the dataset's first answer"},
-            {"role": "user", "content": f"q{index}b"},
+            {"role": "user", "content": f"{q}{index}b"},
             {"role": "assistant", "content": "the dataset's second answer"},
         ]
     if index % 3 == 1:
-        return [{"role": "user", "content": f"q{index}"}]
-    return [{"role": "user", "content": f"q{index}"}, {"role": "assistant", "content": ""}]
+        return [{"role": "user", "content": f"{q}{index}"}]
+    return [{"role": "user", "content": f"{q}{index}"}, {"role": "assistant", "content": ""}]
 
 
-def make_rows(n: int = 12, unreadable: tuple[int, ...] = (5,)) -> list[tuple[int, object]]:
+def make_rows(n: int = 12, unreadable: tuple[int, ...] = (5,), words: str = "q") -> list[tuple[int, object]]:
+    """`words` replaces the questions' letter: two datasets of the same shape whose words differ."""
     bad = Dropped("malformed_json", "at column 3")
-    return [(i, bad if i in unreadable else conversation(i)) for i in range(n)]
+    return [(i, bad if i in unreadable else conversation(i, words)) for i in range(n)]
 
 
 def turns_of(rows) -> int:
@@ -151,16 +152,21 @@ def _all_stored_or_staged(store: ObjectStore, staging: Path) -> list:
     return lines
 
 
-def run_killed_after(journaled: int, store_dir: Path, staging: Path, rows: int) -> list[str]:
-    """Regenerate `rows` rows in a child process that SIGKILLs itself right after its `journaled`-th
-    conversation reached the journal (before any chunk is sealed); returns the journal's lines."""
+def run_killed_after(
+    journaled: int, store_dir: Path, staging: Path, rows: int, words: str = "q", engine_batch: int = 3
+) -> list[str]:
+    """Regenerate `rows` rows (`make_rows(rows, words=...)`, fingerprinted with their dataset) in a child
+    process that SIGKILLs itself right after its `journaled`-th answered turn reached the journal
+    (before any chunk is sealed); returns the journal's lines."""
     script = textwrap.dedent(
         f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-        from test_regenerate import LocalStore, ScriptedEngine, make_rows, regenerate
-        regenerate(LocalStore({str(store_dir)!r}), __import__("pathlib").Path({str(staging)!r}),
-                   make_rows({rows}), ScriptedEngine(), chunk_records=1000, chunk_every_s=3600)
+        from test_regenerate import LocalStore, ScriptedEngine, fingerprint_of, make_rows, regenerate
+        rows = make_rows({rows}, words={words!r})
+        regenerate(LocalStore({str(store_dir)!r}), __import__("pathlib").Path({str(staging)!r}), rows,
+                   ScriptedEngine(batch={engine_batch}), chunk_records=1000, chunk_every_s=3600,
+                   fingerprint=fingerprint_of(rows))
         """
     )
     env = {**os.environ, "DFLASH_FAULT_POINTS": f"regenerate_journal@{journaled}"}
@@ -169,35 +175,106 @@ def run_killed_after(journaled: int, store_dir: Path, staging: Path, rows: int) 
     return (staging / "journal.jsonl").read_text().splitlines()
 
 
-def test_a_sigkill_mid_range_loses_only_what_was_in_flight(tmp_path):
-    """Killed right after its 7th conversation was journaled (no chunk uploaded yet): the rerun finds
-    all 7 in staging and asks for none of them again."""
+def fingerprint_of(rows, uri: str = "conversations.jsonl") -> dict:
+    return completions_fingerprint("tiny@0123", SETTINGS, dataset=dataset_identity(uri, rows))
+
+
+def all_turns(rows) -> set[tuple[int, int]]:
+    return {(i, t) for i, row in rows if not isinstance(row, Dropped) for t in range(2 if i % 3 == 0 else 1)}
+
+
+def test_a_sigkill_mid_range_asks_again_only_for_turns_never_answered(tmp_path):
+    """Killed right after its 8th answered turn reached the journal (no chunk uploaded yet): the rerun
+    asks for every other turn once, resumes half-answered conversations at their next turn, and stores
+    what an uninterrupted run stores."""
     store_dir, staging = tmp_path / "store", tmp_path / "staging"
-    journal = run_killed_after(7, store_dir, staging, rows=30)
-    assert len(journal) == 7
+    journal = run_killed_after(8, store_dir, staging, rows=30)
+    journaled = {(json.loads(line)["sample_index"], json.loads(line)["turn"]) for line in journal}
+    assert len(journaled) == 8
+    assert any(turn == 0 and (i, 1) not in journaled for i, turn in journaled if i % 3 == 0), (
+        "the kill left no conversation half-answered"
+    )
 
-    store = LocalStore(store_dir)
+    rows = make_rows(30)
     again = ScriptedEngine()
-    result = regenerate(store, staging, make_rows(30), again)
-    journaled = {json.loads(line)["sample_index"] for line in journal}
-    assert result.reused_from_staging == 7
-    assert not {sample for sample, _ in again.asked} & journaled
-    assert [line.sample_index for line in stored_lines(store)] == list(range(30))
+    result = regenerate(LocalStore(store_dir), staging, rows, again, fingerprint=fingerprint_of(rows))
+    assert set(again.asked) == all_turns(rows) - journaled and len(again.asked) == len(set(again.asked))
+    finished_in_journal = {i for i, _ in journaled if i % 3 != 0 or {(i, 0), (i, 1)} <= journaled}
+    assert result.reused_from_staging == len(finished_in_journal)
+
+    reference = LocalStore(tmp_path / "reference")
+    regenerate(
+        reference, tmp_path / "staging-reference", rows, ScriptedEngine(), fingerprint=fingerprint_of(rows)
+    )
+    assert [line.to_json() for line in stored_lines(LocalStore(store_dir))] == [
+        line.to_json() for line in stored_lines(reference)
+    ]
 
 
-def test_a_torn_last_journal_line_is_generated_again_and_the_rest_kept(tmp_path):
+def test_a_torn_last_journal_line_is_asked_again_and_the_rest_kept(tmp_path):
     store_dir, staging = tmp_path / "store", tmp_path / "staging"
     lines = run_killed_after(4, store_dir, staging, rows=12)
     # A write cut short by the kill: the last line lost its second half and its newline.
     (staging / "journal.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
-    kept = {json.loads(t)["sample_index"] for t in lines[:-1]}
-    torn = json.loads(lines[-1])["sample_index"]
+    kept = {(json.loads(t)["sample_index"], json.loads(t)["turn"]) for t in lines[:-1]}
+    torn = (json.loads(lines[-1])["sample_index"], json.loads(lines[-1])["turn"])
 
+    rows = make_rows(12)
     again = ScriptedEngine()
-    result = regenerate(LocalStore(store_dir), staging, make_rows(12), again)
-    asked = {sample for sample, _ in again.asked}
-    assert torn in asked and not asked & kept
-    assert result.reused_from_staging == len(kept) == 3
+    regenerate(LocalStore(store_dir), staging, rows, again, fingerprint=fingerprint_of(rows))
+    assert torn in again.asked and not set(again.asked) & kept
+    assert set(again.asked) == all_turns(rows) - kept
+
+
+def test_answers_staged_for_another_dataset_are_discarded_naming_both(tmp_path):
+    """Two pipelines' staging never meets (local_state.py); should one range's staging directory hold
+    another dataset's answers anyway, the fingerprint turns them away and says whose they were."""
+    staging = tmp_path / "staging"
+    theirs = run_killed_after(5, tmp_path / "their-store", staging, rows=12, words="other")
+    assert len(theirs) == 5
+
+    ours = make_rows(12)
+    warnings: list[str] = []
+    engine = ScriptedEngine()
+    store = LocalStore(tmp_path / "our-store")
+    regenerate(store, staging, ours, engine, fingerprint=fingerprint_of(ours), warn=warnings.append)
+    assert set(engine.asked) == all_turns(ours)  # nothing of theirs was taken for ours
+    assert "other" not in store.get_bytes(f"{PREFIX}/{COMPLETIONS_NAME}").decode()
+    discarded = next(w for w in warnings if "staging" in w)
+    assert fingerprint_of(make_rows(12, words="other"))["dataset"]["rows_sha256"] in discarded
+    assert fingerprint_of(ours)["dataset"]["rows_sha256"] in discarded
+
+
+def test_a_moved_dataset_keeps_its_stored_answers_and_changed_rows_do_not(tmp_path):
+    store, rows = LocalStore(tmp_path / "store"), make_rows(6, unreadable=())
+    regenerate(
+        store, tmp_path / "staging", rows, ScriptedEngine(), fingerprint=fingerprint_of(rows, "a.jsonl")
+    )
+    moved = regenerate(
+        store, tmp_path / "staging", rows, never_opened, fingerprint=fingerprint_of(rows, "b.jsonl")
+    )
+    assert moved.reused_from_store == 6  # same rows read from another path: the same answers
+
+    changed = make_rows(6, unreadable=(), words="new")
+    engine = ScriptedEngine()
+    regenerate(store, tmp_path / "staging", changed, engine, fingerprint=fingerprint_of(changed, "b.jsonl"))
+    assert set(engine.asked) == all_turns(changed)
+    assert "new" in store.get_bytes(f"{PREFIX}/{COMPLETIONS_NAME}").decode()
+
+
+def test_conversations_under_way_get_their_next_turn_before_new_ones_start():
+    from dflash_assets.generation.conversation import Answer, Regeneration
+    from dflash_assets.generation.engine import TurnScheduler
+
+    conversations = [Regeneration(i, conversation(0)) for i in range(4)]  # two turns each
+    scheduler = TurnScheduler(conversations, on_finished=lambda c: None, on_dropped=lambda c, d: None)
+    order = []
+    while requests := scheduler.take(limit=2):  # an engine with two slots
+        for request in requests:
+            order.append((request.sample_index, request.turn))
+            scheduler.answer(request, Answer(content="a", finish_reason="stop"))
+    # Two conversations at a time, each finished before the next two start.
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
 
 
 def test_answers_made_under_other_settings_are_deleted_manifest_first_and_regenerated(tmp_path):

@@ -214,30 +214,36 @@ def server(setup):
     served.stop()
 
 
-def test_a_served_range_killed_mid_way_asks_again_only_for_unfinished_conversations(
+def test_a_served_range_killed_mid_way_asks_again_only_for_turns_never_answered(
     setup, in_process, server, faulty_proxy
 ):
     proxy = faulty_proxy(server.base_url.removesuffix("/v1"))
     proxy.throttle(latency_s=0.3)  # requests outlast the kill's polling
     store_url = str(setup["root"] / "store-served")
+    concurrency = 2
     env = {
         **setup["env"],
         "DFLASH_STORE_URL": store_url,
         "DFLASH_GENERATE_URL": proxy.endpoint_url + "/v1",
-        "DFLASH_GENERATE_CONCURRENCY": "2",
+        "DFLASH_GENERATE_CONCURRENCY": str(concurrency),
     }
     journal = staging_of(env, f"target-completions/{KEY}") / "journal.jsonl"
+
+    def turns_journaled() -> set[tuple[int, int]]:
+        lines = journal.read_text().splitlines() if journal.exists() else []
+        return {(body["sample_index"], body["turn"]) for body in map(json.loads, lines) if "turn" in body}
+
     process = dagster(materialize_args("target_completions", KEY), env)
     deadline = time.monotonic() + 300
-    while not (journal.exists() and len(journal.read_text().splitlines()) >= 3):
+    # Killed once a conversation is finished and a second turn is still to come.
+    while not ((done := turns_journaled()) and len(done) >= 3 and any(turn == 1 for _, turn in done)):
         assert process.poll() is None, process.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, "no conversation finished in time"
+        assert time.monotonic() < deadline, "no second turn was answered in time"
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)  # the whole process group, as a lost shell or OOM kill does
     process.wait()
-    finished = {json.loads(line)["sample_index"] for line in journal.read_text().splitlines()}
+    journaled = turns_journaled()
     asked_before_rerun = proxy.counters.requests
-    assert len(finished) < 9, "the kill came after every conversation finished"
 
     rerun = materialize(env)  # the same command again, nothing else
     store = open_store(store_url)
@@ -245,13 +251,15 @@ def test_a_served_range_killed_mid_way_asks_again_only_for_unfinished_conversati
     lines = [parse_line(line, "completions") for line in text.splitlines()]
     records = {line.sample_index: line for line in lines if isinstance(line, CompletionRecord)}
     served_turns = sum(len(record.turns) for record in records.values())
-    turns_of_finished = sum(len(records[i].turns) for i in finished)
-    # The rerun asked /models once, then every turn of the conversations the killed run had not
-    # finished, and nothing of those it had.
+    assert len(journaled) < served_turns, "the kill came after every turn was answered"
+    # The rerun asked /models once, then every turn the killed run had not journaled, and none it had;
+    # over the kill and the rerun, the server answered at most what was in flight at the kill twice.
     asked_by_rerun = proxy.counters.requests - asked_before_rerun
-    assert asked_by_rerun == 1 + served_turns - turns_of_finished, rerun[-3000:]
+    assert asked_by_rerun == 1 + served_turns - len(journaled), rerun[-3000:]
+    assert proxy.counters.requests <= 2 + served_turns + concurrency
     assert [line.sample_index for line in lines] == list(range(10))  # every row exactly once
-    # The server's answers are the in-process engine's, conversation by conversation.
+    # The server's answers are the in-process engine's, conversation by conversation, those resumed
+    # at their second turn included.
     expected = in_process["store"].get_bytes(f"target-completions/{KEY}/{COMPLETIONS_NAME}").decode()
     reference = {
         line.sample_index: line.messages

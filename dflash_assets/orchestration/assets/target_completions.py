@@ -100,19 +100,22 @@ def target_completions(
     generation: GenerationResource,
 ) -> PartitionOutput:
     from dflash_assets.conversations.datasets import iter_rows
-    from dflash_assets.generation.regenerate import completions_fingerprint, regenerate_range
+    from dflash_assets.generation import regenerate
 
     sample_range = SampleRange.parse(context.partition_key)
     node = step_node(context)
     object_store = store.check()
     generation_settings = config.generation_settings()
-    fingerprint = completions_fingerprint(target_model.name, generation_settings, config.truncated)
     rows = list(iter_rows(dataset.uri(), sample_range, require_assistant=False))
     if not rows:
         raise ValueError(
             f"sample range {sample_range.key} has no rows in {dataset.uri()}: the dataset ends before row "
             f"{sample_range.start}. Check {settings.DATASET.name} and {settings.SAMPLES_PER_PARTITION.name}."
         )
+    made_from = regenerate.dataset_identity(dataset.uri(), rows)  # staged answers of other rows never count
+    fingerprint = regenerate.completions_fingerprint(
+        target_model.name, generation_settings, config.truncated, dataset=made_from
+    )
     prefix = partition_prefix("target_completions", sample_range.key)
     progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
 
@@ -131,7 +134,7 @@ def target_completions(
         max_batch_size=config.max_batch_size,
     )
     with store.uploader() as uploader:
-        result = regenerate_range(
+        result = regenerate.regenerate_range(
             rows=rows,
             open_engine=open_engine,
             store=object_store,
