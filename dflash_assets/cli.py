@@ -51,24 +51,25 @@ def run_demo(steps: int | None = None) -> int:
     """Materialise every asset end to end on the current settings and print where results are.
 
     The demo trains on the target's own answers (`DFLASH_COMPLETIONS=target`) unless the variable says
-    otherwise; it is set before the code location loads, since the asset graph depends on it."""
+    otherwise; the asset graph depends on it."""
     from dagster import materialize
 
-    os.environ.setdefault("DFLASH_COMPLETIONS", "target")
-    from dflash_assets.definitions import defs
+    from dflash_assets import settings
+    from dflash_assets.definitions import build_definitions
     from dflash_assets.orchestration.execution.recovery import RUN_WORKER_TAG, RunWorker
     from dflash_assets.orchestration.partitions import dataset_range_keys, register_sample_ranges
 
-    if steps is None and not os.environ.get("DFLASH_TRAIN_MAX_STEPS"):
+    defs = build_definitions(completions=None if settings.COMPLETIONS.is_set() else "target")
+    if steps is None and not settings.TRAIN_MAX_STEPS.is_set():
         steps = DEMO_TRAIN_STEPS
     train_config: dict = {}
-    if not os.environ.get("DFLASH_TRAIN_GLOBAL_BATCH_SIZE"):
+    if not settings.TRAIN_GLOBAL_BATCH_SIZE.is_set():
         train_config["global_batch_size"] = DEMO_GLOBAL_BATCH_SIZE
     if steps is not None:
         train_config |= {"max_steps": steps, "checkpoint_every_steps": max(1, steps // 3)}
     quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
     range_config: dict = {}
-    if not os.environ.get("DFLASH_GENERATE_MAX_NEW_TOKENS"):
+    if not settings.GENERATE_MAX_NEW_TOKENS.is_set():
         range_config["target_completions"] = {"config": {"max_new_tokens": DEMO_GENERATE_MAX_NEW_TOKENS}}
     from transformers.utils import logging as transformers_logging
 
@@ -88,7 +89,8 @@ def run_demo(steps: int | None = None) -> int:
     worker = {RUN_WORKER_TAG: RunWorker.current().tag}
 
     store = resources["store"]
-    print(f"store: {store.url}")
+    store_url = store.store_url()
+    print(f"store: {store_url}")
     started = time.monotonic()
     for key in partition_keys:
         for name in partitioned:
@@ -129,15 +131,15 @@ def run_demo(steps: int | None = None) -> int:
             _print_failure(result)
             return 1
         _print_acceptance(result)
-    print(f"done in {time.monotonic() - started:.0f}s. Results under {store.url}:")
+    print(f"done in {time.monotonic() - started:.0f}s. Results under {store_url}:")
     from dflash_assets.storage.open_store import open_store
 
     listing: dict[str, int] = {}
-    for info in open_store(store.url).list(""):
+    for info in open_store(store_url).list(""):
         top = "/".join(info.key.split("/")[:2])
         listing[top] = listing.get(top, 0) + 1
     for top, count in sorted(listing.items()):
-        print(f"  {store.url.rstrip('/')}/{top}/  ({count} objects)")
+        print(f"  {store_url.rstrip('/')}/{top}/  ({count} objects)")
     if os.environ.get("DAGSTER_HOME"):
         print(
             f"runs are in the Dagster instance at {os.environ['DAGSTER_HOME']} (see them with scripts/ui.sh)"

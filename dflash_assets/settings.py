@@ -1,7 +1,17 @@
-"""Every `DFLASH_*` environment variable in one table: name, default, meaning.
+"""Every `DFLASH_*` environment variable in one table: name, default, meaning; and the one place that
+reads them.
 
-The Dagster layer reads defaults from here; run config in the launchpad overrides them. The manual's
-configuration reference (docs/configuration.md) is written from this table by
+Values are read when they are used, never when a module is imported: a test (or a notebook) can set a
+variable and run again in the same process. The core stages read no environment: they take values as
+arguments, and the Dagster layer passes them from here.
+
+The pattern for resources and run config (`orchestration/`): a field that stands for a setting
+defaults to None, and one method of the resource or config resolves None from here at run time (e.g.
+`TokenizeConfig.max_length` None -> `DFLASH_MAX_LENGTH`). A value given in the launchpad wins; the
+default is stated once, in this table. What shapes the code location itself (the asset graph,
+executor, pools and Kubernetes tags) is read when `definitions.py` builds the `Definitions`.
+
+The manual's configuration reference (docs/configuration.md) is written from this table by
 `python scripts/write_settings_reference.py`, and a test holds the two equal. AWS settings are not
 here: boto3 reads the standard `AWS_*` variables itself, so credentials never pass through our config,
 logs or run config.
@@ -12,8 +22,12 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class SettingError(ValueError):
@@ -30,6 +44,18 @@ class Setting:
     def get(self) -> str:
         value = os.environ.get(self.name, "").strip()
         return value if value else self.default
+
+    def field_description(self) -> str:
+        """The description of a run-config or resource field standing for this setting (null takes it)."""
+        return f"{self.meaning} Null: `{self.name}`."
+
+    def export(self, value: str) -> None:
+        """Set the variable for this process and every process it starts from now on."""
+        os.environ[self.name] = value
+
+    def is_set(self) -> bool:
+        """Whether the environment gives a value (an empty one counts as unset)."""
+        return bool(os.environ.get(self.name, "").strip())
 
     def get_int(self) -> int:
         raw = self.get()
@@ -54,10 +80,6 @@ class Setting:
     def _fix(self, what: str) -> str:
         default = f"the default, {self.default}" if self.default else "its default"
         return f"set it to {what}, or unset it for {default}"
-
-
-def _home() -> Path:
-    return Path(os.environ.get("DFLASH_HOME", "").strip() or Path.home() / ".dflash").expanduser()
 
 
 HOME = Setting("DFLASH_HOME", "~/.dflash", "Root for the default local store, staging and caches.")
@@ -262,7 +284,29 @@ K8S_TRAIN_GPUS = Setting(
     "location loads.",
 )
 
+PEAK_TFLOPS = Setting(
+    "DFLASH_PEAK_TFLOPS",
+    "",
+    "Dense peak TFLOP/s of a device (bf16 on GPUs), for MFU in `bench --gpu` and rates in `plan`. Empty: "
+    "data-sheet figures for known GPUs, a stated 0.2 for a CPU.",
+)
+FAULT_POINTS = Setting(
+    "DFLASH_FAULT_POINTS",
+    "",
+    "Crash tests only: named points where the process SIGKILLs itself, comma-separated, `name@N` for the "
+    "N-th time (`storage/faults.py`). Empty in production.",
+)
+
 ALL_SETTINGS = [value for value in list(globals().values()) if isinstance(value, Setting)]
+
+
+def given_or(value: T | None, read: Callable[[], T]) -> T:
+    """A run-config or resource field's value when given, else its setting's (`read`), read now."""
+    return value if value is not None else read()
+
+
+def home() -> Path:
+    return Path(HOME.get()).expanduser()
 
 
 # `s3:`, `file:`, `gs:` ... (two letters or more: `C:` is a drive, not a scheme).
@@ -275,19 +319,44 @@ def store_url() -> str:
     same store whatever its working directory. Default: `$DFLASH_HOME/store`."""
     value = STORE_URL.get()
     if not value:
-        return str(_home() / "store")
+        return str(home() / "store")
     if _URL_SCHEME.match(value):
         return value
     path = Path(value).expanduser()
-    return str(path if path.is_absolute() else _home() / path)
+    return str(path if path.is_absolute() else home() / path)
 
 
 def staging_dir() -> Path:
-    return Path(STAGING_DIR.get() or _home() / "staging").expanduser()
+    return Path(STAGING_DIR.get() or home() / "staging").expanduser()
 
 
 def cache_dir() -> Path:
-    return Path(CACHE_DIR.get() or _home() / "cache").expanduser()
+    return Path(CACHE_DIR.get() or home() / "cache").expanduser()
+
+
+def device_lock_dir() -> Path:
+    """Where device leases meet: every run and script on this host that leases a device locks here."""
+    return cache_dir() / "device-leases"
+
+
+def devices() -> list[str]:
+    """The devices `DFLASH_DEVICES` names (empty: let the host's visible devices decide)."""
+    return [name.strip() for name in DEVICES.get().split(",") if name.strip()]
+
+
+def peak_flops() -> float | None:
+    """`DFLASH_PEAK_TFLOPS` in FLOP/s, or None when unset."""
+    return PEAK_TFLOPS.get_float() * 1e12 if PEAK_TFLOPS.get() else None
+
+
+def fault_points() -> str:
+    return FAULT_POINTS.get()
+
+
+def generate_api_key() -> str | None:
+    """The inference servers' API key: `DFLASH_GENERATE_API_KEY`, else `OPENAI_API_KEY`. Read when a run
+    opens its engine, handed to the engine alone: never in run config, logs or metadata."""
+    return GENERATE_API_KEY.get() or os.environ.get("OPENAI_API_KEY", "").strip() or None
 
 
 def node_name() -> str:
@@ -295,7 +364,7 @@ def node_name() -> str:
 
 
 def samples_per_partition() -> int:
-    if not os.environ.get(SAMPLES_PER_PARTITION.name, "").strip() and DATASET.get() == "bundled":
+    if not SAMPLES_PER_PARTITION.is_set() and DATASET.get() == "bundled":
         return 100
     value = SAMPLES_PER_PARTITION.get_int()
     if value <= 0:

@@ -26,16 +26,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_assets import settings
 from dflash_assets.bench.capture_ways import ANCHOR_BATCH_SIZE, run_anchors_way, run_capture, synchronize
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.batching import padding_fraction, plan_batches
-from dflash_assets.target.flops import PEAK_SETTING, forward_flops, peak_flops
+from dflash_assets.target.flops import forward_flops, peak_flops
 from dflash_assets.target.kernels import kernel_paths
 from dflash_assets.target.layer_ids import dflash_target_layer_ids
 
-EXTRACTION_TOKEN_BUDGET = 16384  # the product's default DFLASH_MAX_TOKENS_PER_BATCH
+EXTRACTION_TOKEN_BUDGET = int(settings.MAX_TOKENS_PER_BATCH.default)  # the product's default
+
+
+def stated_or_sheet_peak(device: torch.device) -> float | None:
+    """The peak MFU is measured against: `DFLASH_PEAK_TFLOPS`, else the device's data sheet."""
+    return peak_flops(device, stated=settings.peak_flops())
 
 
 @dataclass(frozen=True)
@@ -297,7 +303,7 @@ def bench_target(
         "ours": padding_fraction(plan_batches(lengths, budget), lengths),
         "anchors": padding_fraction(anchor_batches, lengths),
     }
-    peak = peak_flops(device)
+    peak = stated_or_sheet_peak(device)
     for variant in VARIANTS:
         seconds = statistics.median(times[variant])
         figures.tokens_per_s[variant] = figures.tokens / seconds
@@ -361,11 +367,12 @@ def run_gpu_bench(
     rounds = rounds or (2 if tiny else 3)
     budget = 1024 if tiny else EXTRACTION_TOKEN_BUDGET
     name = torch.cuda.get_device_name(target_device) if target_device.type == "cuda" else "CPU"
-    peak = peak_flops(target_device)
+    peak = stated_or_sheet_peak(target_device)
     print_fn(
         f"bench --gpu{' --tiny' if tiny else ''}: random-weight targets on {target_device} ({name}), "
         f"peak {'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16'} "
-        f"(set {PEAK_SETTING} to override); ~{tokens:,} tokens per variant, token budget {budget:,}"
+        f"(set {settings.PEAK_TFLOPS.name} to override); ~{tokens:,} tokens per variant, "
+        f"token budget {budget:,}"
     )
     results = []
     for shape in shapes:
@@ -409,7 +416,7 @@ def save_bench_result(
         }
         for figures in results
     ]
-    peak = peak_flops(device)
+    peak = stated_or_sheet_peak(device)
     return save_gpu_result(
         path,
         {"device": name, "total_memory_bytes": int(total), "peak_flops": peak, "tokens_per_variant": tokens,
@@ -424,4 +431,4 @@ def drafter_step_figures(tiny: bool, device: torch.device) -> list[str]:
     """The drafter training step, flex vs materialised attention (see `bench.drafter_step`)."""
     from dflash_assets.bench.drafter_step import drafter_step_lines
 
-    return drafter_step_lines(device, tiny=tiny, peak_flops=peak_flops)
+    return drafter_step_lines(device, tiny=tiny, peak_flops=stated_or_sheet_peak)

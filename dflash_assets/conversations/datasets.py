@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -20,7 +19,6 @@ from typing import Any
 from dflash_assets.conversations.sample_range import SampleRange
 
 DATASET_SETTING = "DFLASH_DATASET"
-CACHE_DIR_SETTING = "DFLASH_CACHE_DIR"
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 
 # Every reason a row can be dropped for, here and in tokenize.py: the one list to document.
@@ -70,19 +68,14 @@ class DatasetNotFound(DatasetError, FileNotFoundError):
     pass
 
 
-def default_cache_dir() -> Path:
-    """Where downloaded datasets and the demo model are kept: $DFLASH_CACHE_DIR, else
-    $DFLASH_HOME/cache, else ~/.dflash/cache (the same default as the Dagster settings)."""
-    configured = os.environ.get(CACHE_DIR_SETTING, "").strip()
-    if configured:
-        return Path(configured).expanduser()
-    home = os.environ.get("DFLASH_HOME", "").strip() or "~/.dflash"
-    return Path(home).expanduser() / "cache"
-
-
 def bundled_dataset_path() -> Path:
     """The sample conversations shipped inside the package (the default dataset)."""
     return Path(str(resources.files("dflash_assets").joinpath("data", "conversations.jsonl")))
+
+
+def dataset_uri(name: str) -> str:
+    """The dataset a `DFLASH_DATASET` value names: `bundled` is the shipped sample, anything else as given."""
+    return str(bundled_dataset_path()) if name == "bundled" else name
 
 
 def resolve_dataset(uri: str | Path | None = None, *, s3: Any = None, cache_dir: Path | None = None) -> Path:
@@ -127,7 +120,9 @@ def _download_s3_dataset(uri: str, *, s3: Any, cache_dir: Path | None) -> Path:
         )
     # The ETag is part of the cached path so a replaced object is fetched again even at equal size.
     version = "".join(ch for ch in (info.etag or "no-etag") if ch.isalnum())[:32]
-    local = (cache_dir or default_cache_dir()) / "datasets" / "s3" / bucket / version / key
+    if cache_dir is None:
+        raise ValueError(f"dataset {uri}: an s3:// dataset needs a cache directory to download into")
+    local = cache_dir / "datasets" / "s3" / bucket / version / key
     local.parent.mkdir(parents=True, exist_ok=True)
     try:
         return store.download(key, local)

@@ -6,8 +6,9 @@ Requests go to `/chat/completions` of one or more base URLs (`http://host:port/v
 honoured), each retry on the next URL; a request that keeps failing ends the run naming the URL. A
 server that is unreachable or serves another model is refused before the first request.
 
-The API key is read from the environment (`DFLASH_GENERATE_API_KEY`, else `OPENAI_API_KEY`) and sent
-only in the `Authorization` header: never logged, never in an error, never in run config.
+The API key comes from the environment (`DFLASH_GENERATE_API_KEY`, else `OPENAI_API_KEY`, read by
+`settings.generate_api_key()` when a run opens its engine) and is sent only in the `Authorization`
+header: never logged, never in an error, never in run config.
 
 Servers that return token ids (vLLM with `return_token_ids`) give the exact ids of every answer; the
 others give text, which `tokenized_completions` tokenises with the target's tokenizer.
@@ -93,13 +94,6 @@ def parse_urls(text: str) -> list[str]:
     if not urls:
         raise ValueError(f"{URL_SETTING} names no server; expected e.g. http://127.0.0.1:8000/v1")
     return urls
-
-
-def api_key_from_environment(environ: dict[str, str] | None = None) -> str | None:
-    import os
-
-    env = os.environ if environ is None else environ
-    return next((env[name] for name in API_KEY_VARIABLES if env.get(name)), None)
 
 
 class OpenAIEngine(Engine):

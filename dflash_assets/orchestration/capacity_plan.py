@@ -3,7 +3,6 @@ what `tokenized_completions` records on each range (the core is `planning/`)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -62,20 +61,21 @@ def build_plan(
     model_dir, layer_ids = target_model.model_dir(), target_model.layer_ids()
     facts = target_facts(model_dir, target_model.name, layer_ids, workload.lengths, settings.cache_dir())
     measured = load_gpu_result(gpu_result or gpu_result_path(settings.cache_dir()))
-    configured = [d.strip() for d in settings.DEVICES.get().split(",") if d.strip()]
+    configured = settings.devices()
     profile = device_profile(
         device_name=device_name,
         device_memory_bytes=int(device_memory_gib * 2**30) if device_memory_gib else None,
         gpu_result=measured,
         configured_devices=configured,
+        stated_peak_flops=settings.peak_flops(),
     )
     count = devices or len(configured) or _cuda_count() or 1
     plan_settings = PlanSettings(
         hidden_state_dtype=dtype,
         max_tokens_per_batch=settings.MAX_TOKENS_PER_BATCH.get_int(),
-        staging_max_bytes=store.staging_max_bytes,
-        staging_dir=Path(store.staging_dir).expanduser(),
-        store_url=store.url,
+        staging_max_bytes=store.staging_budget_bytes(),
+        staging_dir=store.staging_root(),
+        store_url=store.store_url(),
         devices=count,
     )
     if mfu:
@@ -85,7 +85,7 @@ def build_plan(
         plan_settings.train_tokens_per_s_source = "given (--train-tokens-per-s)"
     drafter = DrafterConfig.from_target(
         model_dir,
-        num_layers=target_model.num_draft_layers,
+        num_layers=target_model.draft_layers(),
         target_layer_ids=layer_ids,
         shape=settings.DRAFTER_SHAPE.get(),
     )
@@ -257,6 +257,6 @@ def range_plan_metadata(
 def plan_environment_note() -> str:
     """What the plan was made for, in one line (settings that shape it)."""
     return ", ".join(
-        f"{s.name}={os.environ.get(s.name) or s.default or '(default)'}"
+        f"{s.name}={s.get() or '(default)'}"
         for s in (settings.DATASET, settings.TARGET_MODEL, settings.HIDDEN_STATE_DTYPE, settings.MAX_LENGTH)
     )

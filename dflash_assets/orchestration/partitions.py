@@ -64,10 +64,9 @@ SAMPLE_RANGES = SampleRangePartitions(name=PARTITIONS_NAME)
 
 
 def dataset_uri() -> str:
-    from dflash_assets.conversations.datasets import bundled_dataset_path
+    from dflash_assets.conversations.datasets import dataset_uri
 
-    value = settings.DATASET.get()
-    return str(bundled_dataset_path()) if value == "bundled" else value
+    return dataset_uri(settings.DATASET.get())
 
 
 def dataset_row_count(uri: str) -> int:

@@ -1,8 +1,10 @@
 """Dagster resources: the store, the target model, the dataset, the device lease and the generation engine.
 
-Each is a thin `ConfigurableResource` over a core object. Defaults come from `settings.py` (the
-`DFLASH_*` variables); run config in the launchpad overrides them. No field holds a secret: boto3
-reads the standard AWS variables itself.
+Each is a thin `ConfigurableResource` over a core object. A field that stands for a setting defaults to
+None (null in the launchpad) and is resolved from `settings.py` when a run uses the resource, by the
+method named beside it; a value given in run config wins. Nothing is read when this module is imported.
+No field holds a secret: boto3 reads the standard AWS variables itself, and the inference servers' API
+key goes from `settings` to the engine when a run opens it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dagster import ConfigurableResource
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from dflash_assets import settings
 from dflash_assets.storage.local_state import local_state_dir
@@ -28,26 +30,43 @@ from dflash_assets.storage.uploader import Uploader
 class StoreResource(ConfigurableResource):
     """The object store every asset reads and writes, plus local staging for uploads."""
 
-    url: str = settings.store_url()
-    s3_checksum: str = settings.S3_CHECKSUM.get()
-    upload_max_in_flight: int = settings.UPLOAD_MAX_IN_FLIGHT.get_int()
-    staging_dir: str = str(settings.staging_dir())
-    staging_max_bytes: int = settings.STAGING_MAX_BYTES.get_int()
+    url: str | None = Field(default=None, description=settings.STORE_URL.field_description())
+    s3_checksum: str | None = Field(default=None, description=settings.S3_CHECKSUM.field_description())
+    upload_max_in_flight: int | None = Field(
+        default=None, description=settings.UPLOAD_MAX_IN_FLIGHT.field_description()
+    )
+    staging_dir: str | None = Field(default=None, description=settings.STAGING_DIR.field_description())
+    staging_max_bytes: int | None = Field(
+        default=None, description=settings.STAGING_MAX_BYTES.field_description()
+    )
     s3_max_attempts: int = 8  # per request, inside boto3 (adaptive retry mode)
     upload_max_attempts: int = 6  # per object, around boto3's retries, with exponential backoff
     upload_backoff_s: float = 0.5
 
     _store: ObjectStore | None = PrivateAttr(default=None)
 
+    def store_url(self) -> str:
+        return settings.given_or(self.url, settings.store_url)
+
+    def staging_root(self) -> Path:
+        return Path(settings.given_or(self.staging_dir, settings.staging_dir)).expanduser()
+
+    def staging_budget_bytes(self) -> int:
+        return settings.given_or(self.staging_max_bytes, settings.STAGING_MAX_BYTES.get_int)
+
+    def _max_in_flight(self) -> int:
+        return settings.given_or(self.upload_max_in_flight, settings.UPLOAD_MAX_IN_FLIGHT.get_int)
+
     def open(self) -> ObjectStore:
         if self._store is None:
+            checksum = settings.given_or(self.s3_checksum, settings.S3_CHECKSUM.get)
             s3 = S3Settings(
-                checksum=self.s3_checksum or None,
+                checksum=checksum or None,
                 # Large objects go multipart with several connections each.
-                max_pool_connections=4 * max(10, self.upload_max_in_flight),
+                max_pool_connections=4 * max(10, self._max_in_flight()),
                 max_attempts=self.s3_max_attempts,
             )
-            self._store = open_store(self.url, s3)
+            self._store = open_store(self.store_url(), s3)
         return self._store
 
     def check(self) -> ObjectStore:
@@ -59,8 +78,8 @@ class StoreResource(ConfigurableResource):
     def uploader(self) -> Uploader:
         return Uploader(
             self.open(),
-            max_in_flight=self.upload_max_in_flight,
-            staging_budget_bytes=self.staging_max_bytes,
+            max_in_flight=self._max_in_flight(),
+            staging_budget_bytes=self.staging_budget_bytes(),
             max_attempts=self.upload_max_attempts,
             backoff_s=self.upload_backoff_s,
         )
@@ -73,7 +92,7 @@ class StoreResource(ConfigurableResource):
 
     def staging_path(self, prefix: str) -> Path:
         """Staging of one asset's range (`prefix`, e.g. `hidden-states/<range>`), created if missing."""
-        path = self.local_dir(self.staging_dir) / prefix
+        path = self.local_dir(self.staging_root()) / prefix
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -83,7 +102,7 @@ class StoreResource(ConfigurableResource):
 
     def training_dir(self, run: str) -> Path:
         """A training run's local work directory (checkpoints before upload, curves, the export)."""
-        return self.local_dir(self.staging_dir) / "training" / run
+        return self.local_dir(self.staging_root()) / "training" / run
 
     def train_cache_dir(self, run: str) -> Path:
         """A training run's bounded cache of streamed hidden-state objects."""
@@ -93,17 +112,29 @@ class StoreResource(ConfigurableResource):
 class TargetModelResource(ConfigurableResource):
     """The target LLM: a Hugging Face model directory, or `demo` for the built-in tiny model."""
 
-    model: str = settings.TARGET_MODEL.get()
-    target_layer_ids: str = settings.TARGET_LAYER_IDS.get()
-    num_draft_layers: int = settings.NUM_DRAFT_LAYERS.get_int()
-    cache_dir: str = str(settings.cache_dir())
+    model: str | None = Field(default=None, description=settings.TARGET_MODEL.field_description())
+    target_layer_ids: str | None = Field(
+        default=None, description=settings.TARGET_LAYER_IDS.field_description()
+    )
+    num_draft_layers: int | None = Field(
+        default=None, description=settings.NUM_DRAFT_LAYERS.field_description()
+    )
+    cache_dir: str | None = Field(default=None, description=settings.CACHE_DIR.field_description())
+
+    def cache_root(self) -> Path:
+        """The demo model, read caches of stored partitions, the forward-shape cache."""
+        return Path(settings.given_or(self.cache_dir, settings.cache_dir)).expanduser()
+
+    def draft_layers(self) -> int:
+        return settings.given_or(self.num_draft_layers, settings.NUM_DRAFT_LAYERS.get_int)
 
     def model_dir(self) -> Path:
-        if self.model == "demo":
+        model = settings.given_or(self.model, settings.TARGET_MODEL.get)
+        if model == "demo":
             from dflash_assets.target.demo_model import ensure_demo_model
 
-            return ensure_demo_model(Path(self.cache_dir).expanduser())
-        path = Path(self.model).expanduser()
+            return ensure_demo_model(self.cache_root())
+        path = Path(model).expanduser()
         if not (path / "config.json").is_file():
             raise settings.SettingError(
                 f"target model directory {str(path)!r} has no config.json: set DFLASH_TARGET_MODEL "
@@ -148,9 +179,10 @@ class TargetModelResource(ConfigurableResource):
         from dflash_assets.target.layer_ids import parse_layer_ids, resolve_target_layer_ids
 
         config = AutoConfig.from_pretrained(self.model_dir())
+        text = settings.given_or(self.target_layer_ids, settings.TARGET_LAYER_IDS.get)
         try:
-            explicit = parse_layer_ids(self.target_layer_ids) if self.target_layer_ids.strip() else None
-            return resolve_target_layer_ids(config, explicit, num_draft_layers=self.num_draft_layers)
+            explicit = parse_layer_ids(text) if text.strip() else None
+            return resolve_target_layer_ids(config, explicit, num_draft_layers=self.draft_layers())
         except ValueError as error:  # the messages name DFLASH_TARGET_LAYER_IDS: a setting to change
             raise settings.SettingError(str(error)) from None
 
@@ -158,57 +190,79 @@ class TargetModelResource(ConfigurableResource):
 class DatasetResource(ConfigurableResource):
     """The source conversations; `bundled` is the sample data shipped in the package."""
 
-    dataset: str = settings.DATASET.get()
-    cache_dir: str = str(settings.cache_dir())
+    dataset: str | None = Field(default=None, description=settings.DATASET.field_description())
+    cache_dir: str | None = Field(default=None, description=settings.CACHE_DIR.field_description())
 
     def uri(self) -> str:
-        from dflash_assets.conversations.datasets import bundled_dataset_path
+        from dflash_assets.conversations.datasets import dataset_uri
 
-        return str(bundled_dataset_path()) if self.dataset == "bundled" else self.dataset
+        return dataset_uri(settings.given_or(self.dataset, settings.DATASET.get))
+
+    def local_path(self) -> Path:
+        """The dataset as a local file: an `s3://` one is downloaded into the cache once per version."""
+        from dflash_assets.conversations.datasets import resolve_dataset
+
+        return resolve_dataset(
+            self.uri(), cache_dir=Path(settings.given_or(self.cache_dir, settings.cache_dir)).expanduser()
+        )
 
 
 class DeviceLeaseResource(ConfigurableResource):
     """One device per run, leased with a lock that also holds across separate shells."""
 
-    devices: str = settings.DEVICES.get()
-    lock_dir: str = str(settings.cache_dir() / "device-leases")
+    devices: str | None = Field(default=None, description=settings.DEVICES.field_description())
+    lock_dir: str | None = Field(
+        default=None, description="Where leases meet. Null: `device-leases` in the cache directory."
+    )
+
+    def candidates(self) -> list[str]:
+        """The devices a run may lease: `devices` (or `DFLASH_DEVICES`), else the host's visible ones."""
+        from dflash_assets.target.devices import available_devices
+
+        named = settings.given_or(self.devices, settings.DEVICES.get)
+        return available_devices([d for d in named.split(",") if d.strip()])
+
+    def _lock_dir(self) -> Path:
+        return Path(settings.given_or(self.lock_dir, settings.device_lock_dir)).expanduser()
 
     @contextlib.contextmanager
     def lease(self, holder: str = "", log: Callable[[str], None] | None = None) -> Iterator[str]:
         """`holder` names the run in the lock file; `log` hears whom a waiting run waits for."""
-        from dflash_assets.target.devices import available_devices, lease_device
+        from dflash_assets.target.devices import lease_device
 
-        candidates = [d.strip() for d in self.devices.split(",") if d.strip()] or available_devices()
-        with lease_device(
-            candidates, lock_dir=Path(self.lock_dir).expanduser(), holder=holder, log=log
-        ) as device:
+        with lease_device(self.candidates(), lock_dir=self._lock_dir(), holder=holder, log=log) as device:
             yield device
 
     @contextlib.contextmanager
     def try_lease(self, holder: str = "", exclude: Sequence[str] = ()) -> Iterator[str | None]:
         """A device other than `exclude` if one is free now, else None (never waits)."""
-        from dflash_assets.target.devices import available_devices, try_lease_device
+        from dflash_assets.target.devices import try_lease_device
 
-        candidates = [d.strip() for d in self.devices.split(",") if d.strip()] or available_devices()
-        others = [d for d in candidates if d not in set(exclude)]
-        with try_lease_device(others, lock_dir=Path(self.lock_dir).expanduser(), holder=holder) as device:
+        others = [d for d in self.candidates() if d not in set(exclude)]
+        with try_lease_device(others, lock_dir=self._lock_dir(), holder=holder) as device:
             yield device
+
 
 class GenerationResource(ConfigurableResource):
     """How `target_completions` asks the target: OpenAI-compatible servers when `urls` is set, else the
     target in this process on a leased device. The API key never passes through here: the engine reads
     it from the environment when it sends a request."""
 
-    urls: str = settings.GENERATE_URL.get()
-    model: str = settings.GENERATE_MODEL.get()
-    concurrency: int = settings.GENERATE_CONCURRENCY.get_int()
+    urls: str | None = Field(default=None, description=settings.GENERATE_URL.field_description())
+    model: str | None = Field(default=None, description=settings.GENERATE_MODEL.field_description())
+    concurrency: int | None = Field(
+        default=None, description=settings.GENERATE_CONCURRENCY.field_description()
+    )
     timeout_s: float = 600.0  # per request
     max_attempts: int = 8  # per request, with exponential backoff, each retry on the next server
     backoff_s: float = 1.0
 
+    def server_urls(self) -> str:
+        return settings.given_or(self.urls, settings.GENERATE_URL.get)
+
     @property
     def uses_servers(self) -> bool:
-        return bool(self.urls.strip())
+        return bool(self.server_urls().strip())
 
     def engine_opener(
         self,
@@ -228,20 +282,16 @@ class GenerationResource(ConfigurableResource):
         @contextlib.contextmanager
         def servers() -> Iterator[Any]:
             from dflash_assets.generation.in_process import prompt_token_ids
-            from dflash_assets.generation.openai_server import (
-                OpenAIEngine,
-                api_key_from_environment,
-                parse_urls,
-            )
+            from dflash_assets.generation.openai_server import OpenAIEngine, parse_urls
 
             engine = OpenAIEngine(
-                parse_urls(self.urls),
+                parse_urls(self.server_urls()),
                 generation,
                 target_name=target_model.model_dir().name,
                 prompt_tokens=lambda messages: len(prompt_token_ids(tokenizer, messages, generation)),
-                model=self.model or None,
-                api_key=api_key_from_environment(),
-                concurrency=self.concurrency,
+                model=settings.given_or(self.model, settings.GENERATE_MODEL.get) or None,
+                api_key=settings.generate_api_key(),
+                concurrency=settings.given_or(self.concurrency, settings.GENERATE_CONCURRENCY.get_int),
                 timeout_s=self.timeout_s,
                 max_attempts=self.max_attempts,
                 backoff_s=self.backoff_s,

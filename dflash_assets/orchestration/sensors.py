@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 
 from dagster import (
     AssetKey,
+    AssetsDefinition,
     DagsterEventType,
     DagsterRun,
     DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
     RunsFilter,
+    SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
@@ -33,21 +36,16 @@ from dagster._core.events import RunFailureReason
 from dagster._core.storage.tags import PARTITION_NAME_TAG, RUN_FAILURE_REASON_TAG, WILL_RETRY_TAG
 
 from dflash_assets import settings
-from dflash_assets.orchestration.assets.hidden_states import hidden_state_partitions
-from dflash_assets.orchestration.assets.target_completions import target_completions
-from dflash_assets.orchestration.assets.tokenized_completions import COMPLETIONS_SOURCE, tokenized_completions
 from dflash_assets.orchestration.execution.recovery import reap_dead_runs
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES, dataset_range_keys, unregistered_ranges
 
 ATTEMPT_TAG = "dflash/attempt"
 RETRIGGER_OF_TAG = "dflash/retrigger_of"
-# The partitioned assets, in graph order (target_completions only when the target regenerates answers).
-RANGE_ASSETS = [
-    *([target_completions] if COMPLETIONS_SOURCE == "target" else []),
-    tokenized_completions,
-    hidden_state_partitions,
-]
-WATCHED_ASSETS = {a.key for a in RANGE_ASSETS}
+# The partitioned assets (target_completions is in the graph only when the target regenerates answers:
+# without it, no run of it fails).
+WATCHED_ASSETS = frozenset(
+    AssetKey(name) for name in ("target_completions", "tokenized_completions", "hidden_state_partitions")
+)
 
 
 def _run_assets(context: SensorEvaluationContext, run: DagsterRun) -> frozenset[AssetKey]:
@@ -144,17 +142,23 @@ def retrigger_requests(context: SensorEvaluationContext, now: float | None = Non
     return requests
 
 
-@sensor(
-    target=RANGE_ASSETS,
-    minimum_interval_seconds=60,
-    default_status=DefaultSensorStatus.RUNNING,
-    description="Marks runs whose worker died as failed; re-launches ranges whose assets failed, with "
-    "exponential backoff (DFLASH_RETRIGGER_BACKOFF_S), up to DFLASH_RETRIGGER_MAX_ATTEMPTS runs.",
-)
-def failed_range_sensor(context: SensorEvaluationContext):
-    reap_dead_runs(context.instance, context.log.warning)  # for run retries to see them as crashed
-    requests = retrigger_requests(context)
-    return requests or SkipReason("no failed range is due for a re-launch")
+def failed_range_sensor(range_assets: Sequence[AssetsDefinition]) -> SensorDefinition:
+    """The sensor re-launching the graph's `range_assets` (its target: the assets it may request)."""
+
+    @sensor(
+        name="failed_range_sensor",
+        target=list(range_assets),
+        minimum_interval_seconds=60,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Marks runs whose worker died as failed; re-launches ranges whose assets failed, with "
+        "exponential backoff (DFLASH_RETRIGGER_BACKOFF_S), up to DFLASH_RETRIGGER_MAX_ATTEMPTS runs.",
+    )
+    def evaluate(context: SensorEvaluationContext):
+        reap_dead_runs(context.instance, context.log.warning)  # for run retries to see them as crashed
+        requests = retrigger_requests(context)
+        return requests or SkipReason("no failed range is due for a re-launch")
+
+    return evaluate
 
 
 @sensor(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,11 +46,13 @@ def device_profile(
     device_memory_bytes: int | None,
     gpu_result: dict[str, Any] | None,
     configured_devices: Sequence[str],
+    stated_peak_flops: float | None = None,
 ) -> DeviceProfile:
     """The device the plan is for, by precedence: `--device NAME`; the local CUDA device; the device of
     `bench --gpu`'s saved result; a CUDA device named in DFLASH_DEVICES (assumed an H200); else this
-    machine's CPU. `device_memory_bytes` (`--device-memory-gib`) overrides the memory."""
-    profile = _profile(device_name, gpu_result, configured_devices)
+    machine's CPU. `device_memory_bytes` (`--device-memory-gib`) overrides the memory; `stated_peak_flops`
+    (`DFLASH_PEAK_TFLOPS`) the peak."""
+    profile = _profile(device_name, gpu_result, configured_devices, stated_peak_flops)
     if device_memory_bytes:
         profile = DeviceProfile(
             profile.name,
@@ -63,9 +64,9 @@ def device_profile(
     return profile
 
 
-def _named(name: str, source: str) -> DeviceProfile:
+def _named(name: str, source: str, stated: float | None) -> DeviceProfile:
     if name.lower() == "cpu":
-        peak = float(os.environ[PEAK_SETTING]) * 1e12 if os.environ.get(PEAK_SETTING) else STATED_CPU_PEAK
+        peak = stated or STATED_CPU_PEAK
         return DeviceProfile(
             "CPU", "cpu", host_total_bytes(), peak, f"{source}; peak stated (set {PEAK_SETTING})"
         )
@@ -76,22 +77,23 @@ def _named(name: str, source: str) -> DeviceProfile:
             f"--device-memory-gib and {PEAK_SETTING}"
         )
     peak, memory = DEVICE_PROFILES[known]
-    return DeviceProfile(name, "cuda", memory, peak_flops_of(name) or peak, f"{source}, data-sheet figures")
+    peak = peak_flops_of(name, stated) or peak
+    return DeviceProfile(name, "cuda", memory, peak, f"{source}, data-sheet figures")
 
 
-def _profile(device_name, gpu_result, configured_devices) -> DeviceProfile:
+def _profile(device_name, gpu_result, configured_devices, stated) -> DeviceProfile:
     if device_name:
-        return _named(device_name, "--device")
+        return _named(device_name, "--device", stated)
     import torch
 
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         memory = torch.cuda.get_device_properties(0).total_memory
-        return DeviceProfile(name, "cuda", memory, peak_flops_of(name), "this machine's cuda:0")
+        return DeviceProfile(name, "cuda", memory, peak_flops_of(name, stated), "this machine's cuda:0")
     if gpu_result and gpu_result.get("device") and gpu_result["device"] != "CPU":
-        peak = gpu_result.get("peak_flops") or peak_flops_of(gpu_result["device"])
+        peak = gpu_result.get("peak_flops") or peak_flops_of(gpu_result["device"], stated)
         memory = int(gpu_result.get("total_memory_bytes") or 0)
         return DeviceProfile(gpu_result["device"], "cuda", memory, peak, "the saved `bench --gpu` result")
     if any(d.startswith("cuda") for d in configured_devices):
-        return _named("H200", "DFLASH_DEVICES names CUDA devices, none visible here: assumed an H200")
-    return _named("cpu", "this machine's CPU (no GPU here; --device H200 plans for one)")
+        return _named("H200", "DFLASH_DEVICES names CUDA devices, none visible here: assumed an H200", stated)
+    return _named("cpu", "this machine's CPU (no GPU here; --device H200 plans for one)", stated)

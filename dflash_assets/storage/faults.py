@@ -2,7 +2,9 @@
 
 `DFLASH_FAULT_POINTS=before_manifest` (comma-separated names, optionally `name@N` for the N-th time
 the point is reached) makes the process SIGKILL itself there: the same death as a lost node or an
-OOM kill, at a moment a test chooses. Unset in production, where a fault point is one dict lookup.
+OOM kill, at a moment a test chooses. Unset in production, where a fault point is one lookup. The
+setting is read where the point is reached (it is a process's own test hook, not a value a caller could
+pass down), through `settings` like every other.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 import os
 import signal
 
+from dflash_assets import settings
+
 _hits: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
-    spec = os.environ.get("DFLASH_FAULT_POINTS")
+    spec = settings.fault_points()
     if not spec:
         return
     for entry in spec.split(","):

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.conversations.datasets import Dropped, bundled_dataset_path, default_cache_dir, iter_rows
+from dflash_assets.conversations.datasets import Dropped, bundled_dataset_path, iter_rows
 
 # Bump when anything below changes what gets built: cached copies are keyed by it.
 DEMO_MODEL_VERSION = "2"  # 2: no transitions between turns
@@ -107,13 +107,13 @@ def demo_model_dir_name() -> str:
     return f"demo-target-{DEMO_MODEL_VERSION}-{data_hash}"
 
 
-def ensure_demo_model(cache_dir: Path | None = None) -> Path:
+def ensure_demo_model(cache_dir: Path) -> Path:
     """The demo target's directory in the cache, built on first use.
 
     Concurrent callers (several Dagster runs starting at once) serialise on a lock file; the build
     goes to a temporary directory renamed into place, so a killed build never leaves a half model.
     """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     name = demo_model_dir_name()
     target = root / name
@@ -281,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return 0
-    path = build_demo_model(Path(args[0])) if args else ensure_demo_model()
+    if args:
+        path = build_demo_model(Path(args[0]))
+    else:
+        from dflash_assets import settings  # a script's entry point: the cache the runs use
+
+        path = ensure_demo_model(settings.cache_dir())
     print(path)
     return 0
 

@@ -28,19 +28,17 @@ class DeviceLeaseTimeout(TimeoutError):
     """No device became free within the timeout."""
 
 
-def available_devices() -> list[str]:
-    """Devices this host offers: every visible CUDA device, else `$DFLASH_DEVICES`, else `["cpu"]`.
-
-    `DFLASH_DEVICES=cpu:0,cpu:1` simulates several devices on a CPU-only machine.
-    """
+def available_devices(configured: Sequence[str] = ()) -> list[str]:
+    """Devices runs may lease: `configured` (the `DFLASH_DEVICES` setting) when it names any, checked;
+    else every visible CUDA device; else `["cpu"]`. `cpu:0,cpu:1` simulates several devices on a
+    CPU-only machine."""
+    if configured:
+        return [check_device_name(device) for device in configured]  # fail fast on a typo
     import torch
 
     if torch.cuda.is_available():
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    configured = [d.strip() for d in os.environ.get(DEVICES_ENV, "").split(",") if d.strip()]
-    for device in configured:
-        torch_device(device)  # fail fast on a typo in the setting
-    return configured or ["cpu"]
+    return ["cpu"]
 
 
 def check_device_name(device: str) -> str:
@@ -68,16 +66,6 @@ def torch_device(device: str | torch.device) -> torch.device:
             f"device {device!r} is not a torch device name (expected e.g. 'cuda:0', 'cpu' or 'cpu:1'); "
             f"check {DEVICES_ENV}"
         ) from error
-
-
-def default_lock_dir() -> Path:
-    # Mirrors dflash_assets.settings.cache_dir() so leases taken by the Dagster resource and by
-    # plain scripts meet in the same directory.
-    cache = os.environ.get("DFLASH_CACHE_DIR", "").strip()
-    if cache:
-        return Path(cache).expanduser() / "device-leases"
-    home = os.environ.get("DFLASH_HOME", "").strip() or str(Path.home() / ".dflash")
-    return Path(home).expanduser() / "cache" / "device-leases"
 
 
 def _lock_path(lock_dir: Path, device: str) -> Path:
@@ -108,8 +96,8 @@ def _holder(path: Path) -> str:
 
 @contextlib.contextmanager
 def lease_device(
-    devices: Sequence[str] | None = None,
-    lock_dir: str | Path | None = None,
+    devices: Sequence[str] | None,
+    lock_dir: str | Path,
     timeout_s: float | None = None,
     poll_s: float = 0.5,
     log: Callable[[str], None] | None = None,
@@ -125,7 +113,7 @@ def lease_device(
     """
     # torch is imported only to detect devices, so a lease costs little when they are given.
     candidates = [check_device_name(d) for d in devices] if devices else available_devices()
-    directory = Path(lock_dir).expanduser() if lock_dir is not None else default_lock_dir()
+    directory = Path(lock_dir).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     waiting_since = time.monotonic()
@@ -171,7 +159,7 @@ def lease_device(
 
 @contextlib.contextmanager
 def try_lease_device(
-    devices: Sequence[str], lock_dir: str | Path | None = None, holder: str = ""
+    devices: Sequence[str], lock_dir: str | Path, holder: str = ""
 ) -> Iterator[str | None]:
     """Hold one of `devices` if one is free right now, else yield None: never waits (e.g. a spare
     device for a speculative evaluation that does not fit beside the drafter)."""

@@ -87,17 +87,19 @@ def forward_flops(
     return forward_shape(model).flops(lengths, through_layer, lm_head)
 
 
-def peak_flops_of(device_name: str) -> float | None:
-    """Dense bf16 peak for a device name such as `NVIDIA H200`: `DFLASH_PEAK_TFLOPS`, else the data sheet."""
-    if os.environ.get(PEAK_SETTING):
-        return float(os.environ[PEAK_SETTING]) * 1e12
+def peak_flops_of(device_name: str, stated: float | None = None) -> float | None:
+    """Dense bf16 peak for a device name such as `NVIDIA H200`: `stated` (the `DFLASH_PEAK_TFLOPS`
+    setting), else the data sheet."""
+    if stated:
+        return stated
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in device_name.upper()), None)
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak: `DFLASH_PEAK_TFLOPS`, else known data-sheet values, else None."""
-    if os.environ.get(PEAK_SETTING):
-        return float(os.environ[PEAK_SETTING]) * 1e12
+def peak_flops(device: torch.device, stated: float | None = None) -> float | None:
+    """The device's dense bf16 peak: `stated` (the `DFLASH_PEAK_TFLOPS` setting), else known data-sheet
+    values, else None."""
+    if stated:
+        return stated
     if device.type != "cuda":
         return None
     return peak_flops_of(torch.cuda.get_device_name(device))

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from dflash_assets import settings
 from dflash_assets.generation.engine import EngineUnavailable
 from dflash_assets.generation.in_process import InProcessEngine, prompt_token_ids
-from dflash_assets.generation.openai_server import OpenAIEngine, api_key_from_environment
+from dflash_assets.generation.openai_server import OpenAIEngine
 from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, iter_records
 from dflash_assets.generation.regenerate import completions_fingerprint, regenerate_range
 from dflash_assets.generation.settings import GenerationSettings
@@ -246,7 +247,7 @@ def test_the_api_key_comes_from_the_environment_and_only_goes_in_the_authorizati
     request = TurnRequest(conversation, 0, conversation.next_prompt())
 
     engine = OpenAIEngine(
-        [key_server], SETTINGS, target_name="demo", model="served/demo", api_key=api_key_from_environment()
+        [key_server], SETTINGS, target_name="demo", model="served/demo", api_key=settings.generate_api_key()
     )
     engine.check()
     assert engine._request(engine.servers[0], request).content == "ok"

@@ -98,7 +98,7 @@ def _started_run_whose_worker_died(instance, partition: str) -> str:
 
 def _evaluate(instance, cursor=None):
     context = build_sensor_context(instance=instance, cursor=cursor)
-    result = failed_range_sensor(context)
+    result = failed_range_sensor([failing_range])(context)
     return (result if isinstance(result, list) else []), context.cursor
 
 

@@ -11,7 +11,7 @@ import pytest
 from dagster import DagsterInstance, materialize
 
 from dflash_assets.conversations.tokenize import read_shard
-from dflash_assets.orchestration.assets.tokenized_completions import tokenized_completions
+from dflash_assets.orchestration.assets.tokenized_completions import tokenized_completions_asset
 from dflash_assets.orchestration.io_manager import StoreIOManager
 from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import read_manifest
@@ -88,7 +88,7 @@ def test_the_same_run_writes_to_s3_when_pointed_at_a_bucket_and_the_secret_appea
 def _run(dataset: str, store_url: str, demo_model_dir: Path, tmp_path: Path, **config):
     store = StoreResource(url=store_url, staging_dir=str(tmp_path / "staging"), s3_max_attempts=1)
     return materialize(
-        [tokenized_completions],
+        [tokenized_completions_asset("dataset")],
         partition_key=KEY,
         resources={
             "store": store,

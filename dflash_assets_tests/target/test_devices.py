@@ -84,16 +84,18 @@ def holders(tmp_path):
             holder.kill()
 
 
-def test_available_devices_come_from_dflash_devices_without_cuda(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("CUDA devices take precedence over DFLASH_DEVICES")
+def test_runs_lease_the_devices_dflash_devices_names_else_the_visible_ones(monkeypatch):
+    from dflash_assets.orchestration.resources import DeviceLeaseResource
+
     monkeypatch.setenv("DFLASH_DEVICES", "cpu:0, cpu:1")
-    assert available_devices() == ["cpu:0", "cpu:1"]
+    assert DeviceLeaseResource().candidates() == ["cpu:0", "cpu:1"]
+    assert DeviceLeaseResource(devices="cpu:3").candidates() == ["cpu:3"]  # run config wins
     monkeypatch.delenv("DFLASH_DEVICES")
-    assert available_devices() == ["cpu"]
+    visible = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
+    assert DeviceLeaseResource().candidates() == available_devices() == visible
     monkeypatch.setenv("DFLASH_DEVICES", "gpu0")
     with pytest.raises(ValueError, match="DFLASH_DEVICES"):
-        available_devices()
+        DeviceLeaseResource().candidates()
 
 
 def test_cpu_lease_names_map_to_the_cpu_device():

@@ -159,7 +159,7 @@ def drafter_checkpoints(
     layer_ids = target_model.layer_ids()
     drafter_config = DrafterConfig.from_target(
         model_dir,
-        num_layers=target_model.num_draft_layers,
+        num_layers=target_model.draft_layers(),
         target_layer_ids=layer_ids,
         mask_token_id=config.mask_token_id if config.mask_token_id >= 0 else None,
         shape=config.drafter_shape,

@@ -8,6 +8,7 @@ from dagster import (
     AssetCheckSpec,
     AssetExecutionContext,
     AssetIn,
+    AssetsDefinition,
     Config,
     MetadataValue,
     Output,
@@ -29,9 +30,8 @@ from dflash_assets.storage.manifest import StoredPartition, partition_prefix
 
 
 class ExtractConfig(Config):
-    max_tokens_per_batch: int = Field(
-        default=settings.MAX_TOKENS_PER_BATCH.get_int(),
-        description="Token budget per forward pass, padding included.",
+    max_tokens_per_batch: int | None = Field(
+        default=None, description=settings.MAX_TOKENS_PER_BATCH.field_description()
     )
     max_batch_size: int = Field(default=64, description="Most samples in one forward pass.")
     progress_every_s: float = Field(
@@ -41,10 +41,19 @@ class ExtractConfig(Config):
         default=60.0, description="Seconds between progress observations of the range (and one at the end)."
     )
     check_decode_samples: int = Field(default=8, description="Objects the asset check decodes fully.")
-    hidden_state_dtype: str = Field(
-        default=settings.HIDDEN_STATE_DTYPE.get(),
-        description="`bf16` or `fp8` (e4m3 + a float32 scale per token and layer; half the bytes).",
+    hidden_state_dtype: str | None = Field(
+        default=None, description=settings.HIDDEN_STATE_DTYPE.field_description()
     )
+
+    def token_budget(self) -> int:
+        return settings.given_or(self.max_tokens_per_batch, settings.MAX_TOKENS_PER_BATCH.get_int)
+
+    def stored_dtype(self) -> str:
+        """`bf16` or `fp8`, checked."""
+        from dflash_assets.extraction.object_size import check_hidden_state_dtype
+
+        dtype = settings.given_or(self.hidden_state_dtype, settings.HIDDEN_STATE_DTYPE.get)
+        return check_hidden_state_dtype(dtype)
 
 
 def load_tokenized(partition: StoredPartition, cache_dir: Path):
@@ -52,126 +61,131 @@ def load_tokenized(partition: StoredPartition, cache_dir: Path):
     return read_shard(partition.local_copy(SHARD_NAME, cache_dir))
 
 
-@asset(
-    partitions_def=SAMPLE_RANGES,
-    ins={"tokenized": AssetIn("tokenized_completions")},
-    io_manager_key="store_io_manager",
-    group_name="dflash",
-    pool="gpu",
-    op_tags=gpu_step_tags(),
-    kinds={"pytorch", "safetensors", "s3"},
-    check_specs=[AssetCheckSpec("range_complete", asset="hidden_state_partitions", blocking=True)],
-    description="Raw outputs of the target's chosen decoder layers, one safetensors object per sample.",
-)
-def hidden_state_partitions(
-    context: AssetExecutionContext,
-    config: ExtractConfig,
-    tokenized: StoredPartition,
-    store: StoreResource,
-    target_model: TargetModelResource,
-    devices: DeviceLeaseResource,
-):
-    from dflash_assets.extraction.extract import extract_range
-    from dflash_assets.extraction.object_size import check_hidden_state_dtype
-    from dflash_assets.extraction.verify import verify_hidden_state_partition
-    from dflash_assets.target.model import load_target_model
+def hidden_state_partitions_asset() -> AssetsDefinition:
+    """The asset, with its GPU step tags as the settings say when the code location is built."""
 
-    sample_range = SampleRange.parse(context.partition_key)
-    node = step_node(context)
-    progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
-    object_store = store.check()
-    layer_ids = target_model.layer_ids()  # validated before anything touches a device
-    dtype = check_hidden_state_dtype(config.hidden_state_dtype)
-    samples = load_tokenized(tokenized, store.read_cache_dir())
-    if not samples:
-        raise ValueError(
-            f"tokenized_completions {sample_range.key} holds no samples "
-            f"({len(tokenized.manifest.get('dropped', {}))} rows dropped upstream): nothing to extract"
-        )
-    prefix = partition_prefix("hidden_state_partitions", sample_range.key)
-
-    def waiting_for_device(message: str) -> None:
-        context.log.info(f"{sample_range.key}: {message}")
-        progress.set_status(message)
-
-    progress.set_status("waiting for a device")
-    with devices.lease(holder=f"run {context.run_id}", log=waiting_for_device) as device:
-        context.log.info(f"{sample_range.key}: leased device {device}; target layers {layer_ids}")
-        progress.set_status(f"loading the target model on {device}")
-        model = load_target_model(target_model.model_dir(), device)
-        with store.uploader() as uploader:
-            result = extract_range(
-                model=model,
-                target_model_name=target_model.name,
-                samples=samples,
-                target_layer_ids=layer_ids,
-                store=object_store,
-                prefix=prefix,
-                staging_dir=store.staging_path(prefix),
-                uploader=uploader,
-                device=device,
-                max_tokens_per_batch=config.max_tokens_per_batch,
-                max_batch_size=config.max_batch_size,
-                log=progress.log_line,
-                warn=context.log.warning,
-                progress_every_s=config.progress_every_s,
-                on_progress=progress,
-                hidden_state_dtype=dtype,
-                source=tokenized.prefix,  # relative: a store copied elsewhere keeps its objects
-            )
-            upload_retries = uploader.stats.retries
-
-    context.log.info(
-        f"{sample_range.key}: {result.samples} samples on {device} in {human_duration(result.duration_s)} "
-        f"({result.extracted_now} extracted now, {result.reused_from_store} already in the store, "
-        f"{result.reused_from_staging} recovered from local staging)"
+    @asset(
+        partitions_def=SAMPLE_RANGES,
+        ins={"tokenized": AssetIn("tokenized_completions")},
+        io_manager_key="store_io_manager",
+        group_name="dflash",
+        pool="gpu",
+        op_tags=gpu_step_tags(),
+        kinds={"pytorch", "safetensors", "s3"},
+        check_specs=[AssetCheckSpec("range_complete", asset="hidden_state_partitions", blocking=True)],
+        description="Raw outputs of the target's chosen decoder layers, one safetensors object per sample.",
     )
-    yield Output(
-        PartitionOutput(
-            stored_objects=result.objects,
-            manifest_fields={
-                "sample_indices": [s.sample_index for s in samples],
-                "dropped": tokenized.manifest.get("dropped", {}),
-                "target_model": target_model.name,
-                "target_layer_ids": layer_ids,
+    def hidden_state_partitions(
+        context: AssetExecutionContext,
+        config: ExtractConfig,
+        tokenized: StoredPartition,
+        store: StoreResource,
+        target_model: TargetModelResource,
+        devices: DeviceLeaseResource,
+    ):
+        from dflash_assets.extraction.extract import extract_range
+        from dflash_assets.extraction.verify import verify_hidden_state_partition
+        from dflash_assets.target.model import load_target_model
+
+        sample_range = SampleRange.parse(context.partition_key)
+        node = step_node(context)
+        progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
+        object_store = store.check()
+        layer_ids = target_model.layer_ids()  # validated before anything touches a device
+        dtype = config.stored_dtype()
+        samples = load_tokenized(tokenized, store.read_cache_dir())
+        if not samples:
+            raise ValueError(
+                f"tokenized_completions {sample_range.key} holds no samples "
+                f"({len(tokenized.manifest.get('dropped', {}))} rows dropped upstream): nothing to extract"
+            )
+        prefix = partition_prefix("hidden_state_partitions", sample_range.key)
+
+        def waiting_for_device(message: str) -> None:
+            context.log.info(f"{sample_range.key}: {message}")
+            progress.set_status(message)
+
+        progress.set_status("waiting for a device")
+        with devices.lease(holder=f"run {context.run_id}", log=waiting_for_device) as device:
+            context.log.info(f"{sample_range.key}: leased device {device}; target layers {layer_ids}")
+            progress.set_status(f"loading the target model on {device}")
+            model = load_target_model(target_model.model_dir(), device)
+            with store.uploader() as uploader:
+                result = extract_range(
+                    model=model,
+                    target_model_name=target_model.name,
+                    samples=samples,
+                    target_layer_ids=layer_ids,
+                    store=object_store,
+                    prefix=prefix,
+                    staging_dir=store.staging_path(prefix),
+                    uploader=uploader,
+                    device=device,
+                    max_tokens_per_batch=config.token_budget(),
+                    max_batch_size=config.max_batch_size,
+                    log=progress.log_line,
+                    warn=context.log.warning,
+                    progress_every_s=config.progress_every_s,
+                    on_progress=progress,
+                    hidden_state_dtype=dtype,
+                    source=tokenized.prefix,  # relative: a store copied elsewhere keeps its objects
+                )
+                upload_retries = uploader.stats.retries
+
+        context.log.info(
+            f"{sample_range.key}: {result.samples} samples on {device} in "
+            f"{human_duration(result.duration_s)} "
+            f"({result.extracted_now} extracted now, {result.reused_from_store} already in the store, "
+            f"{result.reused_from_staging} recovered from local staging)"
+        )
+        yield Output(
+            PartitionOutput(
+                stored_objects=result.objects,
+                manifest_fields={
+                    "sample_indices": [s.sample_index for s in samples],
+                    "dropped": tokenized.manifest.get("dropped", {}),
+                    "target_model": target_model.name,
+                    "target_layer_ids": layer_ids,
+                    "tokens": result.tokens,
+                    "hidden_state_dtype": dtype,
+                },
+            ),
+            metadata={
+                "samples": result.samples,
                 "tokens": result.tokens,
+                "bytes_stored": result.bytes_stored,
+                "extracted_now": result.extracted_now,
+                "reused_from_store": result.reused_from_store,
+                "reused_from_staging": result.reused_from_staging,
+                "duration_s": MetadataValue.float(result.duration_s),
+                "duration": MetadataValue.text(human_duration(result.duration_s)),
+                "samples_per_s": MetadataValue.float(result.samples_per_s),
+                "tokens_per_s": MetadataValue.float(result.tokens_per_s),
+                "peak_staging_bytes": result.peak_staging_bytes,
+                "upload_retries": upload_retries,
+                "staging_budget_bytes": store.staging_budget_bytes(),
+                "padding_fraction": MetadataValue.float(result.padding_fraction),
+                "device": device,
+                "node": node,
+                "target_layer_ids": MetadataValue.json(layer_ids),
                 "hidden_state_dtype": dtype,
             },
-        ),
-        metadata={
-            "samples": result.samples,
-            "tokens": result.tokens,
-            "bytes_stored": result.bytes_stored,
-            "extracted_now": result.extracted_now,
-            "reused_from_store": result.reused_from_store,
-            "reused_from_staging": result.reused_from_staging,
-            "duration_s": MetadataValue.float(result.duration_s),
-            "duration": MetadataValue.text(human_duration(result.duration_s)),
-            "samples_per_s": MetadataValue.float(result.samples_per_s),
-            "tokens_per_s": MetadataValue.float(result.tokens_per_s),
-            "peak_staging_bytes": result.peak_staging_bytes,
-            "upload_retries": upload_retries,
-            "staging_budget_bytes": store.staging_max_bytes,
-            "padding_fraction": MetadataValue.float(result.padding_fraction),
-            "device": device,
-            "node": node,
-            "target_layer_ids": MetadataValue.json(layer_ids),
-            "hidden_state_dtype": dtype,
-        },
-    )
+        )
 
-    report = verify_hidden_state_partition(
-        object_store,
-        prefix,
-        expected_indices=[s.sample_index for s in samples],
-        target_layer_ids=layer_ids,
-        decode_samples=config.check_decode_samples,
-        hidden_state_dtype=dtype,
-    )
-    yield AssetCheckResult(
-        check_name="range_complete",
-        passed=report.passed,
-        severity=AssetCheckSeverity.ERROR,
-        metadata=report.metadata(),
-        description=report.summary,
-    )
+        report = verify_hidden_state_partition(
+            object_store,
+            prefix,
+            expected_indices=[s.sample_index for s in samples],
+            target_layer_ids=layer_ids,
+            decode_samples=config.check_decode_samples,
+            hidden_state_dtype=dtype,
+        )
+        yield AssetCheckResult(
+            check_name="range_complete",
+            passed=report.passed,
+            severity=AssetCheckSeverity.ERROR,
+            metadata=report.metadata(),
+            description=report.summary,
+        )
+
+    return hidden_state_partitions

@@ -31,7 +31,7 @@ _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 def node_device_count() -> int:
     """Devices a node's steps may lease: `DFLASH_DEVICES`, else the visible CUDA devices, else 1."""
-    configured = [d for d in settings.DEVICES.get().split(",") if d.strip()]
+    configured = settings.devices()
     if configured:
         return len(configured)
     # Counting CUDA devices in this process would initialise the driver before the worker forks its
@@ -181,7 +181,7 @@ def run_worker(queues: Sequence[str], name: str, concurrency: int | None = None)
         raise ValueError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it names the node)")
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"--concurrency must be at least 1, got {concurrency}")
-    os.environ[settings.NODE.name] = name  # the step processes' node name
+    settings.NODE.export(name)  # the step processes' node name
     app = node_app(queues)
     app.task(bind=True, name=TASK_NAME)(execute_step)
     import dflash_assets.definitions  # noqa: F401  a code location that does not load fails here, once

@@ -32,11 +32,9 @@ def test_gpu_steps_go_to_the_gpu_queue_and_tokenisation_to_the_default_queue():
         "hidden_state_partitions": "gpu",
         "drafter_checkpoints": "gpu",
     }
-    from dflash_assets.orchestration.assets.target_completions import (
-        target_completions,  # DFLASH_COMPLETIONS=target
-    )
+    from dflash_assets.orchestration.assets.target_completions import target_completions_asset
 
-    assert target_completions.op.tags[DAGSTER_CELERY_QUEUE_TAG] == "gpu"
+    assert target_completions_asset().op.tags[DAGSTER_CELERY_QUEUE_TAG] == "gpu"  # DFLASH_COMPLETIONS=target
 
 
 def _load(env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
