@@ -37,6 +37,21 @@ def test_the_gpu_bound_assets_share_the_gpu_pool_and_ranges_share_one_dynamic_pa
     assert assets["tokenized_completions"].op.pool is None
 
 
+def test_resources_read_their_settings_when_a_run_uses_them_not_when_the_code_location_loads(
+    monkeypatch, tmp_path
+):
+    resources = defs.resources
+    monkeypatch.setenv("DFLASH_STORE_URL", str(tmp_path / "store"))
+    monkeypatch.setenv("DFLASH_STAGING_MAX_BYTES", "12345")
+    monkeypatch.setenv("DFLASH_DEVICES", "cpu:0,cpu:1")
+    assert resources["store"].store_url() == str(tmp_path / "store")
+    assert resources["store"].staging_budget_bytes() == 12345
+    assert resources["devices"].candidates() == ["cpu:0", "cpu:1"]
+    monkeypatch.setenv("DFLASH_STAGING_MAX_BYTES", "twelve")
+    with pytest.raises(ValueError, match="DFLASH_STAGING_MAX_BYTES='twelve' is not an integer"):
+        resources["store"].staging_budget_bytes()
+
+
 def _unreachable_environment(tmp_path: Path) -> dict[str, str]:
     """A store and a dataset on an S3 endpoint nobody listens on."""
     dead = f"http://127.0.0.1:{free_port()}"

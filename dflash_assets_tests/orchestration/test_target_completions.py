@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -190,20 +188,24 @@ def test_the_tokenized_shard_holds_the_targets_own_greedy_answers_with_their_exa
     assert run.tags["dflash/progress"].startswith("100% 9/9")
 
 
-def test_lineage_runs_from_target_completions_to_the_drafter(setup):
-    probe = (
-        "import json; from dflash_assets.definitions import defs\n"
-        "g = defs.get_repository_def().asset_graph\n"
-        "print(json.dumps({k.to_user_string(): sorted(p.to_user_string() for p in g.get(k).parent_keys)"
-        " for k in g.get_all_asset_keys()}))"
-    )
-    parents = json.loads(subprocess.check_output([sys.executable, "-c", probe], env=setup["env"], text=True))
+def _parents(monkeypatch, completions: str) -> dict[str, list[str]]:
+    from dflash_assets.definitions import build_definitions
+
+    monkeypatch.setenv("DFLASH_COMPLETIONS", completions)
+    graph = build_definitions().get_repository_def().asset_graph
+    return {
+        key.to_user_string(): sorted(p.to_user_string() for p in graph.get(key).parent_keys)
+        for key in graph.get_all_asset_keys()
+    }
+
+
+def test_lineage_runs_from_target_completions_to_the_drafter(monkeypatch):
+    parents = _parents(monkeypatch, "target")
     assert parents["target_completions"] == []
     assert parents["tokenized_completions"] == ["target_completions"]
     assert parents["hidden_state_partitions"] == ["tokenized_completions"]
     assert parents["drafter_checkpoints"] == ["hidden_state_partitions", "tokenized_completions"]
-    with_dataset = {**setup["env"], "DFLASH_COMPLETIONS": "dataset"}
-    parents = json.loads(subprocess.check_output([sys.executable, "-c", probe], env=with_dataset, text=True))
+    parents = _parents(monkeypatch, "dataset")
     assert "target_completions" not in parents and parents["tokenized_completions"] == []
 
 
