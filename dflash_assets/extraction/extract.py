@@ -21,7 +21,6 @@ from dflash_assets.extraction.monitor import (
     ExtractionCounters,
     ExtractionProgress,
     UploadRecord,
-    wait_for_uploads,
 )
 from dflash_assets.extraction.object_size import check_hidden_state_dtype
 from dflash_assets.extraction.resume import ExtractionIncomplete, RangeInStore, resubmit_staged
@@ -180,7 +179,7 @@ def extract_range(
             drop_non_finite=drop_non_finite,
         )
         gaps.run(missing, batches)  # step 4
-        wait_for_uploads(uploader, progress)  # step 5
+        progress.wait_for_uploads()  # step 5
         extract_seconds = time.monotonic() - extract_started
         objects = partition.verify_store(uploads.sizes(), dropped=gaps.dropped)
         progress.report("done")

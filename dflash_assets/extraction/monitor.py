@@ -1,44 +1,37 @@
-"""One extraction run's progress: counters reported as a log line and as an `ExtractionProgress`
+"""One extraction run's progress: the range counters of `storage/range_progress.py` with the device,
+the samples extracted and uploaded by this run, reported as a log line and an `ExtractionProgress`
 snapshot (what a monitor shows per device) every few seconds."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dflash_assets.storage.range_progress import RangeCounters, RangeProgress, eta_text
 from dflash_assets.storage.store import ObjectInfo
 from dflash_assets.storage.units import human_bytes
 from dflash_assets.storage.uploader import Uploader
 
 
-@dataclass(frozen=True)
-class ExtractionProgress:
-    """A snapshot of one range's extraction, handed to `on_progress` every `progress_every_s` seconds
-    (and once more at the end): what a monitor shows per device."""
+@dataclass(frozen=True, kw_only=True)
+class ExtractionProgress(RangeProgress):
+    """A range's extraction on one device (the samples: stored, finished in staging, or extracted now)."""
 
     device: str
-    samples_total: int  # every sample of the range
-    samples_done: int  # stored, finished in staging, or extracted by this run
     extracted_this_run: int
     uploaded_this_run: int
-    samples_per_s: float
-    tokens_per_s: float
-    eta_s: float | None  # None while the rate is unknown
-    staging_bytes: int
-    staging_budget_bytes: int
-    uploads_in_flight: int  # queued + uploading
-    uploaded_bytes: int
-    reason: str | None = None  # what the run is waiting for, if anything
 
     @property
-    def fraction_done(self) -> float:
-        return self.samples_done / self.samples_total if self.samples_total else 1.0
+    def done_this_run(self) -> int:
+        return self.extracted_this_run
+
+    def status_figures(self) -> str:
+        return f"{self.tokens_per_s:,.0f} tokens/s · staging {human_bytes(self.staging_bytes)}"
 
 
-class ExtractionCounters:
-    """Counters of one run, reported as a log line and an `ExtractionProgress` every `every_s` seconds."""
+class ExtractionCounters(RangeCounters[ExtractionProgress]):
+    """Counters of one extraction run; `count(samples, tokens)` as batches are written."""
 
     def __init__(
         self,
@@ -50,65 +43,28 @@ class ExtractionCounters:
         every_s: float,
         on_progress: Callable[[ExtractionProgress], None] | None,
     ) -> None:
+        super().__init__(samples_total, uploader, log, every_s, on_progress)
         self.device = device
-        self.samples_total = samples_total
-        self.uploader = uploader
         self.uploads = uploads
-        self.log = log
-        self.every_s = every_s
-        self.on_progress = on_progress
-        self.extracted = 0
-        self.extracted_tokens = 0
-        self.total_to_extract = 0
-        self.already_done = 0
-        self._started = time.monotonic()
-        self._last = time.monotonic()
-
-    def start(self, to_extract: int) -> None:
-        self.total_to_extract = to_extract
-        self.already_done = self.samples_total - to_extract
-        self._started = time.monotonic()
 
     def snapshot(self, reason: str | None = None) -> ExtractionProgress:
-        elapsed = max(time.monotonic() - self._started, 1e-9)
-        rate = self.extracted / elapsed
-        remaining = self.total_to_extract - self.extracted
-        stats = self.uploader.stats
+        figures = self.range_figures(reason)
         return ExtractionProgress(
+            **figures,
             device=self.device,
-            samples_total=self.samples_total,
-            samples_done=self.already_done + self.extracted,
-            extracted_this_run=self.extracted,
+            extracted_this_run=figures["samples_done"] - self.already_done,
             uploaded_this_run=self.uploads.count(),
-            samples_per_s=rate,
-            tokens_per_s=self.extracted_tokens / elapsed,
-            eta_s=remaining / rate if rate > 0 else (0.0 if remaining == 0 else None),
-            staging_bytes=stats.staging_bytes,
-            staging_budget_bytes=stats.staging_budget_bytes,
-            uploads_in_flight=stats.queued + stats.in_flight,
-            uploaded_bytes=stats.uploaded_bytes,
-            reason=reason,
         )
 
-    def report(self, reason: str | None = None) -> None:
-        """One progress line (and `on_progress` snapshot) now, whatever the interval."""
-        self._last = time.monotonic()
-        progress = self.snapshot(reason)
-        eta = f"{progress.eta_s:,.0f} s" if progress.eta_s is not None else "unknown"
-        self.log(
+    def line(self, progress: ExtractionProgress) -> str:
+        return (
             f"{self.device}: {progress.samples_done}/{progress.samples_total} samples extracted "
             f"({progress.extracted_this_run} this run, {progress.uploaded_this_run} uploaded this run) | "
-            f"{progress.samples_per_s:.2f} samples/s, {progress.tokens_per_s:,.0f} tokens/s | ETA {eta} | "
-            f"staging {human_bytes(progress.staging_bytes)} / {human_bytes(progress.staging_budget_bytes)}"
-            f" | uploads in flight {progress.uploads_in_flight}, uploaded "
-            f"{human_bytes(progress.uploaded_bytes)}" + (f" | {reason}" if reason else "")
+            f"{progress.samples_per_s:.2f} samples/s, {progress.tokens_per_s:,.0f} tokens/s | "
+            f"ETA {eta_text(progress)} | staging {human_bytes(progress.staging_bytes)} / "
+            f"{human_bytes(progress.staging_budget_bytes)} | uploads in flight {progress.uploads_in_flight}, "
+            f"uploaded {human_bytes(progress.uploaded_bytes)}"
         )
-        if self.on_progress is not None:
-            self.on_progress(progress)
-
-    def maybe_report(self, reason: str | None = None) -> None:
-        if time.monotonic() - self._last >= self.every_s:
-            self.report(reason)
 
 
 class UploadRecord:
@@ -131,8 +87,3 @@ class UploadRecord:
         with self._lock:
             return dict(self._sizes)
 
-
-def wait_for_uploads(uploader: Uploader, progress: ExtractionCounters) -> None:
-    while not uploader.wait_idle(timeout_s=max(progress.every_s, 0.05)):
-        progress.maybe_report(reason="waiting for uploads")
-    uploader.flush()  # raises if an upload failed for good

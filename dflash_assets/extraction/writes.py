@@ -124,8 +124,7 @@ class GapExtraction:
                     continue
             ready.append((sample, hidden))
         self.writes.submit(ready)
-        self.progress.extracted += len(ready)
-        self.progress.extracted_tokens += sum(sample.num_tokens for sample, _ in ready)
+        self.progress.count(len(ready), sum(sample.num_tokens for sample, _ in ready))
 
     def _settle_suspect(
         self, sample: TokenizedSample, host: HostBatch, row: int, alone: bool

@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dflash_assets.conversations.datasets import Dropped
 from dflash_assets.conversations.tokenize import BadRow, TooManyBadRows
@@ -54,6 +54,7 @@ from dflash_assets.generation.records import (
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.fingerprint import claim_prefix
+from dflash_assets.storage.range_progress import RangeCounters, RangeProgress, eta_text
 from dflash_assets.storage.staging import PartitionBusy, StagingDirectory, staging_lock
 from dflash_assets.storage.store import ObjectStore, StoreError
 from dflash_assets.storage.uploader import Uploader
@@ -117,31 +118,28 @@ def _same_answers(fingerprint: dict[str, Any]) -> Callable[[dict[str, Any]], boo
     return same
 
 
-@dataclass(frozen=True)
-class RegenerationProgress:
-    """A snapshot handed to `on_progress`: conversations and tokens done, rates, ETA, server health."""
+@dataclass(frozen=True, kw_only=True)
+class RegenerationProgress(RangeProgress):
+    """A snapshot handed to `on_progress`: conversations and tokens done, rates, ETA, server health.
+    `samples_total` counts the range's conversations to answer (rows dropped on reading excluded)."""
+
+    unit: ClassVar[str] = "conversations"
 
     engine: str
-    samples_total: int  # conversations of the range to answer (rows dropped on reading excluded)
-    samples_done: int
     generated_this_run: int
     tokens_this_run: int
-    samples_per_s: float
-    tokens_per_s: float
-    eta_s: float | None
     requests: int
     retries: int
     server_errors: int
     in_flight: int
-    staging_bytes: int
-    staging_budget_bytes: int
-    uploads_in_flight: int
-    uploaded_bytes: int
-    reason: str | None = None
 
     @property
-    def fraction_done(self) -> float:
-        return self.samples_done / self.samples_total if self.samples_total else 1.0
+    def done_this_run(self) -> int:
+        return self.generated_this_run
+
+    def status_figures(self) -> str:
+        figures = f"{self.tokens_per_s:,.0f} tokens/s · {self.requests} requests"
+        return figures + (f" · {self.retries} retries" if self.retries else "")
 
 
 @dataclass
@@ -239,9 +237,8 @@ def regenerate_range(
                 else ""
             )
         )
-        counters = _Counters(
-            len(planned), len(planned) - len(missing), uploader, log, progress_every_s, on_progress
-        )
+        counters = _Counters(len(planned), uploader, log, progress_every_s, on_progress)
+        counters.start(len(missing))
         engine_name, stats, mismatches = "", None, 0
         try:
             if missing:
@@ -268,9 +265,7 @@ def regenerate_range(
         finally:
             journal.close()
         journal.seal(force=True)
-        while not uploader.wait_idle(timeout_s=max(progress_every_s, 0.05)):
-            counters.maybe_report(reason="waiting for uploads")
-        uploader.flush()  # raises if an upload failed for good
+        counters.wait_for_uploads()
         generate_seconds = time.monotonic() - started
 
         final = staging_dir / COMPLETIONS_NAME
@@ -292,17 +287,17 @@ def regenerate_range(
         records=summary.records,
         dropped=summary.dropped,
         truncated=summary.truncated,
-        generated_now=counters.generated,
+        generated_now=counters.done_this_run,
         reused_from_store=len(in_store),
         reused_from_staging=len(in_staging),
         tokens_generated=summary.tokens,
-        tokens_generated_now=counters.tokens,
+        tokens_generated_now=counters.tokens_this_run,
         requests=stats.requests if stats else 0,
         retries=stats.retries if stats else 0,
         server_errors=stats.server_errors if stats else 0,
         prompt_token_mismatches=mismatches,
         duration_s=time.monotonic() - started,
-        tokens_per_s=counters.tokens / generate_seconds if counters.tokens else 0.0,
+        tokens_per_s=counters.tokens_this_run / generate_seconds if counters.tokens_this_run else 0.0,
         engine=engine_name,
         fingerprint=fingerprint,
     )
@@ -613,74 +608,33 @@ def _stream(path: Path) -> Iterator[Line]:
 # ------------------------------------------------------------------------------------------ progress
 
 
-class _Counters:
-    """This run's counters, reported as a log line and a `RegenerationProgress` every `every_s` seconds."""
+class _Counters(RangeCounters[RegenerationProgress]):
+    """This run's counters (`storage/range_progress.py`) with the engine's figures."""
 
-    def __init__(
-        self,
-        total: int,
-        already_done: int,
-        uploader: Uploader,
-        log: Callable[[str], None],
-        every_s: float,
-        on_progress: Callable[[RegenerationProgress], None] | None,
-    ) -> None:
-        self.total, self.already_done, self.uploader = total, already_done, uploader
-        self.log, self.every_s, self.on_progress = log, every_s, on_progress
-        self.engine: Engine | None = None
-        self.generated = 0
-        self.tokens = 0
-        self._lock = threading.Lock()
-        self._started = self._last = time.monotonic()
+    engine: Engine | None = None
 
     def finished(self, line: Line) -> None:
-        with self._lock:
-            self.generated += 1
-            if isinstance(line, CompletionRecord):
-                self.tokens += line.generated_tokens
+        self.count(1, line.generated_tokens if isinstance(line, CompletionRecord) else 0)
 
     def snapshot(self, reason: str | None = None) -> RegenerationProgress:
-        elapsed = max(time.monotonic() - self._started, 1e-9)
-        with self._lock:
-            generated, tokens = self.generated, self.tokens
-        rate = generated / elapsed
-        remaining = self.total - self.already_done - generated
+        figures = self.range_figures(reason)
         stats = self.engine.stats if self.engine is not None else None
-        uploads = self.uploader.stats
         return RegenerationProgress(
+            **figures,
             engine=self.engine.name if self.engine is not None else "",
-            samples_total=self.total,
-            samples_done=self.already_done + generated,
-            generated_this_run=generated,
-            tokens_this_run=tokens,
-            samples_per_s=rate,
-            tokens_per_s=tokens / elapsed,
-            eta_s=remaining / rate if rate > 0 else (0.0 if remaining <= 0 else None),
+            generated_this_run=figures["samples_done"] - self.already_done,
+            tokens_this_run=self.tokens_this_run,
             requests=stats.requests if stats else 0,
             retries=stats.retries if stats else 0,
             server_errors=stats.server_errors if stats else 0,
             in_flight=stats.in_flight if stats else 0,
-            staging_bytes=uploads.staging_bytes,
-            staging_budget_bytes=uploads.staging_budget_bytes,
-            uploads_in_flight=uploads.queued + uploads.in_flight,
-            uploaded_bytes=uploads.uploaded_bytes,
-            reason=reason,
         )
 
-    def report(self, reason: str | None = None) -> None:
-        self._last = time.monotonic()
-        p = self.snapshot(reason)
-        eta = f"{p.eta_s:,.0f} s" if p.eta_s is not None else "unknown"
-        self.log(
+    def line(self, p: RegenerationProgress) -> str:
+        return (
             f"generation: {p.samples_done}/{p.samples_total} conversations "
             f"({p.generated_this_run} this run) | "
-            f"{p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:.2f} conversations/s | ETA {eta} | "
+            f"{p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:.2f} conversations/s | ETA {eta_text(p)} | "
             f"{p.requests} requests, {p.in_flight} in flight, {p.retries} retries, {p.server_errors} server "
-            f"errors | uploads in flight {p.uploads_in_flight}" + (f" | {reason}" if reason else "")
+            f"errors | uploads in flight {p.uploads_in_flight}"
         )
-        if self.on_progress is not None:
-            self.on_progress(p)
-
-    def maybe_report(self, reason: str | None = None) -> None:
-        if time.monotonic() - self._last >= self.every_s:
-            self.report(reason)

@@ -14,20 +14,12 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
 from dflash_assets import terminal
+from dflash_assets.storage.range_progress import RangeProgress  # extraction's and regeneration's snapshots
 from dflash_assets.storage.units import human_bytes, human_duration  # torch-free, unlike extraction/
-
-if TYPE_CHECKING:
-    from dflash_assets.extraction.monitor import ExtractionProgress
-    from dflash_assets.generation.regenerate import RegenerationProgress
-
-    # Both snapshots share the fields the line and the summary read: samples done / total, samples per
-    # second, ETA, staging, reason. Everything else they carry is shown as it is.
-    RangeProgress = ExtractionProgress | RegenerationProgress
 
 PROGRESS_TAG = "dflash/progress"
 
@@ -84,22 +76,14 @@ def progress_metadata(progress: RangeProgress, run_id: str) -> dict[str, Metadat
 def terminal_snapshot(progress: RangeProgress, task: str) -> terminal.ProgressSnapshot:
     """The same snapshot for the terminal's status line (`dflash-assets demo`)."""
     status = progress.reason if progress.reason and progress.reason != "done" else ""
-    regenerating = hasattr(progress, "generated_this_run")
-    if regenerating:  # conversations answered by the target
-        figures = f"{progress.tokens_per_s:,.0f} tokens/s · {progress.requests} requests"
-        figures += f" · {progress.retries} retries" if progress.retries else ""
-        moving = progress.generated_this_run
-    else:
-        figures = f"{progress.tokens_per_s:,.0f} tokens/s · staging {human_bytes(progress.staging_bytes)}"
-        moving = progress.extracted_this_run
     return terminal.ProgressSnapshot(
         task=task,
         done=progress.samples_done,
         total=progress.samples_total,
-        unit="conversations" if regenerating else "samples",
-        rate=progress.samples_per_s if moving else None,
+        unit=progress.unit,
+        rate=progress.samples_per_s if progress.done_this_run else None,
         eta_s=progress.eta_s,
-        status=" · ".join(filter(None, [figures, status])),
+        status=" · ".join(filter(None, [progress.status_figures(), status])),
     )
 
 
