@@ -42,9 +42,6 @@ def _instance():
 # two epochs, a few minutes on a CPU (DFLASH_TRAIN_MAX_STEPS or --steps for more or fewer).
 DEMO_TRAIN_STEPS = 240
 DEMO_GLOBAL_BATCH_SIZE = 4
-# The demo target is a bigram model: its greedy answers repeat themselves long before a real model's
-# would end. 64 new tokens per answer keep regenerating the bundled 500 conversations under a minute.
-DEMO_GENERATE_MAX_NEW_TOKENS = 64
 
 
 def run_demo(steps: int | None = None) -> int:
@@ -68,9 +65,6 @@ def run_demo(steps: int | None = None) -> int:
     if steps is not None:
         train_config |= {"max_steps": steps, "checkpoint_every_steps": max(1, steps // 3)}
     quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
-    range_config: dict = {}
-    if not settings.GENERATE_MAX_NEW_TOKENS.is_set():
-        range_config["target_completions"] = {"config": {"max_new_tokens": DEMO_GENERATE_MAX_NEW_TOKENS}}
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -102,7 +96,7 @@ def run_demo(steps: int | None = None) -> int:
                 resources=resources,
                 instance=instance,
                 raise_on_error=False,
-                run_config={**quiet, "ops": range_config} if name in range_config else quiet,
+                run_config=quiet,  # the ranges' settings are everyone's: a shell or the UI continues them
                 tags=worker,
             )
             status = "ok" if result.success else "FAILED"

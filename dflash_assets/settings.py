@@ -156,8 +156,10 @@ GENERATE_TEMPERATURE = Setting(
 )
 GENERATE_MAX_NEW_TOKENS = Setting(
     "DFLASH_GENERATE_MAX_NEW_TOKENS",
-    "2048",
-    "Longest regenerated answer, in tokens; longer ones stop there (`finish_reason: length`).",
+    "",
+    "Longest regenerated answer, in tokens; longer ones stop there (`finish_reason: length`). Empty: the "
+    "target's own (`max_new_tokens` in its `generation_config.json`; the demo target's is 64), else 2048. "
+    "Prompt plus answer never pass the target's `max_position_embeddings`.",
 )
 GENERATE_API_KEY = Setting(
     "DFLASH_GENERATE_API_KEY",

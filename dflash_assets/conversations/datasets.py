@@ -39,6 +39,7 @@ DROP_REASONS: dict[str, str] = {
     # Regeneration (target_completions): why the target gave no usable answer for a row.
     "no_prompt": "the conversation has no user or tool turn for the target to answer",
     "generation_failed": "the inference server refused the request for good (e.g. a prompt too long)",
+    "exceeds_context": "the prompt fills the target's context (max_position_embeddings): no room to answer",
     "truncated_answer": "an answer hit max_new_tokens and truncated='drop'",
 }
 

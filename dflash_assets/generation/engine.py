@@ -29,6 +29,23 @@ class EngineUnavailable(RuntimeError):
     fails, and every finished conversation stays persisted for the rerun."""
 
 
+def new_token_limit(prompt_tokens: int, max_new_tokens: int, context_tokens: int | None) -> int:
+    """New tokens a turn may ask for: `max_new_tokens`, cut to what the target's context leaves after the
+    prompt, so prompt plus answer never pass `max_position_embeddings` (an answer cut there ends with
+    `finish_reason: length`). Below 1 there is no room: the row is dropped (`no_room`)."""
+    if context_tokens is None:
+        return max_new_tokens
+    return min(max_new_tokens, context_tokens - prompt_tokens)
+
+
+def no_room(prompt_tokens: int, context_tokens: int | None) -> Dropped:
+    return Dropped(
+        "exceeds_context",
+        f"a prompt of {prompt_tokens} tokens leaves no room for an answer in the target's "
+        f"{context_tokens} positions",
+    )
+
+
 @dataclass
 class EngineStats:
     requests: int = 0  # turns sent to the engine (one per server request)

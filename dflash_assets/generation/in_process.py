@@ -5,7 +5,9 @@ Prompts are the target's chat template applied to the history with a generation 
 `transformers serve`, vLLM and SGLang build them, and left-padded so every row's new tokens start
 together. An answer ends at the first end-of-turn token the target emits (kept, with its id) or at
 `max_new_tokens` (`finish_reason: length`). The text is decoded without special tokens and parsed as the
-servers parse it (see `split_reasoning`).
+servers parse it (see `split_reasoning`). Prompt plus answer stay within the target's positions
+(`max_position_embeddings`): a turn near the end of the context asks for fewer new tokens, alone in its
+batch, and a prompt that fills it drops its row (`exceeds_context`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from typing import Any
 import torch
 
 from dflash_assets.generation.conversation import Answer
-from dflash_assets.generation.engine import Engine, EngineStats, TurnRequest, TurnScheduler
+from dflash_assets.generation.engine import (
+    Engine,
+    EngineStats,
+    TurnRequest,
+    TurnScheduler,
+    new_token_limit,
+    no_room,
+)
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.target.batching import plan_batches
 
@@ -64,8 +73,13 @@ class InProcessEngine(Engine):
         device: str,
         max_tokens_per_batch: int = 65536,
         max_batch_size: int = 64,
+        context_tokens: int | None = None,
     ) -> None:
+        from dflash_assets.target.model import context_length_of
+
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        # Positions the target reads (default: its config's `max_position_embeddings`).
+        self.context_tokens = context_tokens or context_length_of(model.config)
         self.device = next(model.parameters()).device
         self.name = "in-process"
         self.description = f"the target in this process on {device}"
@@ -98,40 +112,57 @@ class InProcessEngine(Engine):
         return config
 
     def run(self, scheduler: TurnScheduler, tick: Callable[[], None]) -> None:
+        max_new = self.settings.max_new_tokens
         # A batch's worth at a time, so the next turns of conversations under way join the next batch
         # (the scheduler hands them out first) instead of waiting behind every first turn of the range.
         while requests := scheduler.take(limit=self.max_batch_size):
             prompts = [prompt_token_ids(self.tokenizer, r.messages, self.settings) for r in requests]
-            budget = [len(p) + self.settings.max_new_tokens for p in prompts]
-            for batch in plan_batches(
-                budget, max(self.max_tokens_per_batch, max(budget)), self.max_batch_size
-            ):
+            limits = [new_token_limit(len(p), max_new, self.context_tokens) for p in prompts]
+            whole = [i for i, limit in enumerate(limits) if limit == max_new]
+            budget = [len(prompts[i]) + max_new for i in whole]
+            token_budget = max(self.max_tokens_per_batch, max(budget, default=0))
+            batches = [
+                ([whole[j] for j in batch], max_new)
+                for batch in plan_batches(budget, token_budget, self.max_batch_size)
+            ]
+            # A turn the context cuts short runs alone: its batch-mates would get its shorter answers.
+            batches += [([i], limit) for i, limit in enumerate(limits) if 0 < limit < max_new]
+            for i, limit in enumerate(limits):
+                if limit < 1:
+                    scheduler.drop(requests[i], no_room(len(prompts[i]), self.context_tokens))
+            for batch, new_tokens in batches:
                 self.stats.in_flight = len(batch)
-                answers = self._generate([prompts[i] for i in batch], [requests[i] for i in batch])
+                answers = self._generate(
+                    [prompts[i] for i in batch], [requests[i] for i in batch], new_tokens
+                )
                 self.stats.requests += len(batch)
                 self.stats.in_flight = 0
                 for i, answer in zip(batch, answers, strict=True):
                     scheduler.answer(requests[i], answer)
                 tick()
 
-    def _generate(self, prompts: list[list[int]], requests: list[TurnRequest]) -> list[Answer]:
+    def _generate(
+        self, prompts: list[list[int]], requests: list[TurnRequest], new_tokens: int
+    ) -> list[Answer]:
         """One batch, halved on running out of device memory (a single prompt that cannot fit fails)."""
         try:
-            return self._generate_batch(prompts, requests)
+            return self._generate_batch(prompts, requests, new_tokens)
         except torch.cuda.OutOfMemoryError:
             if len(prompts) == 1:
                 raise torch.cuda.OutOfMemoryError(
                     f"sample {requests[0].sample_index}: a prompt of {len(prompts[0])} tokens plus "
-                    f"{self.settings.max_new_tokens} new ones does not fit on {self.device}; lower "
+                    f"{new_tokens} new ones does not fit on {self.device}; lower "
                     "DFLASH_GENERATE_MAX_NEW_TOKENS or the dataset's prompt lengths"
                 ) from None
             torch.cuda.empty_cache()
             half = len(prompts) // 2
-            return self._generate(prompts[:half], requests[:half]) + self._generate(
-                prompts[half:], requests[half:]
+            return self._generate(prompts[:half], requests[:half], new_tokens) + self._generate(
+                prompts[half:], requests[half:], new_tokens
             )
 
-    def _generate_batch(self, prompts: list[list[int]], requests: list[TurnRequest]) -> list[Answer]:
+    def _generate_batch(
+        self, prompts: list[list[int]], requests: list[TurnRequest], new_tokens: int | None = None
+    ) -> list[Answer]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -142,11 +173,17 @@ class InProcessEngine(Engine):
             # Sampled answers are reproducible for the same batches: the seed covers which turns they are.
             key = f"{self.settings.seed}:" + ",".join(f"{r.sample_index}.{r.turn}" for r in requests)
             torch.manual_seed(int(hashlib.sha256(key.encode()).hexdigest()[:15], 16))
+        config = self.generation_config
+        if new_tokens is not None and new_tokens != config.max_new_tokens:
+            import copy
+
+            config = copy.deepcopy(config)
+            config.max_new_tokens = new_tokens
         with torch.inference_mode():
             output = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
-                generation_config=self.generation_config,
+                generation_config=config,
             )
         answers = []
         for row, prompt in enumerate(prompts):

@@ -28,7 +28,15 @@ from urllib.parse import urlsplit
 
 from dflash_assets.conversations.datasets import Dropped
 from dflash_assets.generation.conversation import Answer
-from dflash_assets.generation.engine import Engine, EngineStats, EngineUnavailable, TurnRequest, TurnScheduler
+from dflash_assets.generation.engine import (
+    Engine,
+    EngineStats,
+    EngineUnavailable,
+    TurnRequest,
+    TurnScheduler,
+    new_token_limit,
+    no_room,
+)
 from dflash_assets.generation.settings import GenerationSettings
 
 URL_SETTING = "DFLASH_GENERATE_URL"
@@ -111,12 +119,16 @@ class OpenAIEngine(Engine):
         max_attempts: int = 8,
         backoff_s: float = 1.0,
         warn: Callable[[str], None] = print,
+        context_tokens: int | None = None,
     ) -> None:
+        """`context_tokens` (the target's `max_position_embeddings`), with `prompt_tokens`, keeps every
+        request's prompt plus `max_tokens` within the target's context."""
         if concurrency < 1:
             raise ValueError(f"DFLASH_GENERATE_CONCURRENCY must be >= 1, got {concurrency}")
         self.servers = [Server(url) for url in base_urls]
         self.settings, self.target_name, self.requested_model = settings, target_name, model
         self._prompt_tokens, self._api_key = prompt_tokens, api_key
+        self.context_tokens = context_tokens if prompt_tokens is not None else None
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self.max_attempts, self.backoff_s, self.warn = max(1, max_attempts), backoff_s, warn
         self.stats = EngineStats()
@@ -187,8 +199,12 @@ class OpenAIEngine(Engine):
         try:
             while requests := scheduler.take(limit=1):
                 request = requests[0]
+                max_tokens, prompt_tokens = self._max_tokens(request)
+                if max_tokens < 1:
+                    scheduler.drop(request, no_room(prompt_tokens, self.context_tokens))
+                    continue
                 try:
-                    answer = self._answer(request)
+                    answer = self._answer(request, max_tokens)
                 except _RequestRefused as refused:
                     scheduler.drop(request, Dropped("generation_failed", str(refused)[:300]))
                     continue
@@ -209,7 +225,14 @@ class OpenAIEngine(Engine):
             server.in_flight -= 1
             self.stats.in_flight -= 1
 
-    def _answer(self, request: TurnRequest) -> Answer:
+    def _max_tokens(self, request: TurnRequest) -> tuple[int, int]:
+        """`max_tokens` for this turn within the target's context, and the prompt's length (0: uncounted)."""
+        if self.context_tokens is None or self._prompt_tokens is None:
+            return self.settings.max_new_tokens, 0
+        prompt = self._prompt_tokens(request.messages)
+        return new_token_limit(prompt, self.settings.max_new_tokens, self.context_tokens), prompt
+
+    def _answer(self, request: TurnRequest, max_tokens: int | None = None) -> Answer:
         last_error = ""
         server: Server | None = None
         for attempt in range(self.max_attempts):
@@ -217,7 +240,7 @@ class OpenAIEngine(Engine):
             try:
                 with self._lock:
                     self.stats.requests += 1
-                return self._request(server, request)
+                return self._request(server, request, max_tokens)
             except _Retry as retry:
                 last_error = f"{server.base_url}: {retry}"
                 with self._lock:
@@ -239,11 +262,11 @@ class OpenAIEngine(Engine):
             return min(60.0, retry_after_s)
         return min(30.0, self.backoff_s * 2**attempt) * (0.5 + random.random())
 
-    def _body(self, server: Server, request: TurnRequest) -> dict[str, Any]:
+    def _body(self, server: Server, request: TurnRequest, max_tokens: int | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": server.model,
             "messages": request.messages,
-            "max_tokens": self.settings.max_new_tokens,
+            "max_tokens": max_tokens or self.settings.max_new_tokens,
             "temperature": self.settings.temperature,
             "stream": False,
         }
@@ -258,8 +281,8 @@ class OpenAIEngine(Engine):
             body[name] = True
         return body
 
-    def _request(self, server: Server, request: TurnRequest) -> Answer:
-        body = self._body(server, request)
+    def _request(self, server: Server, request: TurnRequest, max_tokens: int | None = None) -> Answer:
+        body = self._body(server, request, max_tokens)
         try:
             status, response = self._call(server, "POST", "/chat/completions", body, timeout_s=self.timeout_s)
         except (OSError, http.client.HTTPException) as error:
@@ -280,7 +303,7 @@ class OpenAIEngine(Engine):
                     f"{server.base_url} does not take {refused}: its answers are stored as text and "
                     "tokenised with the target's tokenizer (a server that returns token ids keeps them exact)"
                 )
-            return self._request(server, request)
+            return self._request(server, request, max_tokens)
         if status in (401, 403):
             raise EngineUnavailable(
                 f"{server.base_url} refused the request (HTTP {status}: {detail}); set "

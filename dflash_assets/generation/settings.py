@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
+
+# The longest answer when neither a setting nor the target's generation config says.
+DEFAULT_MAX_NEW_TOKENS = 2048
+
+
+def target_max_new_tokens(model_dir: Path) -> int | None:
+    """The answer length the target itself states: `max_new_tokens` in its `generation_config.json` (what
+    `generate` and vLLM's `--generation-config auto` take by default), or None. The demo target states 64:
+    its bigram answers repeat themselves long before a real model's would end."""
+    try:
+        value = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("max_new_tokens")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 @dataclass(frozen=True)
@@ -14,7 +29,7 @@ class GenerationSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    max_new_tokens: int = 2048
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     # Passed to the chat template (and to servers as `chat_template_kwargs`), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # sampled decoding only

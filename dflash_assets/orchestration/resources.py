@@ -283,6 +283,7 @@ class GenerationResource(ConfigurableResource):
         def servers() -> Iterator[Any]:
             from dflash_assets.generation.in_process import prompt_token_ids
             from dflash_assets.generation.openai_server import OpenAIEngine, parse_urls
+            from dflash_assets.target.model import context_length_of
 
             engine = OpenAIEngine(
                 parse_urls(self.server_urls()),
@@ -296,6 +297,7 @@ class GenerationResource(ConfigurableResource):
                 max_attempts=self.max_attempts,
                 backoff_s=self.backoff_s,
                 warn=warn,
+                context_tokens=context_length_of(target_model.load_config()),
             )
             engine.check()
             yield engine

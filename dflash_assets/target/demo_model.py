@@ -28,7 +28,7 @@ from typing import Any
 from dflash_assets.conversations.datasets import Dropped, bundled_dataset_path, iter_rows
 
 # Bump when anything below changes what gets built: cached copies are keyed by it.
-DEMO_MODEL_VERSION = "2"  # 2: no transitions between turns
+DEMO_MODEL_VERSION = "3"  # 2: no transitions between turns; 3: max_new_tokens in its generation config
 DEMO_MODEL_NAME = "dflash-assets/demo-target"
 
 IM_START, IM_END, END_OF_TEXT, MASK = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|mask|>"
@@ -64,6 +64,12 @@ MODEL_SHAPE: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# The target's own answer length (its generation config's `max_new_tokens`, which regeneration uses when
+# DFLASH_GENERATE_MAX_NEW_TOKENS is unset): a bigram model's greedy answers repeat themselves long before
+# a real model's would end, and 64 tokens regenerate the bundled 500 conversations in under a minute.
+# The demo, a shell and the UI all read it here, so each continues the others' ranges.
+MAX_NEW_TOKENS = 64
+
 BIGRAM_STEPS = 60
 BIGRAM_LR = 0.05
 LAYER_WEIGHT_SCALE = 3.0
@@ -94,6 +100,7 @@ def build_demo_model(directory: Path, seed: int = 0) -> Path:
         finally:
             torch.set_num_threads(threads)
     model.config.dflash_demo = {"version": DEMO_MODEL_VERSION, "seed": seed}
+    model.generation_config.max_new_tokens = MAX_NEW_TOKENS
     with _quiet_progress_bars():
         model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

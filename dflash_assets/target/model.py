@@ -54,6 +54,13 @@ def hidden_size_of(config: Any) -> int:
     return value
 
 
+def context_length_of(config: Any) -> int | None:
+    """Positions the target reads, prompt and answer together (`max_position_embeddings`); None when the
+    config does not say."""
+    value = _config_get(text_config(config), "max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def load_target_model(
     model_dir: str | Path, device: str | torch.device, dtype: torch.dtype | None = None
 ) -> nn.Module:

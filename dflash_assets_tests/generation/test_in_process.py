@@ -44,9 +44,9 @@ def test_batched_greedy_answers_equal_generate_one_prompt_at_a_time(demo_target)
     batches: list[list[int]] = []  # the prompt lengths of each batch the engine generated
     generate_batch = engine._generate_batch
 
-    def recorded(prompts, requests):
+    def recorded(prompts, requests, new_tokens):
         batches.append([len(p) for p in prompts])
-        return generate_batch(prompts, requests)
+        return generate_batch(prompts, requests, new_tokens)
 
     engine._generate_batch = recorded
     answered = answer_all(engine, conversations)
@@ -77,6 +77,41 @@ def test_an_answer_ends_at_the_end_of_turn_token_or_at_max_new_tokens(demo_targe
     assert all(end_of_turn not in a.completion_token_ids[:-1] for a in stopped)
     assert all(len(a.completion_token_ids) == 40 and end_of_turn not in a.completion_token_ids for a in cut)
     assert all("<|im_end|>" not in a.content for a in answers)
+
+
+def test_prompt_and_answer_stay_within_the_context_or_the_row_is_dropped_naming_why(demo_target):
+    model, tokenizer = demo_target
+    settings = GenerationSettings(max_new_tokens=16)
+    # Conversations with one answer, at their end: its prompt is every message before it.
+    single_turn = [c for c in bundled_conversations(40) if Regeneration(0, c).positions == [len(c) - 1]]
+    length = {id(c): len(prompt_token_ids(tokenizer, c[:-1], settings)) for c in single_turn}
+    ordered = sorted(single_turn, key=lambda c: length[id(c)])
+    short, cut = ordered[0], ordered[len(ordered) // 2]
+    context = length[id(cut)] + 5  # room for 5 new tokens after `cut`'s prompt
+    assert length[id(short)] + 16 <= context
+    too_long = ordered[-1]
+    assert length[id(too_long)] >= context
+    conversations = [short, cut, too_long]
+
+    plans = [Regeneration(i, messages) for i, messages in enumerate(conversations)]
+    dropped: dict[int, str] = {}
+    scheduler = TurnScheduler(
+        plans, on_finished=lambda c: None, on_dropped=lambda c, d: dropped.update({c.sample_index: d.reason})
+    )
+    engine = InProcessEngine(model, tokenizer, settings, device="cpu", context_tokens=context)
+    engine.run(scheduler, tick=lambda: None)
+
+    assert dropped == {2: "exceeds_context"}
+    full, shortened = plans[0].answers[0], plans[1].answers[0]
+    assert full.prompt_tokens + full.completion_tokens <= context
+    assert shortened.prompt_tokens + shortened.completion_tokens <= context
+    # The shortened answer is what `generate` gives for the 5 tokens the context leaves.
+    with torch.inference_mode():
+        alone = model.generate(torch.tensor([shortened.prompt_token_ids]), max_new_tokens=5, do_sample=False)
+    assert shortened.completion_token_ids == alone[0, shortened.prompt_tokens :].tolist()
+    assert shortened.completion_tokens <= 5 and (shortened.completion_tokens == 5) == (
+        shortened.finish_reason == "length"
+    )
 
 
 def test_sampled_answers_follow_the_seed(demo_target):

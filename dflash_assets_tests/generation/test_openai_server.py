@@ -338,3 +338,35 @@ def test_vllm_is_asked_for_token_ids_and_a_server_that_refuses_the_field_is_aske
         assert answer.completion_token_ids is None and answer.content == "four"
         assert len(_FakeVLLM.bodies) == 2 and "return_token_ids" not in _FakeVLLM.bodies[1]
         assert any("does not take ['return_token_ids']" in w for w in warnings)
+
+
+def test_a_server_is_never_asked_past_the_targets_context_and_a_prompt_that_fills_it_drops_its_row():
+    from dflash_assets.generation.conversation import Regeneration
+    from dflash_assets.generation.engine import TurnScheduler
+
+    _FakeVLLM.bodies = []
+    httpd = ThreadingHTTPServer((LOOPBACK, 0), _FakeVLLM)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    lengths = {"short": 10, "long": 20}  # the target tokenizer's count of each prompt, as the engine sees it
+    dropped: dict[int, str] = {}
+    try:
+        engine = OpenAIEngine(
+            [f"http://{LOOPBACK}:{httpd.server_address[1]}/v1"],
+            SETTINGS,  # max_new_tokens 12
+            target_name="/models/demo-target",
+            prompt_tokens=lambda messages: lengths[messages[-1]["content"]],
+            context_tokens=14,
+            warn=lambda message: None,
+        )
+        engine.check()
+        plans = [Regeneration(i, [{"role": "user", "content": text}]) for i, text in enumerate(lengths)]
+        scheduler = TurnScheduler(
+            plans,
+            on_finished=lambda c: None,
+            on_dropped=lambda c, d: dropped.update({c.sample_index: d.reason}),
+        )
+        engine.run(scheduler, tick=lambda: None)
+    finally:
+        httpd.shutdown()
+    assert [body["max_tokens"] for body in _FakeVLLM.bodies] == [4]  # 10 + 4 = the 14 positions
+    assert dropped == {1: "exceeds_context"} and plans[0].finished

@@ -269,3 +269,23 @@ def test_a_served_range_killed_mid_way_asks_again_only_for_turns_never_answered(
         if isinstance(line, CompletionRecord)
     }
     assert {i: r.messages for i, r in records.items()} == reference
+
+
+def test_an_answer_is_as_long_as_the_target_states_unless_a_setting_or_the_run_config_says(
+    demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """One default for the demo, a shell and the UI: the demo target's generation config states 64 new
+    tokens, so every entry point regenerates its ranges alike (and continues them, fingerprint equal)."""
+    from dflash_assets.orchestration.assets.target_completions import GenerateConfig
+    from dflash_assets.target.demo_model import MAX_NEW_TOKENS as DEMO_MAX_NEW_TOKENS
+
+    monkeypatch.delenv("DFLASH_GENERATE_MAX_NEW_TOKENS", raising=False)
+    assert GenerateConfig().generation_settings(demo_model_dir).max_new_tokens == DEMO_MAX_NEW_TOKENS == 64
+    monkeypatch.setenv("DFLASH_GENERATE_MAX_NEW_TOKENS", "100")
+    assert GenerateConfig().generation_settings(demo_model_dir).max_new_tokens == 100
+    assert GenerateConfig(max_new_tokens=7).generation_settings(demo_model_dir).max_new_tokens == 7
+    monkeypatch.delenv("DFLASH_GENERATE_MAX_NEW_TOKENS")
+    silent = tmp_path / "a-target-that-states-nothing"
+    silent.mkdir()
+    (silent / "generation_config.json").write_text('{"eos_token_id": 2}')
+    assert GenerateConfig().generation_settings(silent).max_new_tokens == 2048
