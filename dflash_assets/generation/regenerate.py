@@ -270,8 +270,11 @@ def regenerate_range(
 
         final = staging_dir / COMPLETIONS_NAME
         summary = _assemble(store, base, final, unreadable, all_rows, staging_dir)
-        uploader.submit(final, base + COMPLETIONS_NAME)
-        uploader.flush()
+        if summary.chunk_keys or listed.get(COMPLETIONS_NAME) != final.stat().st_size:
+            uploader.submit(final, base + COMPLETIONS_NAME)
+            uploader.flush()
+        else:  # the stored object already holds every row, as merged now: a rerun rewrites nothing
+            final.unlink(missing_ok=True)
         size = store.head(base + COMPLETIONS_NAME)
         if size is None:
             raise RegenerationIncomplete(

@@ -8,6 +8,7 @@ readers stream or cache what they need with idempotent downloads.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from dflash_assets.orchestration.partitions import SampleRangePartitions, datase
 from dflash_assets.orchestration.resources import StoreResource
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.manifest import (
+    ManifestError,
     StoredPartition,
     new_manifest,
     partition_prefix,
@@ -35,6 +37,24 @@ class PartitionOutput:
     stored_objects: dict[str, int] = field(default_factory=dict)  # name -> size, already in the store
     manifest_fields: dict[str, Any] = field(default_factory=dict)
     prefix: str | None = None  # defaults to <asset prefix>/<partition key>
+
+
+# What differs between two commits of the same objects: when and by which run.
+_COMMIT_STAMPS = ("created_at", "run_id")
+
+
+def _committed(store, prefix: str) -> dict[str, Any] | None:
+    try:
+        return read_manifest(store, prefix)
+    except (ValueError, ManifestError, StoreError):  # unreadable or of another format: written again
+        return None
+
+
+def _same_commit(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    def strip(manifest: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in manifest.items() if k not in _COMMIT_STAMPS}
+
+    return json.loads(json.dumps(strip(new))) == strip(old)  # as stored: tuples as lists, keys as strings
 
 
 def _asset_name(context: InputContext | OutputContext) -> str:
@@ -66,7 +86,15 @@ class StoreIOManager(ConfigurableIOManager):
             _asset_name(context), partition_key or "", objects, run_id=context.run_id, **obj.manifest_fields
         )
         fault_point("before_manifest")
-        write_manifest(store, prefix, manifest)
+        committed = _committed(store, prefix)
+        if committed is not None and _same_commit(committed, manifest):
+            # A rerun that changed nothing leaves the commit (and who made it) as it was.
+            context.log.info(
+                f"{store.uri(prefix)} is committed with these objects already (by run "
+                f"{committed.get('run_id')}): its manifest is kept"
+            )
+        else:
+            write_manifest(store, prefix, manifest)
         context.add_output_metadata(
             {
                 "uri": MetadataValue.path(store.uri(prefix)),
