@@ -5,9 +5,10 @@ Loading the code location touches no dataset and no store: the partitions defini
 - by `sample_range_sensor` (with the daemon), which counts the dataset's rows and adds the ranges
   that cover them;
 - by `dflash-assets ranges` (and the demo), the same thing from a shell;
-- on first use: naming a well-formed range of the configured size (`dagster asset materialize
-  --partition 00000000-00009999`, or a run request) registers it, so a fresh instance needs no step
-  before the first materialisation.
+- on first use: naming a well-formed range of the configured size that holds rows of the dataset
+  (`dagster asset materialize --partition 00000000-00009999`, or a run request) registers it, so a
+  fresh instance needs no step before the first materialisation. A range past the dataset's end is
+  refused, and never registered (its rows are counted once per version of the file).
 Keys never change when the dataset grows; a grown dataset only adds keys.
 """
 
@@ -54,13 +55,27 @@ class SampleRangePartitions(DynamicPartitionsDefinition):
     def validate_partition_key(self, partition_key: str, context: PartitionLoadingContext) -> None:
         store = context.dynamic_partitions_store
         if store is not None and not store.has_dynamic_partition(PARTITIONS_NAME, partition_key):
-            check_sample_range_key(partition_key)
+            check_range_in_dataset(check_sample_range_key(partition_key))
             if isinstance(store, DagsterInstance):
                 store.add_dynamic_partitions(PARTITIONS_NAME, [partition_key])
         super().validate_partition_key(partition_key, context)
 
 
 SAMPLE_RANGES = SampleRangePartitions(name=PARTITIONS_NAME)
+
+
+def check_range_in_dataset(sample_range: SampleRange) -> SampleRange:
+    """`sample_range` if the dataset has rows in it; a range past its end is refused, naming the last."""
+    uri = dataset_uri()
+    rows = dataset_row_count(uri)
+    if sample_range.start >= rows:
+        last = range_containing(max(rows - 1, 0), settings.samples_per_partition()).key
+        raise NotASampleRange(
+            f"sample range {sample_range.key} starts past the end of the dataset ({rows} rows in {uri}; "
+            f"its last range is {last}): check the key and {settings.DATASET.name}, or name it once the "
+            "dataset has grown"
+        )
+    return sample_range
 
 
 def dataset_uri() -> str:

@@ -100,7 +100,8 @@ def test_the_code_location_loads_through_dagster_with_the_store_unreachable(tmp_
 
 
 @pytest.fixture
-def instance(tmp_path):
+def instance(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))  # the dataset's row count is cached there
     with DagsterInstance.ephemeral() as instance:
         yield instance
 
@@ -141,3 +142,13 @@ def test_a_key_that_is_not_a_range_of_the_configured_size_is_refused_naming_the_
     if "digits" not in message:
         with pytest.raises(NotASampleRange, match="DFLASH_SAMPLES_PER_PARTITION=24"):
             check_sample_range_key(key)
+
+
+def test_a_range_past_the_end_of_the_dataset_is_refused_naming_the_last_one_and_is_not_registered(
+    instance, monkeypatch
+):
+    monkeypatch.setenv("DFLASH_SAMPLES_PER_PARTITION", "100")  # the bundled data's 500 rows: 5 ranges
+    _validate(instance, "00000400-00000499")
+    with pytest.raises(NotASampleRange, match="past the end of the dataset .500 rows.*00000400-00000499"):
+        _validate(instance, "00000500-00000599")
+    assert instance.get_dynamic_partitions(PARTITIONS_NAME) == ["00000400-00000499"]
