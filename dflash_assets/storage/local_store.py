@@ -177,7 +177,18 @@ class LocalStore(ObjectStore):
                     continue
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # A folder its last object leaves is removed, as an S3 prefix vanishes with its last key (a
+        # range's `chunks/` once they are merged). A put racing into it recreates it (see _link_into_place).
+        for folder in path.parents:
+            if folder == self.root or self.root not in folder.parents:
+                break
+            self._known_directories.discard(folder)
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): the folders above it are not empty either
+                break
 
     def sync(self, prefix: str) -> None:
         check_prefix(prefix)

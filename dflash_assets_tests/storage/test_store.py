@@ -132,6 +132,27 @@ def test_keys_that_could_escape_the_root_or_collide_with_partial_files_are_rejec
 # ---------------------------------------------------------------------------------------- local only
 
 
+def test_deleting_the_last_object_of_a_local_folder_removes_the_folder_as_an_s3_prefix_vanishes(
+    tmp_path: Path,
+) -> None:
+    store, root = LocalStore(tmp_path / "store"), tmp_path / "store"
+    store.put_bytes("target-completions/r/chunks/chunk-1.jsonl", b"1")
+    store.put_bytes("target-completions/r/chunks/chunk-2.jsonl", b"2")
+    store.put_bytes("target-completions/r/completions.jsonl", b"12")
+    store.delete("target-completions/r/chunks/chunk-1.jsonl")
+    assert (root / "target-completions/r/chunks").is_dir()  # chunk-2 is still there
+    store.delete("target-completions/r/chunks/chunk-2.jsonl")
+    assert [p.name for p in (root / "target-completions/r").iterdir()] == ["completions.jsonl"]
+    store.put_bytes("target-completions/r/chunks/chunk-3.jsonl", b"3")  # the folder comes back when used
+    assert [i.key for i in store.list("target-completions/r/")] == [
+        "target-completions/r/chunks/chunk-3.jsonl",
+        "target-completions/r/completions.jsonl",
+    ]
+    store.delete("target-completions/r/chunks/chunk-3.jsonl")
+    store.delete("target-completions/r/completions.jsonl")
+    assert list(root.iterdir()) == []  # the root itself stays
+
+
 def test_local_writes_are_atomic_and_listing_skips_partial_files(tmp_path: Path) -> None:
     store = LocalStore(tmp_path / "store")
     store.put_bytes("hidden-states/p/hs_1", b"complete")
