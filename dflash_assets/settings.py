@@ -214,9 +214,13 @@ DRAFTER_SHAPE = Setting(
     "Drafter attention shape: `dflash` (32 query / 8 KV heads of 128, full attention; `auto`), "
     "`dflash-swa` (the Qwen3.6-27B drafter: sliding-window layers then a full one) or `target`.",
 )
-CHECKPOINT_EVERY_STEPS = Setting("DFLASH_CHECKPOINT_EVERY_STEPS", "100", "Checkpoint every N steps (0: off).")
+CHECKPOINT_EVERY_STEPS = Setting(
+    "DFLASH_CHECKPOINT_EVERY_STEPS", "100", "Checkpoint every N steps (`0`: by time only)."
+)
 CHECKPOINT_EVERY_MINUTES = Setting(
-    "DFLASH_CHECKPOINT_EVERY_MINUTES", "30", "Checkpoint every M minutes, whichever comes first."
+    "DFLASH_CHECKPOINT_EVERY_MINUTES",
+    "30",
+    "Checkpoint every M minutes, or every N steps if that comes first (`0`: by steps only).",
 )
 RUN_NAME = Setting("DFLASH_RUN_NAME", "drafter", "Training run name: `checkpoints/<run>/`, `drafter/<run>/`.")
 RETRIGGER_MAX_ATTEMPTS = Setting(
