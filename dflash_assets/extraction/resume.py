@@ -20,6 +20,7 @@ from dflash_assets.extraction.sample_format import (
     staged_file_problem,
 )
 from dflash_assets.storage.fingerprint import claim_prefix
+from dflash_assets.storage.manifest import changed_since_commit, read_manifest
 from dflash_assets.storage.staging import StagingDirectory
 from dflash_assets.storage.store import ObjectStore, StoreError
 from dflash_assets.storage.uploader import Uploader
@@ -73,8 +74,11 @@ class RangeInStore:
         return claim_prefix(self.store, self.base, self.fingerprint, self.warn, equivalent=earlier)
 
     def objects_already_stored(self, listed: dict[str, int]) -> set[int]:
+        changed = self._changed_since_commit()
         done: set[int] = set()
         for name, size in listed.items():
+            if name in changed:
+                continue
             index = parse_sample_object_name(name)
             if index is None or index not in self.by_index:
                 continue
@@ -86,6 +90,17 @@ class RangeInStore:
                     f"{self.store.uri(self.base + name)} has {size} bytes, expected {low}..{high}; redoing it"
                 )
         return done
+
+    def _changed_since_commit(self) -> set[str]:
+        """Objects of a committed range whose bytes changed since (the manifest's checksums, compared
+        without downloading): extracted again and overwritten, never reused."""
+        manifest = read_manifest(self.store, self.base.rstrip("/"))
+        if manifest is None:
+            return set()
+        changed = changed_since_commit(self.store, self.base.rstrip("/"), manifest)
+        for problem in changed.values():
+            self.warn(f"{self.where}: {problem}; extracting it again")
+        return set(changed)
 
     def _size_bounds(self, num_tokens: int) -> tuple[int, int]:
         """Sizes a complete object of this sample can have, in the range's stored dtype."""

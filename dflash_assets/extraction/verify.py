@@ -1,5 +1,7 @@
-"""Verification of a committed hidden-state partition: complete, present, decodable, finite, and stored
-in the dtype the range was extracted in (bf16, or fp8 with its per-token-and-layer scales)."""
+"""Verification of a committed hidden-state partition: complete, every object in the store with the size
+and checksum its manifest recorded (compared without downloading anything), and a sample of them
+decodable, finite, and stored in the dtype the range was extracted in (bf16, or fp8 with its
+per-token-and-layer scales)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import torch
 
 from dflash_assets.extraction.sample_format import parse_sample_object_name, read_sample
-from dflash_assets.storage.manifest import list_partition_objects, read_manifest
+from dflash_assets.storage.manifest import changed_since_commit, read_manifest
 from dflash_assets.storage.store import ObjectStore
 
 
@@ -31,8 +33,8 @@ class PartitionReport:
     def summary(self) -> str:
         if self.passed:
             return (
-                f"{self.samples_listed} samples listed, all present with recorded sizes; "
-                f"{self.objects_decoded} decoded with the right shapes and finite values"
+                f"{self.samples_listed} samples listed, all present with their recorded sizes and "
+                f"checksums; {self.objects_decoded} decoded with the right shapes and finite values"
             )
         return f"{len(self.problems)} problem(s); first: {self.problems[0]}"
 
@@ -52,7 +54,7 @@ def verify_hidden_state_partition(
     *,
     expected_indices: list[int],
     target_layer_ids: list[int],
-    decode_samples: int = 8,
+    decode_samples: int = 1,
     seed: int = 0,
     hidden_state_dtype: str | None = None,
 ) -> PartitionReport:
@@ -81,17 +83,12 @@ def verify_hidden_state_partition(
             f"manifest lists {len(unexpected)} unexpected sample(s), first {unexpected[0]}"
         )
 
-    present = list_partition_objects(store, prefix)
-    for name, size in manifest.get("objects", {}).items():
-        if name not in present:
-            report.problems.append(f"{name} is in the manifest but not in the store")
-        elif present[name] != size:
-            report.problems.append(f"{name} is {present[name]} bytes in the store, manifest says {size}")
-        else:
-            report.objects_present += 1
+    changed = changed_since_commit(store, prefix, manifest)  # every object, nothing downloaded
+    report.problems.extend(changed.values())
+    report.objects_present = len(manifest.get("objects", {})) - len(changed)
 
     rng = random.Random(seed)
-    names = sorted(n for n in listed.values() if n in present)
+    names = sorted(n for n in listed.values() if n not in changed)
     expected_dtype = hidden_state_dtype or manifest.get("hidden_state_dtype")
     for name in rng.sample(names, min(decode_samples, len(names))):
         problem = _decode_problem(

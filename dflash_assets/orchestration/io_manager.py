@@ -2,8 +2,10 @@
 
 Assets hand it a `PartitionOutput`: files still in local staging (uploaded here, deleted once the
 store confirms them) and objects a run already streamed to the store. It commits the partition by
-writing `_manifest.json` last. Downstream assets receive `StoredPartition` handles, never bytes:
-readers stream or cache what they need with idempotent downloads.
+writing `_manifest.json` last, with each object's checksum as the store reports it. Downstream assets
+receive `StoredPartition` handles, never bytes: readers stream or cache what they need with idempotent
+downloads. A partition whose objects changed since their commit (missing, resized or rewritten: one
+listing, no download) is never handed to a reader: the step fails naming the object and the fix.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.manifest import (
     ManifestError,
     StoredPartition,
+    changed_since_commit,
     new_manifest,
     partition_prefix,
     read_manifest,
@@ -50,11 +53,16 @@ def _committed(store, prefix: str) -> dict[str, Any] | None:
         return None
 
 
-def _same_commit(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    def strip(manifest: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in manifest.items() if k not in _COMMIT_STAMPS}
+def _same_commit(store, prefix: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """The same objects and fields, and no object changed since the old commit (its checksums, which the
+    new manifest gets from the store only when written)."""
 
-    return json.loads(json.dumps(strip(new))) == strip(old)  # as stored: tuples as lists, keys as strings
+    def strip(manifest: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in manifest.items() if k not in (*_COMMIT_STAMPS, "checksums")}
+
+    if json.loads(json.dumps(strip(new))) != strip(old):  # as stored: tuples as lists, keys as strings
+        return False
+    return not changed_since_commit(store, prefix, old)
 
 
 def _asset_name(context: InputContext | OutputContext) -> str:
@@ -87,7 +95,7 @@ class StoreIOManager(ConfigurableIOManager):
         )
         fault_point("before_manifest")
         committed = _committed(store, prefix)
-        if committed is not None and _same_commit(committed, manifest):
+        if committed is not None and _same_commit(store, prefix, committed, manifest):
             # A rerun that changed nothing leaves the commit (and who made it) as it was.
             context.log.info(
                 f"{store.uri(prefix)} is committed with these objects already (by run "
@@ -122,7 +130,7 @@ class StoreIOManager(ConfigurableIOManager):
             prefix = partition_prefix(asset_name, key)
             manifest = read_manifest(store, prefix)
             if manifest is not None:
-                committed.append(StoredPartition(store, prefix, manifest))
+                committed.append(_unchanged(StoredPartition(store, prefix, manifest), asset_name))
         context.log.info(f"{asset_name}: {len(committed)} of {len(keys)} ranges are committed in {store.url}")
         return committed
 
@@ -145,4 +153,21 @@ class StoreIOManager(ConfigurableIOManager):
                 + (f" --partition {partition_key}" if partition_key else "")
                 + " first."
             )
-        return StoredPartition(store, prefix, manifest)
+        return _unchanged(StoredPartition(store, prefix, manifest), asset_name)
+
+
+class PartitionChanged(StoreError):
+    """A committed partition's objects are no longer what its manifest recorded."""
+
+
+def _unchanged(partition: StoredPartition, asset_name: str) -> StoredPartition:
+    changed = changed_since_commit(partition.store, partition.prefix, partition.manifest)
+    if changed:
+        first = next(iter(changed.values()))
+        where = f" --partition {partition.partition}" if partition.partition else ""
+        raise PartitionChanged(
+            f"{asset_name} {partition.uri} changed since it was committed ({len(changed)} object(s); "
+            f"first: {first}). Nothing reads it until it is repaired: materialise {asset_name}{where} "
+            "again (what changed is made again)"
+        )
+    return partition

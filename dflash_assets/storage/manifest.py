@@ -1,7 +1,10 @@
 """The partition commit protocol: objects first, `_manifest.json` last.
 
 A partition whose prefix has no manifest is not done, whatever objects it holds. The manifest is
-only written after one listing proves every object it names is in the store at its recorded size.
+only written after one listing proves every object it names is in the store at its recorded size, and
+it records each object's checksum as the store reports it then (S3's ETag, a local store's MD5). From
+then on `changed_since_commit` tells, with one listing and no download, whether any object is missing,
+resized or rewritten: readers refuse such a partition, and rematerialising it redoes what changed.
 """
 
 from __future__ import annotations
@@ -56,21 +59,21 @@ def new_manifest(asset: str, partition: str, objects: dict[str, int], **fields: 
     }
 
 
-def list_partition_objects(store: ObjectStore, prefix: str) -> dict[str, int]:
-    """Names (relative to the prefix) and sizes of everything under it except the manifest."""
+def _listed(store: ObjectStore, prefix: str) -> dict[str, ObjectInfo]:
     base = prefix.rstrip("/") + "/"
-    found: dict[str, int] = {}
-    for info in store.list(base):
-        name = info.key[len(base) :]
-        if name and name != MANIFEST_NAME:
-            found[name] = info.size
-    return found
+    return {
+        info.key[len(base) :]: info
+        for info in store.list(base)
+        if info.key[len(base) :] and info.key[len(base) :] != MANIFEST_NAME
+    }
 
 
 def write_manifest(store: ObjectStore, prefix: str, manifest: dict[str, Any]) -> ObjectInfo:
-    """Commit a partition: verify its objects with one listing, then write the manifest last."""
+    """Commit a partition: verify its objects with one listing, record their checksums, then write the
+    manifest last."""
     expected: dict[str, int] = manifest.get("objects", {})
-    present = list_partition_objects(store, prefix) if expected else {}
+    listed = _listed(store, prefix) if expected else {}
+    present = {name: info.size for name, info in listed.items()}
     missing = sorted(name for name in expected if name not in present)
     wrong_size = sorted(name for name, size in expected.items() if name in present and present[name] != size)
     if missing or wrong_size:
@@ -87,8 +90,32 @@ def write_manifest(store: ObjectStore, prefix: str, manifest: dict[str, Any]) ->
             f"refusing to commit {store.uri(prefix)}: {', '.join(detail)}. "
             "Rerun the partition; finished samples are kept and only the gaps are redone."
         )
+    checksums = {name: store.checksum(listed[name]) for name in sorted(expected)}
+    if expected and all(checksums.values()):
+        manifest = {**manifest, "checksums": checksums}
     body = json.dumps(manifest, indent=1, sort_keys=False).encode()
     return store.put_bytes(manifest_key(prefix), body)
+
+
+def changed_since_commit(store: ObjectStore, prefix: str, manifest: dict[str, Any]) -> dict[str, str]:
+    """Objects of a committed partition that are no longer what its manifest recorded (name -> what
+    changed), from one listing and the store's checksums: nothing is downloaded. Manifests written
+    before checksums were recorded are checked by presence and size."""
+    listed = _listed(store, prefix)
+    recorded = manifest.get("checksums") or {}
+    changed: dict[str, str] = {}
+    for name, size in sorted(manifest.get("objects", {}).items()):
+        info = listed.get(name)
+        if info is None:
+            changed[name] = f"{name} is in the manifest but not in the store"
+        elif info.size != size:
+            changed[name] = f"{name} is {info.size} bytes in the store, manifest says {size}"
+        elif name in recorded and (found := store.checksum(info)) != recorded[name]:
+            changed[name] = (
+                f"{name} has checksum {found} in the store, manifest says {recorded[name]}: its bytes "
+                "changed after the range was committed"
+            )
+    return changed
 
 
 def read_manifest(store: ObjectStore, prefix: str) -> dict[str, Any] | None:

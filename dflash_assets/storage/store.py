@@ -188,6 +188,11 @@ class ObjectStore(ABC):
 
         Pass a trailing "/" to list one "directory": "hidden-states/p1/" excludes "hidden-states/p10/..."."""
 
+    def checksum(self, info: ObjectInfo) -> str | None:
+        """The store's own checksum of a listed object, without downloading it: S3's ETag, which the
+        listing carries (the MD5 of an object put in one request). None where the store gives none."""
+        return info.etag
+
     @abstractmethod
     def delete(self, key: str) -> None:
         """Delete `key`; deleting a missing key is not an error."""

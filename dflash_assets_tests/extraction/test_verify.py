@@ -44,10 +44,26 @@ def test_an_object_missing_from_the_store_fails_the_check_naming_it(committed):
     assert f"{sample_object_name(indices[2])} is in the manifest but not in the store" in report.problems
 
 
-def test_an_object_of_the_right_size_that_does_not_decode_fails_the_check(committed):
+def test_an_object_rewritten_after_the_commit_fails_the_check_by_its_checksum_alone(committed):
+    """Bytes flipped inside the tensor data, size and header unchanged: no sample is decoded, and the
+    object is still named, from one listing."""
+    store, indices = committed
+    name = sample_object_name(indices[3])
+    data = bytearray(store.get_bytes(f"{PREFIX}/{name}"))
+    data[-8:] = bytes(255 - b for b in data[-8:])
+    store.put_bytes(f"{PREFIX}/{name}", bytes(data))
+    report = verify(store, indices, decode_samples=0)
+    assert not report.passed and report.objects_decoded == 0
+    assert [p for p in report.problems if p.startswith(f"{name} has checksum")]
+    assert report.objects_present == len(indices) - 1
+
+
+def test_an_object_that_does_not_decode_when_committed_fails_the_check(committed):
     store, indices = committed
     key = f"{PREFIX}/{sample_object_name(indices[0])}"
     store.put_bytes(key, b"\x00" * len(store.get_bytes(key)))
+    manifest = read_manifest(store, PREFIX)
+    write_manifest(store, PREFIX, {k: v for k, v in manifest.items() if k != "checksums"})  # as it is now
     report = verify(store, indices)
     assert not report.passed and any("does not decode" in p for p in report.problems)
 

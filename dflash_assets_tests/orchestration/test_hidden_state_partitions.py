@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dagster import AssetKey, AssetRecordsFilter
+from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter
 
 from dflash_assets.extraction.sample_format import read_sample
-from dflash_assets.storage.manifest import read_manifest
+from dflash_assets.storage.manifest import changed_since_commit, read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import (
     TEST_SECRET_ACCESS_KEY,
@@ -139,7 +139,7 @@ def test_a_range_stores_one_object_per_sample_equal_to_the_target_and_passes_its
         event = instance.fetch_materializations(this_range, limit=1).records[0].event_log_entry
         metadata = event.asset_materialization.metadata
         check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
-            [__import__("dagster").AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")]
+            [AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")]
         )
         run = instance.get_run_by_id(event.run_id)
         observations = instance.fetch_observations(this_range, limit=100).records
@@ -455,3 +455,93 @@ def test_a_two_asset_range_finishes_while_dead_runs_are_reaped_and_says_whom_it_
     # The recorded worker is the process the shell started (the run worker), not a step's process.
     assert alive.tags["dflash/run_worker"].split("@")[1].split(":")[0] == str(live.pid)
     assert read_manifest(store, f"hidden-states/{second}") is not None
+
+
+def flip_tensor_bytes(data: bytes, tensor: str = "hidden_states", count: int = 16) -> bytes:
+    """The object with `count` bytes in the middle of `tensor`'s data flipped in their lowest bit: same
+    size, same header, values still finite (bf16 mantissa bits), so nothing but a checksum tells."""
+    header_length = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8 : 8 + header_length])[tensor]["data_offsets"]
+    middle = 8 + header_length + (start + end) // 2
+    flipped = bytearray(data)
+    for offset in range(middle, middle + count):
+        flipped[offset] ^= 0x01
+    return bytes(flipped)
+
+
+# Runs the range check alone with training after it (as the UI's "Execute" of the check would, then a
+# job that trains), then training alone; prints what each run's steps did.
+_CHECK_THEN_TRAIN = """
+import json, sys
+from dagster import AssetCheckKey, AssetKey, DagsterEventType, DagsterInstance
+from dflash_assets.definitions import defs
+
+job = defs.resolve_implicit_global_asset_job_def()
+check = AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")
+training = {AssetKey("drafter_checkpoints")}
+report = {}
+with DagsterInstance.get() as instance:
+    for name, checks, key in [("check_then_training", {check}, sys.argv[1]), ("training", set(), None)]:
+        subset = job.get_subset(asset_selection=training, asset_check_selection=checks)
+        result = subset.execute_in_process(partition_key=key, instance=instance, raise_on_error=False)
+        events = result.all_events
+        report[name] = {
+            "success": result.success,
+            "started": [e.step_key for e in events if e.event_type == DagsterEventType.STEP_START],
+            "checks": [
+                {"passed": e.event_specific_data.passed,
+                 "problems": e.event_specific_data.metadata["problems"].value}
+                for e in events if e.event_type == DagsterEventType.ASSET_CHECK_EVALUATION
+            ],
+            "failures": [e.event_specific_data.error.to_string() for e in events
+                         if e.event_type == DagsterEventType.STEP_FAILURE],
+        }
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_an_object_corrupted_after_its_commit_fails_the_check_blocks_training_and_is_redone(pipeline):
+    url = f"s3://{pipeline['bucket']}/corrupted"
+    source, store = open_store(pipeline["base"]), open_store(url)
+    for prefix in (TOK_PREFIX, HS_PREFIX):
+        for info in source.list(prefix + "/"):
+            store.put_bytes(info.key, source.get_bytes(info.key))
+    manifest = read_manifest(store, HS_PREFIX)
+    name = sorted(manifest["objects"])[5]
+    key = f"{HS_PREFIX}/{name}"
+    store.put_bytes(key, flip_tensor_bytes(store.get_bytes(key)))
+    assert read_sample(store.get_bytes(key)).hidden_states.isfinite().all()  # it decodes: only bytes differ
+
+    env = {**pipeline["env"], "DFLASH_STORE_URL": url}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHECK_THEN_TRAIN, KEY], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert "REPORT " in done.stdout, (done.stdout + done.stderr)[-4000:]
+    report = json.loads(done.stdout.split("REPORT ", 1)[1])
+    checked = report["check_then_training"]
+    # The check fails naming the object, and being blocking, the training after it never starts.
+    assert [c["passed"] for c in checked["checks"]] == [False]
+    assert name in checked["checks"][0]["problems"] and "checksum" in checked["checks"][0]["problems"]
+    assert not checked["success"] and "drafter_checkpoints" not in checked["started"]
+    # Training alone refuses the range before reading a byte of it, naming the object and the fix.
+    trained = report["training"]
+    assert not trained["success"] and trained["started"] == ["drafter_checkpoints"]
+    assert name in trained["failures"][0]
+    assert f"materialise hidden_state_partitions --partition {KEY} again" in trained["failures"][0]
+
+    # The same command as ever repairs the range: the changed object alone is extracted again.
+    code, output = _run_cli(_materialize_args("hidden_state_partitions"), env)
+    assert code == 0, output[-4000:]
+    assert name in output  # the warning names it
+    with open_instance(env["DAGSTER_HOME"]) as instance:
+        metadata = instance.get_latest_materialization_event(
+            AssetKey("hidden_state_partitions")
+        ).asset_materialization.metadata
+        evaluation = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+            [AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")]
+        )
+    assert metadata["extracted_now"].value == 1
+    assert metadata["reused_from_store"].value == len(pipeline["reference"]) - 1
+    assert list(evaluation.values())[0].status.value == "SUCCEEDED"
+    assert changed_since_commit(store, HS_PREFIX, read_manifest(store, HS_PREFIX)) == {}
+    _assert_matches_reference(pipeline, url)

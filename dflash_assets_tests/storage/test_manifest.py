@@ -1,5 +1,6 @@
 """The partition commit protocol: objects first, a verified manifest last."""
 
+import hashlib
 import json
 
 import pytest
@@ -8,6 +9,7 @@ from dflash_assets.storage.manifest import (
     MANIFEST_NAME,
     ManifestError,
     StoredPartition,
+    changed_since_commit,
     delete_partition,
     new_manifest,
     read_manifest,
@@ -71,3 +73,37 @@ def test_stored_partition_lists_full_keys_with_sizes(store):
     partition = StoredPartition(store, PREFIX, new_manifest("a", "00000000-00000099", {"b": 2, "a": 1}))
     assert partition.object_keys() == [(f"{PREFIX}/a", 1), (f"{PREFIX}/b", 2)]
     assert partition.partition == "00000000-00000099"
+
+
+def test_the_manifest_records_the_stores_checksums_and_tells_what_changed_since_without_downloading(
+    store_url,
+):
+    store = open_store(store_url)  # S3's ETag of a single PUT and a local store's MD5 agree
+    prefix = "hidden-states/00000000-00000009"
+    store.put_bytes(f"{prefix}/a", b"first object")
+    store.put_bytes(f"{prefix}/b", b"second object")
+    write_manifest(store, prefix, new_manifest("hidden_state_partitions", "p", {"a": 12, "b": 13}))
+    manifest = read_manifest(store, prefix)
+    assert manifest["checksums"] == {"a": hashlib.md5(b"first object").hexdigest(),
+                                     "b": hashlib.md5(b"second object").hexdigest()}  # fmt: skip
+    assert changed_since_commit(store, prefix, manifest) == {}
+
+    store.put_bytes(f"{prefix}/a", b"FIRST object")  # same size, other bytes
+    store.delete(f"{prefix}/b")
+    changed = changed_since_commit(store, prefix, manifest)
+    assert sorted(changed) == ["a", "b"]
+    assert "checksum" in changed["a"] and "not in the store" in changed["b"]
+
+
+def test_a_local_copy_is_fetched_again_once_the_partition_is_committed_with_other_bytes(store, tmp_path):
+    prefix = "tokenized-completions/00000000-00000009"
+    store.put_bytes(f"{prefix}/shard.parquet", b"version 1")
+    write_manifest(store, prefix, new_manifest("tokenized_completions", "p", {"shard.parquet": 9}))
+    committed = StoredPartition(store, prefix, read_manifest(store, prefix))
+    first = committed.local_copy("shard.parquet", tmp_path)
+    assert first.read_bytes() == b"version 1"
+    store.put_bytes(f"{prefix}/shard.parquet", b"version 2")  # the same size
+    write_manifest(store, prefix, new_manifest("tokenized_completions", "p", {"shard.parquet": 9}))
+    committed = StoredPartition(store, prefix, read_manifest(store, prefix))
+    second = committed.local_copy("shard.parquet", tmp_path)
+    assert second.read_bytes() == b"version 2" and not first.exists()

@@ -3,9 +3,9 @@
 from pathlib import Path
 
 from dagster import (
+    AssetCheckExecutionContext,
     AssetCheckResult,
     AssetCheckSeverity,
-    AssetCheckSpec,
     AssetExecutionContext,
     AssetIn,
     AssetsDefinition,
@@ -13,6 +13,7 @@ from dagster import (
     MetadataValue,
     Output,
     asset,
+    asset_check,
 )
 from pydantic import Field
 
@@ -26,7 +27,7 @@ from dflash_assets.orchestration.io_manager import PartitionOutput
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 from dflash_assets.orchestration.progress import RangeProgressReporter, human_duration
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
-from dflash_assets.storage.manifest import StoredPartition, partition_prefix
+from dflash_assets.storage.manifest import StoredPartition, partition_prefix, read_manifest
 
 
 class ExtractConfig(Config):
@@ -40,7 +41,6 @@ class ExtractConfig(Config):
     observe_every_s: float = Field(
         default=60.0, description="Seconds between progress observations of the range (and one at the end)."
     )
-    check_decode_samples: int = Field(default=8, description="Objects the asset check decodes fully.")
     hidden_state_dtype: str | None = Field(
         default=None, description=settings.HIDDEN_STATE_DTYPE.field_description()
     )
@@ -72,7 +72,6 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         pool="gpu",
         op_tags=gpu_step_tags(),
         kinds={"pytorch", "safetensors", "s3"},
-        check_specs=[AssetCheckSpec("range_complete", asset="hidden_state_partitions", blocking=True)],
         description="Raw outputs of the target's chosen decoder layers, one safetensors object per sample.",
     )
     def hidden_state_partitions(
@@ -84,7 +83,6 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         devices: DeviceLeaseResource,
     ):
         from dflash_assets.extraction.extract import extract_range
-        from dflash_assets.extraction.verify import verify_hidden_state_partition
         from dflash_assets.target.model import load_target_model
 
         sample_range = SampleRange.parse(context.partition_key)
@@ -172,20 +170,51 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
             },
         )
 
-        report = verify_hidden_state_partition(
-            object_store,
-            prefix,
-            expected_indices=[s.sample_index for s in samples],
-            target_layer_ids=layer_ids,
-            decode_samples=config.check_decode_samples,
-            hidden_state_dtype=dtype,
-        )
-        yield AssetCheckResult(
-            check_name="range_complete",
-            passed=report.passed,
-            severity=AssetCheckSeverity.ERROR,
-            metadata=report.metadata(),
-            description=report.summary,
-        )
-
     return hidden_state_partitions
+
+
+class RangeCheckConfig(Config):
+    decode_samples: int = Field(
+        default=1, description="Objects decoded fully (every object's checksum is compared either way)."
+    )
+
+
+@asset_check(
+    asset="hidden_state_partitions",
+    name="range_complete",
+    blocking=True,
+    partitions_def=SAMPLE_RANGES,
+    description="Every sample of the tokenized range has its object in the store with the size and checksum "
+    "the manifest recorded at commit (compared without downloading), and an object decodes with the range's "
+    "layers, dtype and finite values. Blocking: a run that fails it does not go on to train; run it alone "
+    "to re-verify a committed range.",
+)
+def range_complete(
+    context: AssetCheckExecutionContext,
+    config: RangeCheckConfig,
+    store: StoreResource,
+    target_model: TargetModelResource,
+) -> AssetCheckResult:
+    from dflash_assets.extraction.verify import verify_hidden_state_partition
+
+    object_store = store.check()
+    key = context.partition_key
+    prefix = partition_prefix("hidden_state_partitions", key)
+    manifest = read_manifest(object_store, prefix) or {}
+    tokenized = read_manifest(object_store, partition_prefix("tokenized_completions", key)) or manifest
+    report = verify_hidden_state_partition(
+        object_store,
+        prefix,
+        expected_indices=[int(i) for i in tokenized.get("sample_indices", [])],
+        target_layer_ids=target_model.layer_ids(),
+        decode_samples=config.decode_samples,
+        hidden_state_dtype=manifest.get("hidden_state_dtype"),
+    )
+    if not report.passed:
+        context.log.error(f"{key}: {report.summary}")
+    return AssetCheckResult(
+        passed=report.passed,
+        severity=AssetCheckSeverity.ERROR,
+        metadata=report.metadata(),
+        description=report.summary,
+    )
