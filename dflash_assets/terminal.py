@@ -1,5 +1,6 @@
-"""Live progress on the terminal: one steady status line (bar, done/total, rate, ETA, status) redrawn
-from the same progress snapshots the Dagster UI gets, with every other line of output scrolling above it.
+"""Live progress on the terminal: one steady status line (bar, done/total, rate, ETA, status) drawn by
+`rich` from the same progress snapshots the Dagster UI gets, with every other line of output scrolling
+above it.
 
 Leaf module: no Dagster, no torch, nothing of this package but the unit formatting, so every stage
 (extraction, training, the benchmark, regeneration) can report from its core code.
@@ -33,29 +34,35 @@ A command turns it on around its work (`dflash-assets demo` and `bench` do)::
 When stderr is not a terminal (CI logs, pipes, files, `TERM=dumb`), `live_progress` draws nothing and
 redirects nothing: a task that has run for `PLAIN_EVERY_S` since its first report, or since its last
 such line, gets one plain line on stderr (`training run demo  42% 101/240 steps · 1.93 steps/s · ...`),
-so a long step is not silent and a short one adds nothing to the log. On a terminal it
-takes a duplicate of the terminal's descriptor before anything else can redirect fd 2 (Dagster's
-compute-log capture does, per step), and routes this process's stdout/stderr (those that are the
-terminal) through a pipe it reads, so a log line never lands in the middle of the bar.
+so a long step is not silent and a short one adds nothing to the log.
+
+On a terminal, rich's `Live` draws the line on a duplicate of the terminal's descriptor, taken before
+anything else can redirect fd 2 (Dagster's compute-log capture does, per step). Rich moves only what
+goes through its own console above the line, and child processes write to fds 1 and 2 directly, so
+this process's stdout/stderr (those that are the terminal) are routed through a pipe whose lines are
+printed through that console: a log line never lands in the middle of the bar.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import select
-import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from dflash_assets.storage.units import human_duration
 
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
 REFRESH_S = 0.25  # redraw interval: smooth enough for a person, nothing for the CPU
 PLAIN_EVERY_S = 30.0  # without a terminal: one line per running task this often
-_CLEAR_LINE = "\r\x1b[2K"
+BAR_CELLS = 24  # the bar's width when the line has room; below MIN_BAR_CELLS the figures take it all
+MIN_BAR_CELLS = 10
 
 
 @dataclass(frozen=True)
@@ -104,19 +111,6 @@ class ProgressSnapshot:
             parts.append(self.status)
         return " · ".join(parts)
 
-    def line(self, width: int, unicode: bool = True) -> str:
-        """The status line, at most `width` characters: task, bar (when the total is known), figures."""
-        text = self.figures()
-        fraction = self.fraction
-        room = width - len(self.task) - 3 - len(text) - 1  # what the figures leave for a bar
-        cells = min(24, room) if fraction is not None and room >= 10 else 0  # the figures come first
-        if cells:
-            filled = int(round(fraction * cells))
-            full, empty = ("█", "░") if unicode else ("#", "-")
-            text = f"{full * filled}{empty * (cells - filled)} {text}"
-        line = f"{self.task}  {text}"
-        return line if len(line) < width else line[: max(0, width - 2)] + "…"
-
 
 def _number(value: float | None) -> str:
     if value is None:
@@ -131,6 +125,27 @@ def _rate(rate: float) -> str:
 # --------------------------------------------------------------------------------------------------
 # The process's status line
 # --------------------------------------------------------------------------------------------------
+
+
+def status_line(snapshot: ProgressSnapshot, width: int) -> RenderableType:
+    """What the status line shows for `snapshot` in `width` columns: the task, a bar when the total is
+    known and the figures leave room for one, then the figures; cut with "…" when even those do not fit.
+    """
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    figures = snapshot.figures()
+    room = width - len(snapshot.task) - len(figures) - 4  # two spaces after the task, one before figures
+    if snapshot.fraction is None or room < MIN_BAR_CELLS:
+        return Text(f"{snapshot.task}  {figures}", no_wrap=True, overflow="ellipsis")
+    line = Table.grid(padding=(0, 1))
+    line.add_column(no_wrap=True)
+    line.add_column(no_wrap=True)
+    line.add_column(no_wrap=True)
+    bar = ProgressBar(total=snapshot.total, completed=snapshot.done, width=min(BAR_CELLS, room))
+    line.add_row(Text(snapshot.task + " "), bar, Text(figures))
+    return line
 
 
 class LiveProgress:
@@ -149,21 +164,13 @@ class LiveProgress:
         plain_every_s: float | None = PLAIN_EVERY_S,
     ) -> None:
         self.active = _is_terminal(fd)
-        self.refresh_s = refresh_s
         self.plain_every_s = plain_every_s
+        self._lock = threading.Lock()  # never held while calling rich, whose refresh thread takes it
+        self._tasks: dict[str, tuple[float, ProgressSnapshot]] = {}  # task -> (reported at, snapshot)
         self._plain: dict[str, float] = {}  # task -> when it was first reported or last written
         self._plain_out = None
-        self._lock = threading.RLock()
-        self._tasks: dict[str, tuple[float, ProgressSnapshot]] = {}  # task -> (reported at, snapshot)
-        self._drawn = ""
-        self._dirty = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._saved: dict[int, int] = {}  # redirected fd -> a duplicate of what it was
-        self._pipe_read: int | None = None
-        self._pending = b""
+        self._capture: _OutputCapture | None = None
         encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
-        self._unicode = "utf" in encoding.lower()
         if not self.active:
             if plain_every_s is not None:
                 # Our own handle on the log, as below on a terminal: Dagster's per-step capture of
@@ -171,10 +178,22 @@ class LiveProgress:
                 with contextlib.suppress(OSError):
                     self._plain_out = os.fdopen(os.dup(fd), "w", encoding=encoding, errors="replace")
             return
+        from rich.console import Console
+        from rich.live import Live
+
         # Our own handle on the terminal: later redirections of fd 2 (compute-log capture) do not move it.
         self._tty = os.fdopen(os.dup(fd), "w", encoding=encoding, errors="replace")
+        self._console = Console(file=self._tty, force_terminal=True, force_interactive=True, highlight=False)
+        self._live = Live(
+            console=self._console,
+            get_renderable=self._render,
+            refresh_per_second=1 / refresh_s,
+            transient=True,  # the line goes away at the end; the output above it stays
+            redirect_stdout=False,  # fds 1 and 2 are captured below, child processes included
+            redirect_stderr=False,
+        )
         if capture_output:
-            self._capture([f for f in (1, 2) if _same_terminal(f, fd)])
+            self._capture = _OutputCapture([f for f in (1, 2) if _same_terminal(f, fd)], self.write_line)
 
     # -- reporting (thread-safe)
 
@@ -184,7 +203,6 @@ class LiveProgress:
             return
         with self._lock:
             self._tasks[snapshot.task] = (time.monotonic(), snapshot)
-            self._dirty = True
 
     def _report_plain(self, snapshot: ProgressSnapshot) -> None:
         if self._plain_out is None:  # a terminal, or plain lines turned off
@@ -200,119 +218,50 @@ class LiveProgress:
                 self._plain_out.flush()
 
     def finish(self, task: str) -> None:
-        if not self.active:
-            with self._lock:
-                self._plain.pop(task, None)
-            return
         with self._lock:
-            if self._tasks.pop(task, None) is not None:
-                self._dirty = True
+            self._plain.pop(task, None)
+            self._tasks.pop(task, None)
 
     def write_line(self, text: str) -> None:
         """A line of output above the status line (what captured stdout/stderr lines become)."""
-        with self._lock:
-            if not self.active:
-                sys.stderr.write(text.rstrip("\n") + "\n")
-                return
-            self._tty.write(_CLEAR_LINE + text.rstrip("\n") + "\n")
-            self._drawn = ""
-            self._redraw(force=True)
+        if not self.active:
+            sys.stderr.write(text.rstrip("\n") + "\n")
+            return
+        from rich.text import Text
+
+        # Colours a child process wrote are kept; soft wrap: the terminal wraps a long line, rich not.
+        self._console.print(Text.from_ansi(text.rstrip("\n")), soft_wrap=True)
+        self._live.refresh()  # the line below the output shows the newest figures at once
 
     # -- drawing
 
-    def current_line(self) -> str:
-        """What the status line shows now ("" when no task is running)."""
+    def shown(self) -> ProgressSnapshot | None:
+        """The snapshot the status line shows now: the newest task's, with how many others run (None
+        when no task is running)."""
         with self._lock:
             if not self._tasks:
-                return ""
-            width = max(20, shutil.get_terminal_size((100, 24)).columns - 1)
+                return None
             newest = max(self._tasks.values(), key=lambda item: item[0])[1]
             others = len(self._tasks) - 1
-            if others:
-                newest = replace(newest, task=f"[+{others}] {newest.task}")
-            return newest.line(width, self._unicode)
+        return replace(newest, task=f"[+{others}] {newest.task}") if others else newest
 
-    def _redraw(self, force: bool = False) -> None:
-        with self._lock:
-            if not self.active:
-                return
-            line = self.current_line()
-            if not force and not self._dirty and line == self._drawn:
-                return
-            self._dirty = False
-            self._tty.write(_CLEAR_LINE + line)
-            self._tty.flush()
-            self._drawn = line
+    def _render(self) -> RenderableType:
+        """Called by rich at each refresh."""
+        from rich.console import Group
 
-    # -- output capture: lines scroll above the status line
-
-    def _capture(self, fds: list[int]) -> None:
-        if not fds:
-            return
-        _flush_std_streams()
-        read_end, write_end = os.pipe()
-        for fd in fds:
-            self._saved[fd] = os.dup(fd)
-            os.dup2(write_end, fd)
-        os.close(write_end)
-        self._pipe_read = read_end
-
-    def _release(self) -> None:
-        """Give stdout/stderr back to the terminal."""
-        _flush_std_streams()  # outside the lock: a full pipe drains only through the pump, which takes it
-        with self._lock:
-            for fd, saved in self._saved.items():
-                os.dup2(saved, fd)
-                os.close(saved)
-            self._saved.clear()
-
-    def _pump(self, timeout: float) -> bool:
-        """Move captured output to the terminal, line by line; False once the pipe has no writer left."""
-        assert self._pipe_read is not None
-        ready, _, _ = select.select([self._pipe_read], [], [], timeout)
-        if not ready:
-            return True
-        chunk = os.read(self._pipe_read, 65536)
-        if not chunk:
-            return False
-        self._pending += chunk
-        *lines, self._pending = self._pending.split(b"\n")
-        for raw in lines:
-            # A carriage-return redraw (another program's progress bar) keeps its last state only.
-            parts = raw.decode("utf-8", "replace").split("\r")
-            self.write_line(next((part for part in reversed(parts) if part.strip()), ""))
-        return True
-
-    def _run(self) -> None:
-        pipe_open = self._pipe_read is not None
-        last_full = time.monotonic()
-        try:
-            while True:
-                stopping = self._stop.is_set()
-                if pipe_open:
-                    pipe_open = self._pump(0.05 if stopping else self.refresh_s)
-                elif stopping:
-                    return
-                else:
-                    self._stop.wait(self.refresh_s)
-                if stopping and not pipe_open:
-                    return
-                # Now and then a full redraw repairs the line if something wrote to the terminal directly.
-                full = time.monotonic() - last_full >= 1.0
-                if full:
-                    last_full = time.monotonic()
-                self._redraw(force=full)
-        except BaseException:
-            # Never leave writers blocked on a pipe nobody reads: give the terminal back first.
-            self._release()
-            raise
+        # Rich measures fds 0-2, which may be our pipe now: the line is as wide as our own terminal, less
+        # its last column (a line that fills it would leave the cursor waiting to wrap).
+        self._console.width = max(20, _terminal_width(self._tty.fileno()) - 1)
+        snapshot = self.shown()
+        return Group() if snapshot is None else status_line(snapshot, self._console.width)
 
     # -- lifetime
 
     def start(self) -> LiveProgress:
-        if self.active and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="terminal-progress", daemon=True)
-            self._thread.start()
+        if self.active and not self._live.is_started:
+            self._live.start()
+            if self._capture is not None:
+                self._capture.start()
         return self
 
     def close(self) -> None:
@@ -323,22 +272,76 @@ class LiveProgress:
                         self._plain_out.close()
                     self._plain_out = None
             return
-        self._release()  # our write ends close: the pump sees the end of the pipe once child processes exit
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)  # a child still holding the pipe must not hang the command
+        if self._capture is not None:
+            self._capture.close()  # every captured line is printed above the line before it goes
+        self.active = False  # from now on, write_line goes to stderr
+        self._live.stop()  # transient: the line is cleared, the cursor shown again
+        self._tty.close()
+
+
+class _OutputCapture:
+    """Routes fds 1 and 2 (those that are the terminal) through a pipe and hands each line that comes
+    out to `write_line`, so output of this process and of its child processes scrolls above the line."""
+
+    def __init__(self, fds: list[int], write_line: Callable[[str], None]) -> None:
+        self._fds = fds
+        self._write_line = write_line
+        self._saved: dict[int, int] = {}  # redirected fd -> a duplicate of what it was
+        self._pipe_read: int | None = None
+        self._pending = b""
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the reader (on an error) and close() may both give fds back
+
+    def start(self) -> None:
+        if not self._fds:
+            return
+        _flush_std_streams()
+        read_end, write_end = os.pipe()
+        for fd in self._fds:
+            self._saved[fd] = os.dup(fd)
+            os.dup2(write_end, fd)
+        os.close(write_end)
+        self._pipe_read = read_end
+        self._thread = threading.Thread(target=self._run, name="terminal-output", daemon=True)
+        self._thread.start()
+
+    def _release(self) -> None:
+        """Give stdout/stderr back to the terminal."""
+        _flush_std_streams()  # outside the lock: a full pipe drains only through the reader
         with self._lock:
-            if self._pending:
-                self.write_line(self._pending.decode("utf-8", "replace"))
-                self._pending = b""
-            self._tasks.clear()
-            self._tty.write(_CLEAR_LINE)
-            self._tty.flush()
-            self.active = False
-            self._tty.close()
-        if self._pipe_read is not None and (self._thread is None or not self._thread.is_alive()):
-            os.close(self._pipe_read)
-            self._pipe_read = None
+            for fd, saved in self._saved.items():
+                os.dup2(saved, fd)
+                os.close(saved)
+            self._saved.clear()
+
+    def _run(self) -> None:
+        assert self._pipe_read is not None
+        try:
+            while chunk := os.read(self._pipe_read, 65536):  # b"" once no writer is left
+                self._pending += chunk
+                *lines, self._pending = self._pending.split(b"\n")
+                for raw in lines:
+                    # A carriage-return redraw (another program's progress bar) keeps its last state only.
+                    parts = raw.decode("utf-8", "replace").split("\r")
+                    self._write_line(next((part for part in reversed(parts) if part.strip()), ""))
+        except BaseException:
+            # Never leave writers blocked on a pipe nobody reads: give the terminal back first.
+            self._release()
+            raise
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        self._release()  # our write ends close: the reader sees the end of the pipe once child processes exit
+        self._thread.join(timeout=2.0)  # a child still holding the pipe must not hang the command
+        if self._thread.is_alive():
+            return  # the reader goes on until that child exits; what it reads then goes to stderr
+        if self._pending:  # a last line without its newline
+            self._write_line(self._pending.decode("utf-8", "replace"))
+            self._pending = b""
+        assert self._pipe_read is not None
+        os.close(self._pipe_read)
+        self._pipe_read = self._thread = None
 
 
 def _flush_std_streams() -> None:
@@ -401,12 +404,6 @@ def finish(task: str) -> None:
         live.finish(task)
 
 
-def is_live() -> bool:
-    """True while a status line is drawn on a terminal."""
-    live = _current
-    return live is not None and live.active
-
-
 @contextlib.contextmanager
 def live_progress(
     *, capture_output: bool = True, plain_every_s: float | None = PLAIN_EVERY_S
@@ -448,3 +445,14 @@ def _same_terminal(fd: int, terminal_fd: int) -> bool:
     except OSError:
         return False
     return (a.st_rdev, a.st_ino) == (b.st_rdev, b.st_ino)
+
+
+def _terminal_width(fd: int) -> int:
+    """Columns of the terminal on `fd`: `COLUMNS` when set, else the terminal's own (100 when it says 0)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(fd).columns or 100
+    except OSError:
+        return 100

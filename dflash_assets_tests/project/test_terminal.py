@@ -4,20 +4,25 @@ and then for a task that runs long (CI logs stay short)."""
 
 from __future__ import annotations
 
+import fcntl
+import io
 import os
 import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from dflash_assets import terminal
-from dflash_assets.terminal import LiveProgress, ProgressSnapshot
+from dflash_assets.terminal import LiveProgress, ProgressSnapshot, status_line
 
 CLEAR = "\r\x1b[2K"
 
@@ -40,6 +45,9 @@ SCRIPT = textwrap.dedent(
                 print("a line on stderr", file=sys.stderr)
             time.sleep(0.04)
         terminal.finish("training run demo")
+        terminal.report(terminal.ProgressSnapshot("a task still running when the block ends", 1, 2))
+        print("the last words, without a newline", end="", flush=True)
+    print()
     print("after the block")
     """
 )
@@ -48,7 +56,9 @@ SCRIPT = textwrap.dedent(
 def run_in_a_terminal(script: str) -> str:
     """Run `script` with stdout and stderr on a pseudo-terminal; everything it drew, as text."""
     main, child = pty.openpty()
-    env = {**os.environ, "TERM": "xterm", "COLUMNS": "120"}
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 24 rows of 120 columns
+    env = {name: value for name, value in os.environ.items() if name not in ("COLUMNS", "LINES")}
+    env["TERM"] = "xterm"
     process = subprocess.Popen([sys.executable, "-c", script], stdout=child, stderr=child, env=env)
     os.close(child)
     chunks: list[bytes] = []
@@ -65,18 +75,45 @@ def run_in_a_terminal(script: str) -> str:
     return b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n")
 
 
+def screen(drawn: str) -> list[str]:
+    """The lines a terminal holds after showing `drawn` (scrolled-off ones included): text, carriage
+    returns, newlines (the pty's CR LF read as one), erasing a line and moving up are applied; colours
+    and the cursor's visibility change nothing on the screen."""
+    lines, row, col = [""], 0, 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]+", drawn):
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            row, col = row + 1, 0
+            lines += [""] * (row + 1 - len(lines))
+        elif token.endswith("K"):  # erase in line: 2 the whole line, else from the cursor on
+            lines[row] = "" if token == "\x1b[2K" else lines[row][:col]
+        elif token.endswith("A"):  # cursor up
+            row = max(0, row - int(token[2:-1] or 1))
+        elif not token.startswith("\x1b"):
+            text = lines[row].ljust(col)
+            lines[row] = text[:col] + token + text[col + len(token) :]
+            col += len(token)
+    return lines
+
+
+def without_colours(drawn: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", drawn)
+
+
 def test_a_terminal_shows_a_steady_status_line_and_output_scrolls_above_it_whole() -> None:
     drawn = run_in_a_terminal(SCRIPT)
-    status = [part for part in drawn.split(CLEAR) if part.startswith("training run demo")]
+    status = [part for part in without_colours(drawn).split(CLEAR) if part.startswith("training run demo")]
     assert any("25% 5/20 steps · 8.00 steps/s · ETA 2s · loss 7.75" in line for line in status)
     assert any("100% 20/20 steps · 8.00 steps/s · done · loss 4.00" in line for line in status)
+    assert all("━" in line for line in status)  # the bar
     assert all("\n" not in line for line in status)  # redrawn in place, never a new line of its own
-    # Every output line arrives whole, on a cleared line, never glued to the status line.
-    for text in ("step 5 on stdout", "a child process line", "a line on stderr", "step 20 on stdout"):
-        assert f"{CLEAR}{text}\n" in drawn, text
-    lines = drawn.replace(CLEAR, "\n").split("\n")
-    assert not [line for line in lines if "steps/s" in line and ("stdout" in line or "stderr" in line)]
-    assert drawn.rstrip().endswith(f"{CLEAR}after the block")  # the status line is gone
+    # What stays on the terminal is the output alone, every line whole and in order, never glued to the
+    # status line, which is gone at the end.
+    each_fifth_step = ["step {} on stdout", "a child process line", "a line on stderr"]
+    output = [line.format(step) for step in (5, 10, 15, 20) for line in each_fifth_step]
+    last = ["the last words, without a newline", "after the block"]
+    assert [line for line in screen(drawn) if line.strip()] == [*output, *last]
 
 
 def test_without_a_terminal_nothing_is_drawn_and_the_output_is_untouched() -> None:
@@ -86,7 +123,7 @@ def test_without_a_terminal_nothing_is_drawn_and_the_output_is_untouched() -> No
     assert "steps" not in done.stdout + done.stderr
     assert done.stdout.splitlines() == [
         line for step in (5, 10, 15, 20) for line in (f"step {step} on stdout", "a child process line")
-    ] + ["after the block"]
+    ] + ["the last words, without a newline", "after the block"]
     assert done.stderr.splitlines() == ["a line on stderr"] * 4
 
 
@@ -151,12 +188,24 @@ def test_the_figures_say_done_of_total_rate_and_eta_or_what_is_known() -> None:
     assert ProgressSnapshot("x", 0, 10, "steps", status="waiting for a device").figures() == (
         "0% 0/10 steps · waiting for a device"
     )
-    line = snapshot.line(120)
-    assert line.startswith("hidden_state_partitions 00000000-00000099  ███") and len(line) < 120
-    assert "░ 42% 42/100" in line and "█" * 20 not in line  # 42 % of the bar's cells
-    assert snapshot.line(120, unicode=False).startswith("hidden_state_partitions 00000000-00000099  ###")
-    narrow = snapshot.line(60)  # no room for a bar: the figures, cut to the width
-    assert "█" not in narrow and len(narrow) < 60 and narrow.endswith("…")
+    line = drawn(snapshot, width=120)
+    assert line.startswith("hidden_state_partitions 00000000-00000099  ━") and len(line) <= 120
+    assert line.count("━") == 10  # 42 % of the bar's 24 cells
+    assert line.endswith(" 42% 42/100 samples · 3.50 samples/s · ETA 17s")
+    ascii_line = drawn(snapshot, width=120, encoding="ascii")  # an ASCII terminal gets an ASCII bar
+    assert ascii_line.startswith("hidden_state_partitions 00000000-00000099  ---------- ")
+    narrow = drawn(snapshot, width=60)  # no room for a bar: the figures, cut to the width
+    assert narrow.startswith("hidden_state_partitions 00000000-00000099  42% 42/100")
+    assert "━" not in narrow and len(narrow) == 60 and narrow.endswith("…")
+
+
+def drawn(snapshot: ProgressSnapshot, width: int, encoding: str = "utf-8") -> str:
+    """The status line a terminal of `width` columns and `encoding` shows for `snapshot`, rendered the
+    way rich's `Live` renders it (colours left out)."""
+    console = Console(file=io.TextIOWrapper(io.BytesIO(), encoding=encoding), width=width, color_system=None)
+    lines = console.render_lines(status_line(snapshot, width), console.options, pad=False)
+    assert len(lines) == 1, lines  # one line, never wrapped
+    return "".join(segment.text for segment in lines[0])
 
 
 def test_the_newest_task_is_shown_and_a_finished_one_goes_away(tmp_path: Path) -> None:
@@ -165,11 +214,11 @@ def test_the_newest_task_is_shown_and_a_finished_one_goes_away(tmp_path: Path) -
     try:
         live.report(ProgressSnapshot("extraction 00000000-00000099", 10, 100, "samples"))
         live.report(ProgressSnapshot("training demo", 3, 6, "steps"))
-        assert live.current_line().startswith("[+1] training demo")
+        assert live.shown().task == "[+1] training demo"
         live.finish("training demo")
-        assert live.current_line().startswith("extraction 00000000-00000099")
+        assert live.shown().task == "extraction 00000000-00000099"
         live.finish("extraction 00000000-00000099")
-        assert live.current_line() == ""
+        assert live.shown() is None
     finally:
         live.close()
         os.close(main)
@@ -233,11 +282,11 @@ def test_training_draws_every_step_with_its_loss_on_the_status_line(
     assert evaluations[0] == 0 and first.rate > 1 / 2.5, first  # 1 step in well under the 3 s wait
     assert all(s.task == "training live" and s.unit == "steps" for s in snapshots)
     assert any(s.status.startswith("evaluating 2 held-out samples") for s in snapshots)
-    text = b"".join(drawn).decode("utf-8", "replace")
+    text = b"".join(drawn).decode("utf-8", "replace").replace("\r\n", "\n")
     rate = r"(?:[\d.,]+ steps/s|[\d.,]+ s/step)"  # a loaded machine may be slow
     figures = rf"\d+% [1-5]/5 steps · {rate} · ETA \S+ · epoch \d/\d · loss \d"
-    assert re.search(f"training live .*{figures}", text)
-    assert text.endswith(CLEAR)  # closing clears the line
+    assert re.search(f"training live .*{figures}", without_colours(text))
+    assert not "".join(screen(text)).strip()  # closing clears the line
 
 
 def _drain(fd: int, into: list[bytes]) -> None:
