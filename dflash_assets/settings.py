@@ -224,7 +224,9 @@ CHECKPOINT_EVERY_MINUTES = Setting(
 )
 RUN_NAME = Setting("DFLASH_RUN_NAME", "drafter", "Training run name: `checkpoints/<run>/`, `drafter/<run>/`.")
 RETRIGGER_MAX_ATTEMPTS = Setting(
-    "DFLASH_RETRIGGER_MAX_ATTEMPTS", "3", "Times the sensor re-launches a failed range before giving up."
+    "DFLASH_RETRIGGER_MAX_ATTEMPTS",
+    "3",
+    "Runs of a range in all, the first included, after which the failed-range sensor stops re-launching it.",
 )
 RETRIGGER_BACKOFF_S = Setting(
     "DFLASH_RETRIGGER_BACKOFF_S",
