@@ -223,6 +223,52 @@ CHECKPOINT_EVERY_MINUTES = Setting(
     "Checkpoint every M minutes, or every N steps if that comes first (`0`: by steps only).",
 )
 RUN_NAME = Setting("DFLASH_RUN_NAME", "drafter", "Training run name: `checkpoints/<run>/`, `drafter/<run>/`.")
+TRAIN_NPROC_PER_NODE = Setting(
+    "DFLASH_TRAIN_NPROC_PER_NODE",
+    "1",
+    "Drafter ranks per node (run config `nproc_per_node`; `auto`: offline every device of the node, online "
+    "the split `dflash-assets plan` recommends). Above 1 the step launches them with torch.distributed's "
+    "launcher; each rank leases a device.",
+)
+TRAIN_NNODES = Setting(
+    "DFLASH_TRAIN_NNODES",
+    "1",
+    "Nodes the drafter trains on (run config `nnodes`). With DFLASH_EXECUTOR=celery the other nodes are "
+    "`gpu` queue workers; otherwise each runs `dflash-assets train-join` (see the drafter docs).",
+)
+TRAIN_RDZV_HOST = Setting(
+    "DFLASH_TRAIN_RDZV_HOST",
+    "",
+    "Address at which the other nodes reach the training step's node (c10d rendezvous, and rank 0's "
+    "reports to the step). Empty: this host's name.",
+)
+TRAIN_RDZV_PORT = Setting(
+    "DFLASH_TRAIN_RDZV_PORT", "0", "Port of the rendezvous on the step's node; 0: a free one at launch."
+)
+TRAIN_RDZV_TIMEOUT_S = Setting(
+    "DFLASH_TRAIN_RDZV_TIMEOUT_S",
+    "900",
+    "Seconds the ranks wait for every node to join (and to join again after a restart) before the run "
+    "fails naming the missing node.",
+)
+TRAIN_COLLECTIVE_TIMEOUT_S = Setting(
+    "DFLASH_TRAIN_COLLECTIVE_TIMEOUT_S",
+    "600",
+    "Seconds a rank waits in any collective (and for its device lease) before the job stops: a dead rank "
+    "or node ends the run within it.",
+)
+TRAIN_EVAL_TIMEOUT_S = Setting(
+    "DFLASH_TRAIN_EVAL_TIMEOUT_S",
+    "3600",
+    "Seconds the other ranks wait for rank 0's evaluation at a checkpoint (speculative decoding with the "
+    "target takes minutes), outside the collectives.",
+)
+TRAIN_MAX_RESTARTS = Setting(
+    "DFLASH_TRAIN_MAX_RESTARTS",
+    "3",
+    "Times the launcher restarts every rank after one dies (each restart resumes from the last committed "
+    "checkpoint); past that the run fails naming the rank. 0: fail at once.",
+)
 RETRIGGER_MAX_ATTEMPTS = Setting(
     "DFLASH_RETRIGGER_MAX_ATTEMPTS",
     "3",
@@ -377,6 +423,19 @@ def samples_per_partition() -> int:
     value = SAMPLES_PER_PARTITION.get_int()
     if value <= 0:
         raise SettingError(f"{SAMPLES_PER_PARTITION.name} must be positive, got {value}")
+    return value
+
+
+def train_nproc_per_node() -> int:
+    """`DFLASH_TRAIN_NPROC_PER_NODE` as a number; 0 stands for `auto`."""
+    raw = TRAIN_NPROC_PER_NODE.get()
+    if raw.lower() == "auto":
+        return 0
+    value = TRAIN_NPROC_PER_NODE.get_int()
+    if value < 1:
+        raise SettingError(
+            f"{TRAIN_NPROC_PER_NODE.name}={raw!r}: use a number of ranks (1 or more) or `auto`"
+        )
     return value
 
 

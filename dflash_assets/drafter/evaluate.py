@@ -39,14 +39,38 @@ class BlockMetrics:
         self.num_tokens = 0
 
     def add(self, output: BlockLossOutput, batch: DrafterBatch) -> None:
-        self.weighted_ce_sum += output.weighted_ce_sum
-        self.weight_sum += output.weight_sum
-        self.correct += output.correct
-        self.counted += output.counted
-        self.accepted_sum += output.accepted_sum
-        self.num_blocks += output.num_blocks
-        self.num_samples += len(batch.sample_indices)
-        self.num_tokens += batch.num_tokens
+        self.add_totals(
+            weighted_ce_sum=output.weighted_ce_sum,
+            weight_sum=output.weight_sum,
+            correct=output.correct,
+            counted=output.counted,
+            accepted_sum=output.accepted_sum,
+            num_blocks=output.num_blocks,
+            num_samples=len(batch.sample_indices),
+            num_tokens=batch.num_tokens,
+        )
+
+    def add_totals(
+        self,
+        *,
+        weighted_ce_sum: float,
+        weight_sum: float,
+        correct: torch.Tensor,
+        counted: torch.Tensor,
+        accepted_sum: float,
+        num_blocks: int,
+        num_samples: int,
+        num_tokens: int,
+    ) -> None:
+        """Sums already made elsewhere (e.g. over the ranks of a data-parallel step)."""
+        self.weighted_ce_sum += weighted_ce_sum
+        self.weight_sum += weight_sum
+        self.correct += correct.long()
+        self.counted += counted.long()
+        self.accepted_sum += accepted_sum
+        self.num_blocks += int(num_blocks)
+        self.num_samples += int(num_samples)
+        self.num_tokens += int(num_tokens)
 
     @property
     def loss(self) -> float | None:

@@ -24,11 +24,13 @@ def drafter_model_card(
     steps: int,
     metrics: dict[str, Any],
     data_source: dict[str, Any] | None = None,
+    world_sizes: Sequence[dict[str, Any]] = (),
 ) -> str:
     """Markdown for the export's `README.md`. `metrics`: `acceptance_length_tau` (measured),
     `baseline_acceptance_length_tau`, `teacher_forced_tau`, `loss`, `per_position_accuracy`.
     `data_source`: whose answers it trained on (`completions`: `target` or `dataset`, and for `target`
-    `regenerated_by` and the `generation` settings)."""
+    `regenerated_by` and the `generation` settings). `world_sizes`: the data-parallel world sizes it was
+    trained at, by steps (`from_step`, `to_step`, `world_size`, `nodes`)."""
     accuracy = metrics.get("per_position_accuracy") or []
     accuracy_text = ", ".join(_number(a, 2) for a in accuracy[:8]) + (" ..." if len(accuracy) > 8 else "")
     ranges = ", ".join(trained_sample_ranges[:6]) + (" ..." if len(trained_sample_ranges) > 6 else "")
@@ -52,6 +54,7 @@ def drafter_model_card(
             f"{steps} optimiser steps",
         ),
         ("training data", describe_data_source(data_source)),
+        ("trained at world sizes", describe_world_sizes(world_sizes)),
     ]
     quality = [
         (
@@ -104,6 +107,19 @@ vllm serve {target} --speculative-config '{speculative_config}'
 A drafter with sliding-window layers next to full ones needs vLLM's V2 model runner
 (`VLLM_USE_V2_MODEL_RUNNER=1`).
 """
+
+
+def describe_world_sizes(world_sizes: Sequence[dict[str, Any]]) -> str:
+    """`2 ranks (steps 1-12 on node-a, node-b), 1 rank (steps 13-20 on node-a)`."""
+    parts = []
+    for entry in world_sizes:
+        size = int(entry.get("world_size", 1))
+        nodes = ", ".join(sorted(set(entry.get("nodes") or []))) or "?"
+        parts.append(
+            f"{size} rank{'s' if size != 1 else ''} "
+            f"(steps {entry.get('from_step')}-{entry.get('to_step')} on {nodes})"
+        )
+    return ", ".join(parts) or "not recorded"
 
 
 def describe_data_source(data_source: dict[str, Any] | None) -> str:

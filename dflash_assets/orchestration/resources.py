@@ -59,15 +59,23 @@ class StoreResource(ConfigurableResource):
 
     def open(self) -> ObjectStore:
         if self._store is None:
-            checksum = settings.given_or(self.s3_checksum, settings.S3_CHECKSUM.get)
-            s3 = S3Settings(
-                checksum=checksum or None,
-                # Large objects go multipart with several connections each.
-                max_pool_connections=4 * max(10, self._max_in_flight()),
-                max_attempts=self.s3_max_attempts,
-            )
-            self._store = open_store(self.store_url(), s3)
+            self._store = open_store(self.store_url(), self._s3_settings())
         return self._store
+
+    def _s3_settings(self) -> S3Settings:
+        checksum = settings.given_or(self.s3_checksum, settings.S3_CHECKSUM.get)
+        return S3Settings(
+            checksum=checksum or None,
+            # Large objects go multipart with several connections each.
+            max_pool_connections=4 * max(10, self._max_in_flight()),
+            max_attempts=self.s3_max_attempts,
+        )
+
+    def s3_settings_fields(self) -> dict[str, Any]:
+        """The store's S3 settings as plain fields, for processes that open it themselves (training ranks)."""
+        from dataclasses import asdict
+
+        return {name: value for name, value in asdict(self._s3_settings()).items() if value is not None}
 
     def check(self) -> ObjectStore:
         """Fail before any work when the store is unreachable, missing or refuses our credentials."""
@@ -76,13 +84,16 @@ class StoreResource(ConfigurableResource):
         return store
 
     def uploader(self) -> Uploader:
-        return Uploader(
-            self.open(),
-            max_in_flight=self._max_in_flight(),
-            staging_budget_bytes=self.staging_budget_bytes(),
-            max_attempts=self.upload_max_attempts,
-            backoff_s=self.upload_backoff_s,
-        )
+        return Uploader(self.open(), **self.uploader_fields())
+
+    def uploader_fields(self) -> dict[str, Any]:
+        """The uploader's bounds, for processes that upload to this store themselves (training ranks)."""
+        return {
+            "max_in_flight": self._max_in_flight(),
+            "staging_budget_bytes": self.staging_budget_bytes(),
+            "max_attempts": self.upload_max_attempts,
+            "backoff_s": self.upload_backoff_s,
+        }
 
     def local_dir(self, root: str | Path) -> Path:
         """The directory under the local `root` whose files belong to this store alone
@@ -222,7 +233,7 @@ class DeviceLeaseResource(ConfigurableResource):
         named = settings.given_or(self.devices, settings.DEVICES.get)
         return available_devices([d for d in named.split(",") if d.strip()])
 
-    def _lock_dir(self) -> Path:
+    def lock_directory(self) -> Path:
         return Path(settings.given_or(self.lock_dir, settings.device_lock_dir)).expanduser()
 
     @contextlib.contextmanager
@@ -230,7 +241,7 @@ class DeviceLeaseResource(ConfigurableResource):
         """`holder` names the run in the lock file; `log` hears whom a waiting run waits for."""
         from dflash_assets.target.devices import lease_device
 
-        with lease_device(self.candidates(), lock_dir=self._lock_dir(), holder=holder, log=log) as device:
+        with lease_device(self.candidates(), lock_dir=self.lock_directory(), holder=holder, log=log) as device:
             yield device
 
     @contextlib.contextmanager
@@ -239,7 +250,7 @@ class DeviceLeaseResource(ConfigurableResource):
         from dflash_assets.target.devices import try_lease_device
 
         others = [d for d in self.candidates() if d not in set(exclude)]
-        with try_lease_device(others, lock_dir=self._lock_dir(), holder=holder) as device:
+        with try_lease_device(others, lock_dir=self.lock_directory(), holder=holder) as device:
             yield device
 
 

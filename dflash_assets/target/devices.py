@@ -94,6 +94,11 @@ def _holder(path: Path) -> str:
         return "unknown holder"
 
 
+def describe_holder(lock_dir: str | Path, device: str) -> str:
+    """Who holds `device`'s lease, as its lock file says (diagnostics only)."""
+    return _holder(_lock_path(Path(lock_dir).expanduser(), check_device_name(device)))
+
+
 @contextlib.contextmanager
 def lease_device(
     devices: Sequence[str] | None,

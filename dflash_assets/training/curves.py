@@ -198,8 +198,9 @@ class TrainingCurves:
         self.local_dir = Path(local_dir)
         self._keys = [info.key for info in store.list(f"{self.prefix}/{EVENT_FILE_PREFIX}")]
         # A resumed run trains the steps after its checkpoint again: readers drop what the interrupted
-        # process logged from there on (its first file says so).
-        self._purge_from = start_step + 1 if start_step > 0 else None
+        # process logged from there on (its first file says so). So does a run that starts over at step
+        # 0 beside the files of an attempt that never reached a checkpoint.
+        self._purge_from = start_step + 1 if start_step > 0 or self._keys else None
         self.writer: EventFileWriter | None = None  # begun at the first event, so no file is empty
         self.key = ""
         self._last_upload = time.monotonic()
@@ -211,6 +212,10 @@ class TrainingCurves:
 
     def log_eval(self, step: int, scalars: Mapping[str, Any]) -> None:
         self._log(step, {f"eval/{tag}": value for tag, value in scalars.items()})
+
+    def log_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Scalars under the tags given (e.g. `ranks/step_s_rank_1`)."""
+        self._log(step, scalars)
 
     def _log(self, step: int, scalars: Mapping[str, Any]) -> None:
         numbers = _finite(scalars)

@@ -41,6 +41,7 @@ def export_trained_drafter(
         steps=result.steps,
         metrics=metrics,
         data_source=data_source,
+        world_sizes=result.world_sizes,
     )
     provenance = {
         "run": run,
@@ -48,6 +49,7 @@ def export_trained_drafter(
         "trained_sample_ranges": result.trained_sample_ranges,
         "trained_partitions": result.partitions,
         "data_source": data_source or {"completions": "dataset"},
+        "world_sizes": result.world_sizes,
         "metrics": {k: v for k, v in metrics.items() if k != "per_position_accuracy"},
     }
     return export_drafter(result.model, directory, provenance=provenance, model_card=card), metrics

@@ -1,5 +1,6 @@
 """Which samples each optimiser step trains on: the held-out split, the shuffled global batches of an
-epoch (a pure function of seed and epoch, so resume is exact), and micro-batches that fit memory."""
+epoch (a pure function of seed and epoch, so resume is exact at any world size), each rank's share of a
+global batch, and micro-batches that fit memory."""
 
 from __future__ import annotations
 
@@ -34,6 +35,24 @@ def epoch_plan(
     size = settings.global_batch_size
     steps = [order[start : start + size] for start in range(0, len(order), size)]
     return [sorted(step, key=lambda i: (-source_lengths[i], i)) for step in steps]
+
+
+def rank_share(ids: Sequence[int], lengths: Sequence[int], world_size: int, rank: int) -> list[int]:
+    """Rank `rank`'s share of one global batch `ids` (longest first): each sample goes, longest first,
+    to the rank with the fewest tokens so far (then the fewest samples, then the lowest rank), so the
+    ranks' steps take about as long. A pure function of the batch and the world size: every rank
+    computes every share alike, and together the shares are the batch, each sample once."""
+    if world_size == 1:
+        return list(ids)
+    tokens, counts = [0] * world_size, [0] * world_size
+    mine: list[int] = []
+    for index in ids:
+        chosen = min(range(world_size), key=lambda r: (tokens[r], counts[r], r))
+        tokens[chosen] += lengths[index]
+        counts[chosen] += 1
+        if chosen == rank:
+            mine.append(index)
+    return mine
 
 
 def micro_batches(

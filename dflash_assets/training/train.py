@@ -1,11 +1,14 @@
-"""The training loop: one run of the DFlash drafter, wired from the parts beside this module (settings,
-data, plan, schedule, metrics, checkpoints).
+"""The training loop: one run of the DFlash drafter on one rank, wired from the parts beside this module
+(settings, data, plan, schedule, metrics, checkpoints, evaluation, reporting, distributed).
 
 Both modes yield the same `DrafterBatch` for the same samples, so a batch gives the same loss whether
 its hidden states were captured earlier (offline: streamed from the store through a bounded cache) or
 are computed now by the target (online). The data order is a pure function of (seed, epoch) and each
-batch's anchors of (seed, epoch, batch index); with model, optimiser, scheduler and RNG restored from a
-checkpoint, a resumed run continues exactly where the interrupted one stopped.
+sample's anchors of (seed, epoch, sample index); each rank trains its share of every global batch
+(`plan.rank_share`) and the loss is normalised over the whole global batch, so N ranks make the same
+steps as one process, up to float reduction order. With model, optimiser, scheduler and RNG restored
+from a checkpoint, a resumed run continues exactly where the interrupted one stopped, at any world size.
+Rank 0 alone writes checkpoints, curves and reports, and evaluates; the other ranks wait for it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,6 @@ import torch
 from dflash_assets import terminal
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.drafter.evaluate import evaluate_drafter
 from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.objective import (
     BlockAnchors,
@@ -34,28 +36,33 @@ from dflash_assets.drafter.objective import (
     dflash_loss,
     sample_anchors,
 )
-from dflash_assets.drafter.speculative import (
-    SpeculativeEvaluator,
-    TargetVerifier,
-    held_out_prompts,
-    stop_token_ids_of,
-)
+from dflash_assets.drafter.speculative import TargetVerifier
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
-from dflash_assets.target.model import load_target_model
 from dflash_assets.training.checkpoints import (
     CheckpointManager,
     CheckpointPolicy,
     DataPosition,
+    load_checkpoint,
     restore_rng_state,
     run_prefix,
 )
 from dflash_assets.training.curves import TENSORBOARD_DIR, TrainingCurves
 from dflash_assets.training.data import OfflineData, OfflineSource, OnlineData, OnlineSource
-from dflash_assets.training.memory import DeviceMemory, TorchDeviceMemory, target_for_evaluation
-from dflash_assets.training.metrics import TrainMetrics
-from dflash_assets.training.plan import GIB, default_micro_batch_bytes, epoch_plan, micro_batches, split_eval
+from dflash_assets.training.distributed import SingleProcess
+from dflash_assets.training.evaluation import Evaluator
+from dflash_assets.training.memory import DeviceMemory
+from dflash_assets.training.metrics import StepStats
+from dflash_assets.training.plan import (
+    GIB,
+    default_micro_batch_bytes,
+    epoch_plan,
+    micro_batches,
+    rank_share,
+    split_eval,
+)
+from dflash_assets.training.reporting import QuietReporter, RunReporter
 from dflash_assets.training.schedule import build_optimizer, lr_factor
 from dflash_assets.training.settings import TRAJECTORY_SETTINGS, TrainSettings
 
@@ -73,7 +80,10 @@ class TrainResult:
     per_position_accuracy: list[float | None]  # held-out if evaluated, else the last training window
     acceptance_length_tau: float | None  # measured by speculative decoding with the target
     teacher_forced_tau: float | None  # predicted from held-out labels
-    tokens_per_second: float  # this process's training throughput
+    tokens_per_second: float  # this run's training throughput, every rank's tokens summed
+    rank_step_seconds: list[float]  # each rank's mean compute time per step (stragglers)
+    world: dict[str, Any]  # world_size, nodes, devices of this run
+    world_sizes: list[dict[str, Any]]  # every world size the weights were trained at, by steps
     checkpoints: list[str]  # store URIs committed by this process
     trained_sample_ranges: list[str]  # sample-index range keys trained on, held-out samples excluded
     eval_sample_indices: list[int]
@@ -99,9 +109,15 @@ def _gradient_norm(model: torch.nn.Module) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
+def single_process_world(device: str) -> dict[str, Any]:
+    import socket
+
+    return {"world_size": 1, "nodes": [socket.gethostname()], "devices": [device], "target_devices": [[]]}
+
+
 class DrafterTrainer:
-    """The parts of one training run, wired together: data plan, model, optimiser, checkpoints, metrics,
-    and the evaluations (teacher-forced on held-out samples, speculative decoding with the target)."""
+    """The parts of one training run on one rank, wired together: data plan, model, optimiser,
+    checkpoints, evaluation and reporting."""
 
     def __init__(
         self,
@@ -119,6 +135,8 @@ class DrafterTrainer:
         device_memory: DeviceMemory | None = None,
         spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None = None,
         on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
+        collective: Any = None,
+        world: dict[str, Any] | None = None,
     ) -> None:
         if data.mode != settings.mode:
             raise ValueError(f"train mode is {settings.mode!r} but the data given is {data.mode!r}")
@@ -128,21 +146,17 @@ class DrafterTrainer:
                 f"{config.block_size}"
             )
         self.config, self.settings, self.store, self.run = config, settings, store, run
-        self.log = log or (lambda message: None)
-        self.on_checkpoint = on_checkpoint
-        self.on_progress = on_progress  # every step's snapshot, as the terminal gets it
+        self.collective = collective or SingleProcess()
+        self.rank0 = self.collective.is_rank0
+        self.world = world or single_process_world(settings.device)
+        self.log = self._rank_log(log or (lambda message: None))
         self.work_dir = Path(work_dir)
         self.device = torch.device(settings.device)
         self.autocast_bf16 = self.device.type == "cuda" and settings.bf16_autocast
-        # Offline, the trainer loads the target for each speculative evaluation itself, where it fits
-        # (`training/memory.py`): beside the drafter, on a spare leased device, or after moving the
-        # optimiser state to the host. Online, the caller's target is already loaded.
-        self._owns_target = target_verifier is None
-        self._target_verifier = target_verifier
-        self._device_memory = device_memory or TorchDeviceMemory()
-        self._spare_device = spare_device
+        self.stats_device = self.device if self.device.type == "cuda" else torch.device("cpu")
 
-        # Data: a fixed held-out set, then one shuffled order of global batches per epoch.
+        # Data: a fixed held-out set (rank 0 evaluates it), then one shuffled order of global batches per
+        # epoch, each rank streaming only its own share of each.
         self.source = (OfflineSource if isinstance(data, OfflineData) else OnlineSource)(
             data, config, settings
         )
@@ -151,12 +165,12 @@ class DrafterTrainer:
         self.train_ids, self.eval_ids = split_eval(
             len(self.source.lengths), settings.eval_samples, settings.seed
         )
-        self.source.setup_streams(self.eval_ids)
+        self.source.setup_streams(self.eval_ids if self.rank0 else [])
         self._plans: dict[int, list[list[int]]] = {}
         self.steps_per_epoch = len(self.plan(0))
         self.total_steps = settings.max_steps or self.steps_per_epoch * settings.epochs
 
-        # Model and optimisation: the same seed gives the same initial weights.
+        # Model and optimisation: the same seed gives the same initial weights on every rank.
         torch.manual_seed(settings.seed)
         random.seed(settings.seed)
         self.model = DFlashDrafter.from_target(config).to(self.device).train()
@@ -171,25 +185,55 @@ class DrafterTrainer:
             self.device, weights_bytes
         )
 
-        self.checkpoints = CheckpointManager(
-            store,
-            run,
-            Path(work_dir) / "checkpoints",
-            policy=CheckpointPolicy(settings.checkpoint_every_steps, settings.checkpoint_every_minutes),
-            uploader=uploader,
+        self.checkpoints = (
+            CheckpointManager(
+                store,
+                run,
+                self.work_dir / "checkpoints",
+                policy=CheckpointPolicy(settings.checkpoint_every_steps, settings.checkpoint_every_minutes),
+                uploader=uploader,
+            )
+            if self.rank0
+            else None
+        )
+        self.evaluator = Evaluator(
+            self.source,
+            self.eval_ids,
+            config,
+            settings,
+            autocast=self._autocast,
+            micro_batch_bytes=lambda: self.micro_batch_bytes,
+            report=lambda status: self.reporter.status(status, self.step),
+            log=self.log,
+            target_verifier=target_verifier,
+            device_memory=device_memory,
+            spare_device=spare_device,
         )
         self.step, self.position = 0, DataPosition()
         self.resumed_from: int | None = None
         self.last_saved: int | None = None
         self.last_eval: dict[str, Any] | None = None
         self.baseline: dict[str, Any] | None = None  # the evaluations of the untrained weights
+        self.world_sizes: list[dict[str, Any]] = []  # earlier processes' world sizes (from a checkpoint)
+        self._evaluated = False  # since this process started (the same on every rank)
         self.skipped_nonfinite = self._consecutive_nonfinite = 0
-        self._pending_reports: list[dict[str, Any]] = []
-        self._eval_prompts: list[list[int]] | None = None
-        self._speculative: SpeculativeEvaluator | None = None
-        self.progress = TrainMetrics(config.block_size, 0, self.total_steps)
-        self.curves: TrainingCurves | None = None  # opened by train(), once the start step is known
-        self.step_scalars: dict[str, Any] = {}  # the last optimiser step's loss, gradient norm, sizes
+        reporter = RunReporter if self.rank0 else QuietReporter
+        self.reporter = reporter(
+            run=run,
+            block_size=config.block_size,
+            total_steps=self.total_steps,
+            world=self.world,
+            log=self.log,
+            log_every_steps=settings.log_every_steps,
+            open_curves=self._open_curves,
+            on_progress=on_progress,
+            on_checkpoint=on_checkpoint,
+        )
+        ranks = (
+            f" over {self.world['world_size']} ranks ({', '.join(sorted(set(self.world['nodes'])))})"
+            if self.world["world_size"] > 1
+            else ""
+        )
         self.log(
             f"drafter: {config.num_layers} layers, {config.num_heads} query / {config.num_kv_heads} kv heads "
             f"x {config.head_dim} ({', '.join(sorted(set(config.layer_types)))}), mask token "
@@ -197,7 +241,20 @@ class DrafterTrainer:
             f"{len(self.train_ids)} training samples, {len(self.eval_ids)} held out; "
             f"{self.steps_per_epoch} steps per epoch of up to {settings.global_batch_size} sequences; "
             f"{self.total_steps} steps in total; {self.model.attention_backend} attention on {self.device}"
+            f"{ranks}"
         )
+
+    def _rank_log(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """Rank 0 says everything; the others only their warnings, naming themselves."""
+        if self.rank0:
+            return log
+        rank = self.collective.rank
+
+        def warnings_only(message: str) -> None:
+            if message.startswith("WARNING"):
+                log(f"rank {rank}: {message}")
+
+        return warnings_only
 
     def plan(self, epoch: int) -> list[list[int]]:
         if epoch not in self._plans:
@@ -212,10 +269,14 @@ class DrafterTrainer:
     # -- resume
 
     def resume(self) -> None:
-        """Continue from the newest complete checkpoint of the run, if there is one."""
-        restored = self.checkpoints.restore_latest()
-        if restored is None:
+        """Continue from the newest complete checkpoint of the run, if there is one: the one rank 0
+        finds, which every rank then loads."""
+        restored = self.checkpoints.restore_latest() if self.rank0 else None
+        ref = self.collective.broadcast_object(restored.ref if restored is not None else None)
+        if ref is None:
             return
+        if restored is None:
+            restored = load_checkpoint(self.store, ref, self.work_dir / "checkpoints")
         current = json.loads(json.dumps(self.settings.to_dict()))  # tuples -> lists, as saved
         changed = [
             f"{name}: {restored.settings.get(name)!r} -> {current[name]!r}"
@@ -234,14 +295,17 @@ class DrafterTrainer:
         self.step, self.position = restored.step, restored.data_position
         self.resumed_from = self.last_saved = restored.step
         self.baseline = restored.extra.get("baseline")
-        self.checkpoints.start_from(self.step)
-        self.progress = TrainMetrics(self.config.block_size, self.step, self.total_steps)
+        self.world_sizes = list(restored.extra.get("world_sizes") or [])
+        if self.checkpoints is not None:
+            self.checkpoints.start_from(self.step)
+        earlier = ", ".join(str(w["world_size"]) for w in self.world_sizes) or "unknown"
         self.log(
-            f"resuming run {self.run} from {self.store.uri(restored.ref.prefix)}: step {self.step}, "
-            f"epoch {self.position.epoch + 1}, batch {self.position.batch_index}"
+            f"resuming run {self.run} from {self.store.uri(ref.prefix)}: step {self.step}, "
+            f"epoch {self.position.epoch + 1}, batch {self.position.batch_index}; trained so far at world "
+            f"size {earlier}, now {self.world['world_size']}"
         )
 
-    # -- one optimiser step: gradient accumulation over micro-batches
+    # -- one optimiser step: this rank's share, gradient accumulation, one sum over the ranks
 
     def _anchors(self, batch: DrafterBatch, epoch: int | str) -> BlockAnchors:
         generators = [anchor_generator(self.settings.seed, epoch, index) for index in batch.sample_indices]
@@ -260,17 +324,14 @@ class DrafterTrainer:
             outputs.append((output, batch))
         return outputs
 
-    def train_step(self, here: DataPosition, samples: Sequence[Any], lengths: Sequence[int]) -> None:
-        """One optimiser step over one global batch. The loss is normalised by the label weight of the
-        whole global batch, so any micro-batch split (including a split made after running out of
-        memory) gives the same update."""
-        fault_point("train_step")  # crash tests: die between steps, checkpoints possibly mid-upload
+    def _local_step(self, samples: Sequence[Any], lengths: Sequence[int], epoch: int) -> list[tuple]:
+        """This rank's share of the step, split into micro-batches that fit (smaller after running out of
+        memory: the gradients are sums, so any split gives the same update)."""
         ids = list(range(len(samples)))
         while True:
             plan = micro_batches(ids, lengths, self.config, self.settings, self.micro_batch_bytes)
             try:
-                outputs = self._accumulate(samples, plan, here.epoch)
-                break
+                return self._accumulate(samples, plan, epoch)
             except torch.OutOfMemoryError as error:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.device.type == "cuda":
@@ -285,28 +346,49 @@ class DrafterTrainer:
                     f"WARNING: out of memory at step {self.step + 1}; micro-batch budget lowered to "
                     f"{self.micro_batch_bytes / GIB:.2f} GiB and the step redone"
                 )
-        bad = [o for o, _ in outputs if not torch.isfinite(o.loss)]
-        sample_indices = [i for _, b in outputs for i in b.sample_indices]
-        if bad:
+
+    def train_step(self, epoch: int, samples: Sequence[Any], lengths: Sequence[int]) -> tuple[StepStats, Any]:
+        """One optimiser step over one global batch, of which `samples` is this rank's share. The loss is
+        normalised by the label weight of the whole global batch, so any split over ranks and
+        micro-batches gives the same update. Returns the step's global figures and gradient norm."""
+        fault_point("train_step")  # crash tests: die between steps, checkpoints possibly mid-upload
+        started = time.monotonic()
+        outputs = self._local_step(samples, lengths, epoch)
+        due = (
+            self.checkpoints is not None
+            and self.step + 1 < self.total_steps
+            and self.checkpoints.due(self.step + 1)
+        )
+        local = StepStats.local(
+            outputs,
+            block_size=self.config.block_size,
+            rank=self.collective.rank,
+            world_size=self.collective.world_size,
+            seconds=time.monotonic() - started,
+            checkpoint_due=due,
+        )
+        packed = self.collective.all_reduce_sum(local.pack(self.stats_device))
+        stats = StepStats.unpack(packed, self.config.block_size, self.collective.world_size)
+        if stats.nonfinite_ranks:
             # Skip the update, not the data: one bad batch must not kill a day-long run.
             self.skipped_nonfinite += 1
             self._consecutive_nonfinite += 1
             self.optimizer.zero_grad(set_to_none=True)
-            self.step_scalars = self._step_scalars(outputs, len(samples), math.nan, None)
-            self.log(f"WARNING: non-finite loss at step {self.step + 1} (samples {sample_indices}); skipped")
+            indices = [i for _, b in outputs for i in b.sample_indices]
+            self.log(f"WARNING: non-finite loss at step {self.step + 1} (samples {indices} here); skipped")
             if self._consecutive_nonfinite > self.settings.max_consecutive_nonfinite:
                 raise FloatingPointError(
                     f"{self._consecutive_nonfinite} consecutive non-finite losses (last step: samples "
-                    f"{sample_indices}); lower the learning rate or check those samples' hidden states"
+                    f"{indices} here); lower the learning rate or check those samples' hidden states"
                 )
-            return
+            return stats, None
         self._consecutive_nonfinite = 0
-        weight = sum(o.weight_sum for o, _ in outputs)
         grad_norm = None
-        if weight > 0:  # a step without a single label leaves weights and moments alone
+        if stats.weight_sum > 0:  # a step without a single label leaves weights and moments alone
+            self.collective.sync_gradients(self.model.parameters())
             for parameter in self.model.parameters():
                 if parameter.grad is not None:
-                    parameter.grad.div_(weight)
+                    parameter.grad.div_(stats.weight_sum)
             if self.settings.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
             else:
@@ -314,281 +396,138 @@ class DrafterTrainer:
             grad_norm = float(norm)  # before clipping, for the curves
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = sum(o.weighted_ce_sum for o, _ in outputs) / weight if weight > 0 else None
-        self.step_scalars = self._step_scalars(outputs, len(samples), loss, grad_norm)
-        for output, batch in outputs:
-            self.progress.add(output, batch)
-        self.progress.count_step(len(outputs))
+        return stats, grad_norm
 
-    # -- evaluation
-
-    def _eval_batches(self) -> Iterator[DrafterBatch]:
-        micro = micro_batches(
-            sorted(self.eval_ids, key=lambda i: (-self.source.lengths[i], i)),
-            self.source.lengths,
-            self.config,
-            self.settings,
-            self.micro_batch_bytes,
-        )
-        samples = self.source.iterate([i for batch in micro for i in batch], "eval")
-        for batch in micro:
-            yield self.source.collate([next(samples) for _ in batch])
+    # -- evaluation and checkpoints
 
     def evaluate(self) -> dict[str, Any] | None:
-        """`{"teacher_forced": ..., "speculative": ...}` on the held-out samples (None without any)."""
-        if not self.eval_ids:
-            return None
-        self._report(f"evaluating {len(self.eval_ids)} held-out samples")
-        rows: list[tuple[list[int], list[int]]] = []  # (token ids, loss mask) of each held-out sample
-
-        def remember(stream: Iterator[DrafterBatch]) -> Iterator[DrafterBatch]:
-            for batch in stream:
-                if self._eval_prompts is None:  # the first evaluation: keep the tokens, not the states
-                    for row, length in enumerate(batch.lengths.tolist()):
-                        ids, mask = batch.input_ids[row, :length], batch.loss_mask[row, :length]
-                        rows.append((ids.tolist(), mask.tolist()))
-                yield batch
-
-        with self._autocast():
-            teacher_forced = evaluate_drafter(
-                self.model,
-                remember(self._eval_batches()),
-                gamma=self.settings.gamma,
-                num_anchors=self.settings.num_anchors,
-                seed=self.settings.seed,
-            )
-        if self._eval_prompts is None:
-            limit = max(1, self.settings.max_length - self.settings.spec_eval_max_new_tokens)
-            self._eval_prompts = held_out_prompts([r[0] for r in rows], [r[1] for r in rows], limit)
-        return {"teacher_forced": teacher_forced, "speculative": self.speculative_evaluation()}
-
-    def speculative_evaluation(self) -> dict[str, Any] | None:
-        prompts = (self._eval_prompts or [])[: self.settings.spec_eval_prompts]
-        if not prompts:
-            return None
-        self._report(f"speculative decoding with the target on {len(prompts)} held-out prompts")
-        if not self._owns_target:
-            verifier = self._speculative.verifier if self._speculative is not None else None
-            return self._decode(verifier or self._target_verifier(), prompts)
-        # Offline, the target is loaded for this evaluation only and its memory given back to training
-        # after it (a 27B target is ~54 GB in bf16); it is loaded again at the next checkpoint. Where it
-        # does not fit, the evaluation is skipped with a warning, never the run.
-        result = None
-        with target_for_evaluation(
-            load=lambda device: TargetVerifier(
-                load_target_model(self.config.target_model, device), self.config.target_layer_ids
-            ),
-            target_model=self.config.target_model,
-            prompts=prompts,
-            new_tokens=self.settings.spec_eval_max_new_tokens,
-            drafter_device=self.settings.device,
-            optimizer=self.optimizer,
-            memory=self._device_memory,
-            spare_device=self._spare_device,
-            log=self.log,
-        ) as verifier:
-            if verifier is not None:
-                try:
-                    result = self._decode(verifier, prompts)
-                finally:
-                    if self._speculative is not None:
-                        self._speculative.verifier = None
+        """Rank 0 evaluates; every other rank waits for it outside the training collectives."""
+        result = self.evaluator.evaluate(self.model, self.optimizer) if self.rank0 else None
+        self.collective.wait_for_rank0()
+        self._evaluated = True
+        self.reporter.evaluation(self.step, result)
         return result
 
-    def _decode(self, verifier: TargetVerifier, prompts: list[list[int]]) -> dict[str, Any]:
-        if self._speculative is None:
-            self._speculative = SpeculativeEvaluator(
-                verifier,
-                prompts,
-                max_new_tokens=self.settings.spec_eval_max_new_tokens,
-                stop_token_ids=stop_token_ids_of(self.config.target_model),
-            )
-        else:
-            self._speculative.verifier = verifier
-        with self._autocast():
-            result = self._speculative.evaluate(self.model)
-        if not result["matches_target_greedy"]:
-            self.log(
-                "WARNING: speculative decoding differs from the target's greedy decoding on held-out "
-                f"prompts {result['mismatched_prompts']} (ties in the target's logits, or a verification bug)"
-            )
-        return result
-
-    # -- checkpoints
+    def _world_sizes(self) -> list[dict[str, Any]]:
+        """The world sizes the weights were trained at so far, this process's included."""
+        start = (self.resumed_from or 0) + 1
+        here = {"from_step": start, "to_step": self.step, **self.world}
+        return [*self.world_sizes, here] if self.step >= start else list(self.world_sizes)
 
     def save_checkpoint(self) -> None:
-        ref = self.checkpoints.save(
-            step=self.step,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            data_position=self.position,
-            config=self.config,
-            settings=self.settings.to_dict(),
-            extra={
-                "eval_sample_indices": [self.source.sample_indices[i] for i in self.eval_ids],
-                "baseline": self.baseline,
-            },
-        )
+        ref = None
+        if self.checkpoints is not None:
+            ref = self.checkpoints.save(
+                step=self.step,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                data_position=self.position,
+                config=self.config,
+                settings=self.settings.to_dict(),
+                extra={
+                    "eval_sample_indices": [self.source.sample_indices[i] for i in self.eval_ids],
+                    "baseline": self.baseline,
+                    "world_sizes": self._world_sizes(),
+                },
+            )
         self.last_eval = self.evaluate()  # overlaps the upload
-        self._log_eval()
-        if self.curves is not None:
-            self.curves.rotate()
         self.last_saved = self.step
-        self._queue_report(self.step, self.store.uri(ref.prefix))
-
-    def _queue_report(self, step: int, checkpoint_uri: str | None) -> None:
-        self._pending_reports.append(
-            {
-                "step": step,
-                "checkpoint": checkpoint_uri,
-                "epoch": self.position.epoch,
-                "train": self.progress.last_window or None,
-                "tokens_per_second": self.progress.tokens_per_second,
-                "eval": (self.last_eval or {}).get("teacher_forced"),
-                "speculative": (self.last_eval or {}).get("speculative"),
-            }
-        )
+        if ref is not None:
+            self.reporter.checkpoint_written()
+            self.reporter.queue_checkpoint_report(
+                self.step, self.store.uri(ref.prefix), self.position.epoch, self.last_eval
+            )
 
     def report_committed(self, *, block: bool) -> None:
         """Tell `on_checkpoint` about checkpoints once committed; training goes on during uploads."""
-        if self._pending_reports and (block or self.checkpoints.upload_finished()):
+        if self.checkpoints is None or not self.reporter.has_pending:
+            return
+        if block or self.checkpoints.upload_finished():
             self.checkpoints.wait()
-            for report in self._pending_reports:
-                if self.on_checkpoint is not None:
-                    self.on_checkpoint(report)
-            self._pending_reports.clear()
+            self.reporter.send_committed()
 
     # -- the loop
 
     def train(self) -> TrainResult:
         failed = True
         try:
-            self.curves = self._open_curves()
-            if self.step == 0 and self.baseline is None:
+            self.reporter.start(self.step)
+            if self.step == 0 and self.resumed_from is None:
                 # What an untrained drafter of this architecture achieves, measured the same way.
                 self.last_eval = self.baseline = self.evaluate()
-                self._log_eval()
-                self._queue_report(0, None)
+                self.reporter.queue_checkpoint_report(0, None, 0, self.last_eval)
                 self.report_committed(block=True)
             if self.step < self.total_steps:
                 self._train_steps()
             if self.last_saved != self.step:
                 self.save_checkpoint()
-            elif self.last_eval is None:
+            elif not self._evaluated:
                 # Resumed at its last checkpoint (a finished run materialised again): the figures the
                 # export, its card and the UI carry are measured again on the same weights, not blanked.
                 self.last_eval = self.evaluate()
-                self._log_eval()
             self.report_committed(block=True)
             failed = False
         finally:
             try:
-                if self.curves is not None:
-                    self.curves.close(failed=failed)
+                self.reporter.close(failed=failed)
             finally:
-                terminal.finish(self.progress_task)
-                self.checkpoints.close()
+                if self.checkpoints is not None:
+                    self.checkpoints.close()
         return self.result()
 
     def _train_steps(self) -> None:
-        """Steps from `self.position` to `total_steps`; one streamed pass over the data per epoch (a
-        sample appears once per pass, so the streaming cache never holds two copies of it)."""
+        """Steps from `self.position` to `total_steps`; one streamed pass over this rank's shares per epoch
+        (a sample appears once per pass, so the streaming cache never holds two copies of it)."""
         epoch, start = self.position.epoch, self.position.batch_index
-        self.progress.start_clock()
+        world_size, rank = self.collective.world_size, self.collective.rank
+        lengths = self.source.lengths
+        self.reporter.start_clock()
         while self.step < self.total_steps:
             plan = self.plan(epoch)
             steps = plan[start : start + self.total_steps - self.step]
-            samples = self.source.iterate([i for ids in steps for i in ids])
+            shares = [rank_share(ids, lengths, world_size, rank) for ids in steps]
+            samples = self.source.iterate([i for share in shares for i in share])
             with contextlib.closing(samples):
-                for index, ids in enumerate(steps, start=start):
-                    here = DataPosition(epoch, index)
+                for index, share in enumerate(shares, start=start):
                     started = time.monotonic()
-                    self.train_step(here, [next(samples) for _ in ids], [self.source.lengths[i] for i in ids])
+                    stats, grad_norm = self.train_step(
+                        epoch, [next(samples) for _ in share], [lengths[i] for i in share]
+                    )
                     lr = self.optimizer.param_groups[0]["lr"]
                     self.scheduler.step()
                     self.step += 1
-                    self._record_step(lr, epoch, time.monotonic() - started)
                     last = index + 1 == len(plan)
                     self.position = DataPosition(epoch + 1, 0) if last else DataPosition(epoch, index + 1)
-                    if self.step % self.settings.log_every_steps == 0 or self.step == self.total_steps:
-                        self.log(self.progress.report(self.step, epoch, self.epochs_total, lr))
+                    self.reporter.step(
+                        self.step, epoch, self.epochs_total, lr, stats, grad_norm, time.monotonic() - started
+                    )
                     if self.step >= self.total_steps:
                         return
-                    if self.checkpoints.due(self.step):
+                    if stats.checkpoint_due:
                         self.save_checkpoint()
                     self.report_committed(block=False)
             epoch, start = epoch + 1, 0
 
-    # -- curves and live progress
-
-    @property
-    def progress_task(self) -> str:
-        return f"training {self.run}"
-
-    def _open_curves(self) -> TrainingCurves:
+    def _open_curves(self, start_step: int) -> TrainingCurves:
         return TrainingCurves(
             self.store,
             f"{run_prefix(self.run)}/{TENSORBOARD_DIR}",
             self.work_dir / TENSORBOARD_DIR,
             self.checkpoints.uploader,
             run=self.run,
-            start_step=self.step,
+            start_step=start_step,
             config=self.settings.to_dict(),
             log=self.log,
         )
-
-    @staticmethod
-    def _step_scalars(
-        outputs: Sequence[tuple], sequences: int, loss: float | None, grad_norm: float | None
-    ) -> dict[str, Any]:
-        tokens = sum(batch.num_tokens for _, batch in outputs)
-        return {"loss": loss, "grad_norm": grad_norm, "sequences_per_step": sequences, "tokens": tokens}
-
-    def _record_step(self, lr: float, epoch: int, seconds: float) -> None:
-        """The step's scalars to the curves, its snapshot to the terminal (and `on_progress`)."""
-        scalars = dict(self.step_scalars)
-        tokens = scalars.pop("tokens", 0)
-        scalars.update(lr=lr, tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
-        if self.curves is not None:
-            self.curves.log_step(self.step, scalars)
-        loss = scalars.get("loss")
-        loss_text = f" · loss {loss:.3f}" if isinstance(loss, float) else ""
-        self._report(f"epoch {epoch + 1}/{self.epochs_total}{loss_text}")
-
-    def _log_eval(self) -> None:
-        evaluation = self.last_eval or {}
-        teacher_forced = evaluation.get("teacher_forced") or {}
-        speculative = evaluation.get("speculative") or {}
-        if self.curves is not None and evaluation:
-            self.curves.log_eval(
-                self.step,
-                {
-                    "loss": teacher_forced.get("loss"),
-                    "tau_teacher_forced": teacher_forced.get("teacher_forced_tau"),
-                    "tau_measured": speculative.get("acceptance_length_tau"),
-                },
-            )
-
-    def _report(self, status: str) -> None:
-        snapshot = terminal.ProgressSnapshot(
-            task=self.progress_task,
-            done=self.step,
-            total=self.total_steps,
-            unit="steps",
-            rate=self.progress.steps_per_second(self.step),
-            status=status,
-        )
-        terminal.report(snapshot)
-        if self.on_progress is not None:
-            self.on_progress(snapshot)
 
     @property
     def epochs_total(self) -> int:
         return math.ceil(self.total_steps / max(1, self.steps_per_epoch))
 
     def result(self) -> TrainResult:
-        window = self.progress.last_window
+        metrics = self.reporter.metrics
+        window = metrics.last_window
         evaluation = self.last_eval or {}
         teacher_forced = evaluation.get("teacher_forced") or window or {}
         speculative = evaluation.get("speculative") or {}
@@ -604,8 +543,13 @@ class DrafterTrainer:
             per_position_accuracy=teacher_forced.get("per_position_accuracy") or [],
             acceptance_length_tau=speculative.get("acceptance_length_tau"),
             teacher_forced_tau=teacher_forced.get("teacher_forced_tau"),
-            tokens_per_second=self.progress.tokens_per_second,
-            checkpoints=[self.store.uri(ref.prefix) for ref in self.checkpoints.written],
+            tokens_per_second=metrics.tokens_per_second,
+            rank_step_seconds=metrics.mean_rank_step_seconds,
+            world=self.world,
+            world_sizes=self._world_sizes(),
+            checkpoints=[self.store.uri(ref.prefix) for ref in self.checkpoints.written]
+            if self.checkpoints
+            else [],
             trained_sample_ranges=_index_ranges([self.source.sample_indices[i] for i in self.train_ids]),
             eval_sample_indices=[self.source.sample_indices[i] for i in self.eval_ids],
             partitions=list(self.source.partitions),
@@ -629,17 +573,21 @@ def train_drafter(
     device_memory: DeviceMemory | None = None,
     spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None = None,
     on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
+    collective: Any = None,
+    world: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Train a drafter, resuming from the newest complete checkpoint of `run` in `store` if any.
 
     Checkpoints go to `checkpoints/<run>/`. `log` gets a progress line every `log_every_steps` steps;
-    `on_checkpoint` gets a dict (step, checkpoint URI, training and held-out metrics) once each
+    `on_checkpoint` gets a dict (step, checkpoint URI, training and held-out metrics, the world) once each
     checkpoint is committed; `on_progress` a `terminal.ProgressSnapshot` at every step and evaluation
     (the same one the terminal shows). Uploads run in the background while training continues; the
     final checkpoint is committed before this returns. Per-step and per-evaluation scalars go to
     TensorBoard event files under `checkpoints/<run>/tensorboard/` (see `curves.py`). Offline,
     `spare_device` leases another device for a speculative evaluation that does not fit beside the
     drafter (`training/memory.py`), and `device_memory` reports free memory (default: what torch reports).
+    `collective` makes this process one rank of a data-parallel job (`distributed.ProcessGroup`; default
+    one process alone) and `world` describes the job (world_size, nodes, devices).
     """
     trainer = DrafterTrainer(
         config,
@@ -655,6 +603,8 @@ def train_drafter(
         device_memory=device_memory,
         spare_device=spare_device,
         on_progress=on_progress,
+        collective=collective,
+        world=world,
     )
     trainer.resume()
     return trainer.train()

@@ -163,10 +163,11 @@ class SpareLease:
 
 def _train(config, capture, samples, tmp_path, monkeypatch, memory, spare=None, load_error=None):
     """Four steps with a checkpoint at step 2: three speculative evaluations (baseline, 2, 4)."""
+    import dflash_assets.training.evaluation as evaluation_module
     import dflash_assets.training.train as train_module
 
     loads: list[str] = []
-    real_load = train_module.load_target_model
+    real_load = evaluation_module.load_target_model
 
     def counted_load(model_dir, device, *args, **kwargs):
         loads.append(str(device))
@@ -174,8 +175,8 @@ def _train(config, capture, samples, tmp_path, monkeypatch, memory, spare=None, 
             raise load_error
         return real_load(model_dir, device, *args, **kwargs)
 
-    monkeypatch.setattr(train_module, "load_target_model", counted_load)
-    monkeypatch.setattr(train_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
+    monkeypatch.setattr(evaluation_module, "load_target_model", counted_load)
+    monkeypatch.setattr(evaluation_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
     lines: list[str] = []
     reports: list[dict] = []
     trainer = train_module.DrafterTrainer(
@@ -255,10 +256,11 @@ def test_an_out_of_memory_while_loading_the_target_skips_the_evaluation_not_the_
 def test_on_cuda_the_optimiser_state_waits_in_host_memory_while_the_target_is_loaded(
     config, capture, samples, tmp_path, monkeypatch
 ):
+    import dflash_assets.training.evaluation as evaluation_module
     import dflash_assets.training.train as train_module
 
     seen: list[set[str]] = []
-    real = train_module.TargetVerifier
+    real = evaluation_module.TargetVerifier
 
     class Watching(real):
         def __init__(self, model, layer_ids):
@@ -266,8 +268,8 @@ def test_on_cuda_the_optimiser_state_waits_in_host_memory_while_the_target_is_lo
             seen.append({s[k].device.type for s in state for k in ("exp_avg", "exp_avg_sq") if k in s})
             super().__init__(model, layer_ids)
 
-    monkeypatch.setattr(train_module, "TargetVerifier", Watching)
-    monkeypatch.setattr(train_module, "stop_token_ids_of", lambda target: set())
+    monkeypatch.setattr(evaluation_module, "TargetVerifier", Watching)
+    monkeypatch.setattr(evaluation_module, "stop_token_ids_of", lambda target: set())
 
     class CudaMemory(FakeMemory):
         def pool(self, device: str) -> str:

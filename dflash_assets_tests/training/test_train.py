@@ -342,17 +342,18 @@ def test_the_target_is_loaded_for_each_speculative_evaluation_and_released_after
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import dflash_assets.training.evaluation as evaluation_module
     import dflash_assets.training.train as train_module
 
     loads = []
-    real_load = train_module.load_target_model
+    real_load = evaluation_module.load_target_model
 
     def counted_load(*args, **kwargs):
         loads.append(args)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "load_target_model", counted_load)
-    monkeypatch.setattr(train_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
+    monkeypatch.setattr(evaluation_module, "load_target_model", counted_load)
+    monkeypatch.setattr(evaluation_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
     reports: list[dict] = []
     trainer = train_module.DrafterTrainer(
         config,
@@ -368,7 +369,7 @@ def test_the_target_is_loaded_for_each_speculative_evaluation_and_released_after
     trainer.train()
     # The baseline, step 2 and step 4: three evaluations, three loads, nothing held in between.
     assert [r["step"] for r in reports] == [0, 2, 4] and all(r["speculative"] for r in reports)
-    assert len(loads) == 3 and trainer._speculative.verifier is None
+    assert len(loads) == 3 and trainer.evaluator._speculative.verifier is None
 
 
 def test_a_finished_run_materialised_again_reports_the_same_measured_acceptance(
@@ -378,9 +379,9 @@ def test_a_finished_run_materialised_again_reports_the_same_measured_acceptance(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import dflash_assets.training.train as train_module
+    import dflash_assets.training.evaluation as evaluation_module
 
-    monkeypatch.setattr(train_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
+    monkeypatch.setattr(evaluation_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
     settings = quick_settings(
         max_steps=2, checkpoint_every_steps=2, spec_eval_prompts=1, spec_eval_max_new_tokens=4
     )

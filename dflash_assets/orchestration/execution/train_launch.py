@@ -1,0 +1,425 @@
+"""The training step's side of a run: one rank in the step's own process, or ranks launched with
+torch.distributed's launcher (`training/launcher.py`) and followed until they end.
+
+With several ranks the step serves a `torch.distributed.TCPStore` that rank 0 queues its reports in
+(log lines, progress, committed checkpoints, the outcome: `training/rank.py`), wherever rank 0 runs, and
+replays them into Dagster as they come. It checks that this node has the devices its ranks need before
+launching them (waiting, with a status, while other runs hold them), and it watches the launcher: the
+step ends when the launcher does, with the outcome or with a message naming what failed. A step that is
+stopped stops its launcher, whose ranks die with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash_assets.training.job import TrainingJob
+from dflash_assets.training.rank import EVENTS_QUEUE, NodeSpec
+
+POLL_S = 0.2
+STOP_GRACE_S = 30.0
+REMIND_EVERY_S = 300.0
+
+
+class TrainingFailed(RuntimeError):
+    """The ranks ended without an outcome: the message says which and how."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How many ranks, where they meet, and how long anyone waits."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    rdzv_host: str = ""  # empty: this host's name
+    rdzv_port: int = 0  # 0: a free port, chosen at launch
+    rdzv_timeout_s: float = 900.0
+    collective_timeout_s: float = 600.0
+    eval_timeout_s: float = 3600.0
+    max_restarts: int = 3
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def in_process(self) -> bool:
+        return self.world_size == 1
+
+
+class Reports(Protocol):
+    """What the step does with rank 0's reports (the Dagster layer implements it)."""
+
+    def log(self, message: str) -> None: ...
+
+    def progress(self, snapshot: Any) -> None: ...
+
+    def checkpoint(self, report: dict[str, Any]) -> None: ...
+
+    def status(self, text: str) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------ one rank here
+
+
+def train_here(job: TrainingJob, spec: NodeSpec, reports: Reports) -> dict[str, Any]:
+    """One rank, in this process: the device leased like any run's, no process group."""
+    from dflash_assets.target.devices import lease_device, try_lease_device
+    from dflash_assets.training.distributed import SingleProcess
+    from dflash_assets.training.job import NodeResources, run_job
+
+    with contextlib.ExitStack() as stack:
+        lease = lambda: stack.enter_context(  # noqa: E731
+            lease_device(spec.devices, lock_dir=spec.lock_dir, holder=spec.holder, log=reports.log)
+        )
+        device = lease()
+        target_devices = [lease() for _ in range(job.online_target_devices if job.mode == "online" else 0)]
+        node = NodeResources(
+            node=spec.node,
+            device=device,
+            target_model_dir=Path(spec.target_model_dir),
+            target_model_name=spec.target_model_name,
+            work_dir=Path(spec.work_dir),
+            train_cache_dir=Path(spec.train_cache_dir),
+            read_cache_dir=Path(spec.read_cache_dir),
+            target_devices=target_devices,
+            spare_device=lambda: try_lease_device(
+                [d for d in spec.devices if d not in {device, *target_devices}],
+                lock_dir=spec.lock_dir,
+                holder=spec.holder,
+            ),
+        )
+        return run_job(job, node, collective=SingleProcess(), events=reports)
+
+
+# ------------------------------------------------------------------------------------------ ranks launched
+
+
+class EventStore:
+    """The TCPStore rank 0 reports to, served by this process."""
+
+    def __init__(self, host_for_ranks: str) -> None:
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            host_for_ranks,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=30),
+        )
+        self.endpoint = f"{host_for_ranks}:{self._store.port}"
+
+    def drain(self) -> Iterator[dict[str, Any]]:
+        while self._store.queue_len(EVENTS_QUEUE) > 0:
+            yield json.loads(self._store.queue_pop(EVENTS_QUEUE, block=False))
+
+
+def free_devices(spec: NodeSpec) -> tuple[list[str], list[str]]:
+    """(free, held with their holders) among the node's devices, right now (nothing is kept)."""
+    from dflash_assets.target.devices import describe_holder, try_lease_device
+
+    free, held = [], []
+    for device in spec.devices:
+        with try_lease_device([device], lock_dir=spec.lock_dir, holder="probe") as leased:
+            if leased is None:
+                held.append(f"{device} ({describe_holder(spec.lock_dir, device)})")
+            else:
+                free.append(device)
+    return free, held
+
+
+def wait_for_devices(spec: NodeSpec, needed: int, reports: Reports, setting: str) -> None:
+    """Return once `needed` of the node's devices are free; a node that could never offer them fails."""
+    if len(spec.devices) < needed:
+        raise TrainingFailed(
+            f"{setting} asks for {needed} device(s) on node {spec.node}, which offers "
+            f"{len(spec.devices)} ({', '.join(spec.devices)}): lower it, or list more devices in "
+            "DFLASH_DEVICES (a CPU-only machine simulates them: DFLASH_DEVICES=cpu:0,cpu:1)"
+        )
+    waiting_since, reminded = time.monotonic(), 0.0
+    while True:
+        free, held = free_devices(spec)
+        if len(free) >= needed:
+            return
+        waited = time.monotonic() - waiting_since
+        text = f"waiting for {needed} free devices on node {spec.node}: {len(free)} free, held: " + "; ".join(
+            held
+        )
+        reports.status(text)
+        if waited >= reminded:
+            reports.log(f"{text} ({waited:.0f} s so far)")
+            reminded = waited + REMIND_EVERY_S
+        time.sleep(2.0)
+
+
+class _Tail:
+    """The launcher's stderr, passed through to this process's stderr (the step's compute logs), last
+    lines kept for the failure message."""
+
+    def __init__(self, stream) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=60)
+        self._thread = threading.Thread(
+            target=self._pump, args=(stream,), name="launcher-stderr", daemon=True
+        )
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            self.lines.append(line.rstrip())
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM (the agent stops its ranks), then SIGKILL past the grace."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        process.wait()
+
+
+def failure_message(returncode: int, tail: list[str], last_error: str | None) -> str:
+    """What the launcher's end says about the ranks: torchrun's root-cause lines, and rank 0's error."""
+    how = f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+    cause = [
+        line.strip()
+        for line in tail
+        if any(word in line for word in ("rank", "exitcode", "error_file", "Signal", "RendezvousTimeout"))
+    ][-6:]
+    detail = f" ({last_error})" if last_error else ""
+    return (
+        f"the training ranks failed: the launcher ended with {how}{detail}. "
+        + (" | ".join(cause) if cause else "See the step's stderr for each rank's output.")
+        + " Materialise drafter_checkpoints again to resume from the last committed checkpoint."
+    )
+
+
+def train_launched(
+    job: TrainingJob,
+    launch: Launch,
+    spec: NodeSpec,
+    reports: Reports,
+    *,
+    rendezvous_host: str,
+    setting: str,
+    joins: Callable[[dict[str, Any]], Any] | None = None,
+) -> dict[str, Any]:
+    """Launch this node's ranks (and, with `joins`, have the other nodes join), follow them, return rank
+    0's outcome. `joins(rendezvous)` starts the other nodes' launchers and returns a watch with
+    `check()` and `stop()` (`celery_training.py`)."""
+    from dflash_assets.training.launcher import Rendezvous, free_port, launcher_command, torchrun_arguments
+
+    needed = launch.nproc_per_node * (1 + (job.online_target_devices if job.mode == "online" else 0))
+    wait_for_devices(spec, needed, reports, setting)
+    events = EventStore(rendezvous_host)
+    launch_dir = Path(spec.work_dir) / "launch" / uuid.uuid4().hex[:12]
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    spec = NodeSpec(**{**spec.__dict__, "events": events.endpoint})
+    (launch_dir / "job.json").write_text(job.to_json())
+    (launch_dir / "node.json").write_text(spec.to_json())
+    rendezvous = Rendezvous(
+        host=rendezvous_host,
+        port=launch.rdzv_port or free_port(),
+        run_id=launch_dir.name,
+        nnodes=launch.nnodes,
+        join_timeout_s=launch.rdzv_timeout_s,
+        max_restarts=launch.max_restarts,
+    )
+    entry = ["-m", "dflash_assets.training.rank", str(launch_dir / "job.json"), str(launch_dir / "node.json")]
+    arguments = torchrun_arguments(rendezvous, launch.nproc_per_node, is_host=True, entry=entry)
+    env = dict(os.environ)
+    # torchrun would set 1 with a warning; a rank gets its share of the cores instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
+    reports.log(
+        f"launching {launch.nproc_per_node} rank(s) on node {spec.node} of {launch.nnodes} node(s) "
+        f"(world size {launch.world_size}; rendezvous {rendezvous.host}:{rendezvous.port}, "
+        f"id {rendezvous.run_id})"
+    )
+    process = subprocess.Popen(
+        launcher_command(arguments), env=env, stdout=sys.stdout, stderr=subprocess.PIPE, text=True
+    )
+    tail = _Tail(process.stderr)
+    published = {
+        "job": job.to_json(),
+        "host": rendezvous.host,
+        "port": rendezvous.port,
+        "run_id": rendezvous.run_id,
+        "nnodes": launch.nnodes,
+        "nproc_per_node": launch.nproc_per_node,
+        "join_timeout_s": launch.rdzv_timeout_s,
+        "max_restarts": launch.max_restarts,
+        "collective_timeout_s": launch.collective_timeout_s,
+        "eval_timeout_s": launch.eval_timeout_s,
+        "events": events.endpoint,
+    }
+    watch = joins(published) if joins is not None else None
+    outcome: dict[str, Any] | None = None
+    last_error: str | None = None
+    try:
+        while True:
+            for event in events.drain():
+                outcome, last_error = _dispatch(event, reports, outcome, last_error)
+            if watch is not None:
+                watch.check()
+            if process.poll() is not None:
+                break
+            time.sleep(POLL_S)
+        tail.join()
+        for event in events.drain():
+            outcome, last_error = _dispatch(event, reports, outcome, last_error)
+    finally:
+        _stop(process)
+        if watch is not None:
+            watch.stop()
+    if process.returncode != 0 or outcome is None:
+        raise TrainingFailed(failure_message(process.returncode, list(tail.lines), last_error))
+    return outcome
+
+
+def _dispatch(event: dict[str, Any], reports: Reports, outcome, last_error):
+    from dflash_assets.terminal import ProgressSnapshot
+
+    kind, body = event.get("kind"), event.get("body")
+    if kind == "log":
+        reports.log(body)
+        if isinstance(body, str) and body.startswith("ERROR:"):
+            last_error = body.removeprefix("ERROR:").strip()
+    elif kind == "progress":
+        reports.progress(ProgressSnapshot(**body))
+    elif kind == "checkpoint":
+        reports.checkpoint(body)
+    elif kind == "outcome":
+        outcome = body
+    return outcome, last_error
+
+
+# ------------------------------------------------------------------------------------------ the step's entry
+
+
+LAUNCH_PREFIX = "config/training-launch"
+
+
+def launch_key(run: str) -> str:
+    """Where a multi-node launch is published for the nodes that join it (`dflash-assets train-join`)."""
+    return f"{LAUNCH_PREFIX}/{run}.json"
+
+
+def run_training(
+    job: TrainingJob, launch: Launch, spec: NodeSpec, reports: Reports, *, run_id: str
+) -> dict[str, Any]:
+    """Train `job` as `launch` says: one rank in this process, or this node's ranks launched (and, over
+    several nodes, the others joining: Celery worker nodes with DFLASH_EXECUTOR=celery, else each
+    node's `dflash-assets train-join`). Returns rank 0's outcome."""
+    from dflash_assets import settings
+
+    if launch.in_process:
+        return train_here(job, spec, reports)
+    host = launch.rdzv_host or ("127.0.0.1" if launch.nnodes == 1 else socket.getfqdn())
+    joins = None
+    if launch.nnodes > 1:
+        if settings.EXECUTOR.get() == "celery":
+            from dflash_assets.orchestration.execution.celery_training import celery_joins
+
+            joins = celery_joins(job, launch, spec, reports, run_id=run_id)
+        else:
+            joins = published_joins(job, reports)
+    return train_launched(
+        job,
+        launch,
+        spec,
+        reports,
+        rendezvous_host=host,
+        setting=settings.TRAIN_NPROC_PER_NODE.name,
+        joins=joins,
+    )
+
+
+class _Published:
+    """Without Celery the other nodes join by hand: the launch is published in the store and each node
+    runs `dflash-assets train-join --run <run>`."""
+
+    def __init__(self, job: TrainingJob, reports: Reports, launch: dict[str, Any]) -> None:
+        self.store, self.key = job.open_store(), launch_key(job.run)
+        self.store.put_bytes(self.key, json.dumps(launch).encode())
+        reports.log(
+            f"waiting for {launch['nnodes'] - 1} more node(s) to join within "
+            f"{launch['join_timeout_s']:.0f} s: "
+            f"on each, with the same DFLASH_STORE_URL, run `dflash-assets train-join --run {job.run}`"
+        )
+
+    def check(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.store.delete(self.key)
+
+
+def published_joins(job: TrainingJob, reports: Reports) -> Callable[[dict[str, Any]], _Published]:
+    return lambda launch: _Published(job, reports, launch)
+
+
+def join_launch(launch: dict[str, Any], spec: NodeSpec, log: Callable[[str], None]) -> int:
+    """Run this node's ranks of a launch started on another node (the `train-join` command, a Celery join
+    task); returns the launcher's exit code."""
+    from dflash_assets.training.launcher import Rendezvous, launcher_command, torchrun_arguments
+
+    job = TrainingJob.from_json(launch["job"])
+    spec = NodeSpec(
+        **{
+            **spec.__dict__,
+            "events": launch["events"],
+            "collective_timeout_s": launch["collective_timeout_s"],
+            "eval_timeout_s": launch["eval_timeout_s"],
+        }
+    )
+    launch_dir = Path(spec.work_dir) / "launch" / launch["run_id"]
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    (launch_dir / "job.json").write_text(job.to_json())
+    (launch_dir / "node.json").write_text(spec.to_json())
+    rendezvous = Rendezvous(
+        host=launch["host"],
+        port=int(launch["port"]),
+        run_id=launch["run_id"],
+        nnodes=int(launch["nnodes"]),
+        join_timeout_s=float(launch["join_timeout_s"]),
+        max_restarts=int(launch["max_restarts"]),
+    )
+    entry = ["-m", "dflash_assets.training.rank", str(launch_dir / "job.json"), str(launch_dir / "node.json")]
+    arguments = torchrun_arguments(rendezvous, int(launch["nproc_per_node"]), is_host=False, entry=entry)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(launch["nproc_per_node"]))))
+    log(
+        f"node {spec.node} joins run {job.run} at {rendezvous.host}:{rendezvous.port} with "
+        f"{launch['nproc_per_node']} rank(s)"
+    )
+    process = subprocess.Popen(launcher_command(arguments), env=env)
+    try:
+        return process.wait()
+    finally:
+        _stop(process)

@@ -1,0 +1,373 @@
+"""What `drafter_checkpoints` needs around the training core: its run config (`TrainConfig`, every field
+resolved at run time: run config, else its `DFLASH_*` setting, else the recipe's `TrainSettings`), the job
+and this node's spec built from the resources, rank 0's reports turned into Dagster events, and the
+outcome turned into metadata and the run's manifest."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from dagster import AssetExecutionContext, AssetObservation, Config, MetadataValue
+from pydantic import Field
+
+from dflash_assets import settings, terminal
+from dflash_assets.orchestration.progress import PROGRESS_TAG
+from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.storage.manifest import StoredPartition
+
+AUTO = 0  # `nproc_per_node: 0` in run config, `DFLASH_TRAIN_NPROC_PER_NODE=auto`: the plan's split
+
+
+class TrainConfig(Config):
+    """Run config of `drafter_checkpoints`. Unset fields take their `DFLASH_*` setting, then the DFlash
+    recipe's default (`training/settings.py`), when the run starts."""
+
+    mode: str | None = Field(default=None, description="`offline` or `online` (DFLASH_TRAIN_MODE).")
+    run_name: str | None = Field(
+        default=None, description="checkpoints/<run>/, drafter/<run>/ (DFLASH_RUN_NAME)."
+    )
+    max_steps: int | None = Field(
+        default=None,
+        description="Exactly this many optimiser steps (DFLASH_TRAIN_MAX_STEPS; 0: the epochs decide).",
+    )
+    epochs: int | None = Field(default=None, description="Passes over the data (the recipe: 6).")
+    global_batch_size: int | None = Field(
+        default=None,
+        description="Sequences per optimiser step, over all ranks (DFLASH_TRAIN_GLOBAL_BATCH_SIZE).",
+    )
+    micro_batch_gib: float | None = Field(
+        default=None, description="Activation memory per micro-batch, GiB (unset: 70% of free device memory)."
+    )
+    lr: float | None = Field(default=None, description="AdamW peak learning rate (the recipe: 6e-4).")
+    max_length: int | None = Field(
+        default=None, description="Tokens per sample trained on (DFLASH_MAX_LENGTH)."
+    )
+    num_anchors: int | None = Field(
+        default=None, description="Random anchor positions per sequence (the recipe: 512)."
+    )
+    gamma: float | None = Field(
+        default=None, description="Loss weight exp(-(p-1)/gamma) at block position p."
+    )
+    seed: int | None = Field(default=None, description="Data order, anchors and initial weights.")
+    mask_token_id: int | None = Field(
+        default=None, description="Mask token id (DFLASH_MASK_TOKEN_ID; -1 or unset: from the tokenizer)."
+    )
+    drafter_shape: str | None = Field(default=None, description="`auto`/`dflash`, `dflash-swa` or `target`.")
+    checkpoint_every_steps: int | None = Field(
+        default=None, description="Checkpoint every N steps (DFLASH_CHECKPOINT_EVERY_STEPS; 0: by time only)."
+    )
+    checkpoint_every_minutes: float | None = Field(
+        default=None, description="Checkpoint every M minutes (DFLASH_CHECKPOINT_EVERY_MINUTES)."
+    )
+    log_every_steps: int | None = Field(default=None, description="Steps between progress log lines.")
+    eval_samples: int | None = Field(default=None, description="Held-out samples evaluated at checkpoints.")
+    spec_eval_prompts: int | None = Field(
+        default=None, description="Held-out prompts decoded speculatively with the target at checkpoints."
+    )
+    spec_eval_max_new_tokens: int | None = Field(
+        default=None, description="Tokens decoded per held-out prompt."
+    )
+    online_target_devices: int | None = Field(
+        default=None,
+        description="Online: devices per drafter rank that run target replicas (0: the target shares the "
+        "rank's device). With nproc_per_node auto: the plan's split.",
+    )
+    cache_budget_bytes: int | None = Field(
+        default=None, description="Offline: bound on a node's cache of streamed hidden states (16 GiB)."
+    )
+    nproc_per_node: int | None = Field(
+        default=None,
+        description="Drafter ranks per node (DFLASH_TRAIN_NPROC_PER_NODE; 0: auto, the plan's split).",
+    )
+    nnodes: int | None = Field(default=None, description="Nodes the run trains on (DFLASH_TRAIN_NNODES).")
+
+    def train_settings(self):
+        """The run's `TrainSettings` (device left to each rank's lease)."""
+        from dflash_assets.training.settings import TrainSettings
+
+        chosen = settings.given_or
+        max_steps = chosen(self.max_steps, settings.TRAIN_MAX_STEPS.get_optional_int)
+        every_steps = chosen(self.checkpoint_every_steps, settings.CHECKPOINT_EVERY_STEPS.get_int)
+        every_minutes = chosen(self.checkpoint_every_minutes, settings.CHECKPOINT_EVERY_MINUTES.get_float)
+        values = {
+            "mode": chosen(self.mode, settings.TRAIN_MODE.get),
+            "max_steps": max_steps or None,
+            "global_batch_size": chosen(self.global_batch_size, settings.TRAIN_GLOBAL_BATCH_SIZE.get_int),
+            "max_length": chosen(self.max_length, settings.MAX_LENGTH.get_int),
+            "checkpoint_every_steps": every_steps or None,
+            "checkpoint_every_minutes": every_minutes or None,
+            "micro_batch_bytes": int(self.micro_batch_gib * 2**30) if self.micro_batch_gib else None,
+        }
+        recipe = ("epochs", "lr", "num_anchors", "gamma", "seed", "log_every_steps", "eval_samples",
+                  "spec_eval_prompts", "spec_eval_max_new_tokens")  # fmt: skip
+        values.update({name: getattr(self, name) for name in recipe if getattr(self, name) is not None})
+        return TrainSettings(**values)
+
+    @property
+    def run(self) -> str:
+        return self.run_name or settings.RUN_NAME.get()
+
+    def mask_token(self) -> int | None:
+        value = self.mask_token_id
+        if value is None and settings.MASK_TOKEN_ID.get():
+            value = settings.MASK_TOKEN_ID.get_int()
+        return value if value is not None and value >= 0 else None
+
+    def launch(self, node_devices: int, mode: str):
+        """How many ranks on how many nodes, and how they meet (`train_launch.Launch`)."""
+        from dflash_assets.orchestration.execution.train_launch import Launch
+
+        nnodes = settings.given_or(self.nnodes, settings.TRAIN_NNODES.get_int)
+        nproc = settings.given_or(self.nproc_per_node, settings.train_nproc_per_node)
+        targets = self.online_target_devices if self.online_target_devices is not None else 0
+        if nproc == AUTO:
+            nproc, targets = auto_split(node_devices, mode, self.online_target_devices)
+        if nproc < 1 or nnodes < 1:
+            raise settings.SettingError(
+                f"{settings.TRAIN_NPROC_PER_NODE.name}={nproc} and {settings.TRAIN_NNODES.name}={nnodes}: "
+                "both must be at least 1 (`auto` for the plan's split)"
+            )
+        launch = Launch(
+            nproc_per_node=nproc,
+            nnodes=nnodes,
+            rdzv_host=settings.TRAIN_RDZV_HOST.get(),
+            rdzv_port=settings.TRAIN_RDZV_PORT.get_int(),
+            rdzv_timeout_s=settings.TRAIN_RDZV_TIMEOUT_S.get_float(),
+            collective_timeout_s=settings.TRAIN_COLLECTIVE_TIMEOUT_S.get_float(),
+            eval_timeout_s=settings.TRAIN_EVAL_TIMEOUT_S.get_float(),
+            max_restarts=settings.TRAIN_MAX_RESTARTS.get_int(),
+        )
+        return launch, targets
+
+
+def auto_split(node_devices: int, mode: str, online_target_devices: int | None) -> tuple[int, int]:
+    """(drafter ranks, target devices per rank) for this node's devices: offline, every device trains;
+    online, the plan's split (`planning/training_split.py`)."""
+    if mode == "offline":
+        return max(1, node_devices), 0
+    from dflash_assets.planning.training_split import default_online_split
+
+    split = default_online_split(node_devices, online_target_devices)
+    return split.drafter_ranks, split.target_devices_per_rank
+
+
+def data_source(tokenized: list[StoredPartition]) -> dict[str, Any]:
+    """Whose answers the ranges hold, from their manifests: the target's own (and how they were
+    generated), or the dataset's; `mixed` when ranges disagree."""
+    sources = {partition.manifest.get("completions", "dataset") for partition in tokenized}
+    if sources != {"target"}:
+        return {"completions": "mixed" if len(sources) > 1 else "dataset"}
+    first = tokenized[0].manifest
+    return {
+        "completions": "target",
+        "regenerated_by": first.get("regenerated_by"),
+        "generation": first.get("generation"),
+    }
+
+
+def training_job(
+    config: TrainConfig,
+    store: StoreResource,
+    target_model: TargetModelResource,
+    hidden_states: list[StoredPartition],
+    tokenized: list[StoredPartition],
+    *,
+    online_target_devices: int,
+    log,
+):
+    """The run's `TrainingJob`: the drafter's shape from the target, the ranges to train on, the
+    settings; checked here, before any rank starts."""
+    from dflash_assets.drafter.config import DrafterConfig
+    from dflash_assets.drafter.model import config_summary
+    from dflash_assets.training.job import TrainingJob
+
+    train_settings = config.train_settings()
+    drafter_config = DrafterConfig.from_target(
+        target_model.model_dir(),
+        num_layers=target_model.draft_layers(),
+        target_layer_ids=target_model.layer_ids(),
+        mask_token_id=config.mask_token(),
+        shape=config.drafter_shape or settings.DRAFTER_SHAPE.get(),
+    )
+    drafter_config.extra["target_model_name"] = target_model.name  # what hidden-state objects record
+    log(
+        f"mask token {drafter_config.mask_token_id}: {drafter_config.extra['mask_token_source']}; "
+        f"drafter {config_summary(drafter_config)}"
+    )
+    job_settings = train_settings.to_dict()
+    job_settings.pop("device")
+    return TrainingJob(
+        run=config.run,
+        mode=train_settings.mode,
+        store_url=store.store_url(),
+        hidden_state_partitions=[p.prefix for p in hidden_states],
+        tokenized_partitions=[p.prefix for p in tokenized],
+        drafter_config=drafter_config.to_json(),
+        target_model_name=target_model.name,
+        settings=job_settings,
+        data_source=data_source(tokenized) if tokenized else {"completions": "dataset"},
+        online_target_devices=online_target_devices,
+        cache_budget_bytes=config.cache_budget_bytes or 16 * 2**30,
+        s3=store.s3_settings_fields(),
+        upload=store.uploader_fields(),
+    )
+
+
+def node_spec(
+    store: StoreResource,
+    target_model: TargetModelResource,
+    devices: DeviceLeaseResource,
+    *,
+    run: str,
+    holder: str,
+):
+    """What this node offers the run's ranks: its devices and their lock files, its copy of the target,
+    its local directories."""
+    from dflash_assets.training.rank import NodeSpec
+
+    return NodeSpec(
+        node=settings.node_name(),
+        devices=devices.candidates(),
+        lock_dir=str(devices.lock_directory()),
+        target_model_dir=str(target_model.model_dir()),
+        target_model_name=target_model.name,
+        work_dir=str(store.training_dir(run)),
+        train_cache_dir=str(store.train_cache_dir(run)),
+        read_cache_dir=str(store.read_cache_dir()),
+        collective_timeout_s=settings.TRAIN_COLLECTIVE_TIMEOUT_S.get_float(),
+        eval_timeout_s=settings.TRAIN_EVAL_TIMEOUT_S.get_float(),
+        holder=holder,
+    )
+
+
+# ------------------------------------------------------------------------------------ reports to Dagster
+
+
+def _block_metadata(prefix: str, metrics: dict | None) -> dict[str, Any]:
+    """Numbers only, so the UI plots them across checkpoints and runs."""
+    out: dict[str, Any] = {}
+    for name in ("loss", "acceptance_length_tau", "teacher_forced_tau"):
+        value = (metrics or {}).get(name)
+        if isinstance(value, int | float) and math.isfinite(value):
+            out[f"{prefix}{name}"] = MetadataValue.float(float(value))
+    for position, accuracy in enumerate((metrics or {}).get("per_position_accuracy") or [], start=1):
+        if accuracy is not None:
+            out[f"{prefix}accuracy_pos_{position:02d}"] = MetadataValue.float(float(accuracy))
+    return out
+
+
+class StepReports:
+    """Rank 0's reports as the Dagster UI shows them: log lines in the event log, the progress tag on the
+    run (every 5 s at most), an observation per committed checkpoint (the UI plots them), the terminal's
+    status line (the demo)."""
+
+    TAG_EVERY_S = 5.0
+
+    def __init__(self, context: AssetExecutionContext) -> None:
+        self.context = context
+        self._tagged_at = 0.0
+
+    def log(self, message: str) -> None:
+        if message.startswith(("WARNING", "ERROR")):
+            self.context.log.warning(message)
+        else:
+            self.context.log.info(message)
+
+    def status(self, text: str) -> None:
+        self._tag(text[:200])
+
+    def _tag(self, text: str, force: bool = False) -> None:
+        if force or time.monotonic() - self._tagged_at >= self.TAG_EVERY_S:
+            self._tagged_at = time.monotonic()
+            self.context.instance.add_run_tags(self.context.run_id, {PROGRESS_TAG: text})
+
+    def progress(self, snapshot: terminal.ProgressSnapshot) -> None:
+        terminal.report(snapshot)
+        self._tag(snapshot.figures()[:200], force=snapshot.done == snapshot.total)
+
+    def checkpoint(self, report: dict[str, Any]) -> None:
+        metadata: dict[str, Any] = {
+            "step": int(report.get("step", 0)),
+            "checkpoint": str(report.get("checkpoint") or ""),
+        }
+        metadata.update(_block_metadata("train_", report.get("train")))
+        metadata.update(_block_metadata("eval_", report.get("eval")))
+        metadata.update(_block_metadata("spec_", report.get("speculative")))
+        self.context.log_event(AssetObservation(asset_key=self.context.asset_key, metadata=metadata))
+
+
+def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
+    """The materialisation's metadata: what the run did, where, how fast, and how well it drafts."""
+    from dflash_assets.drafter.config import DrafterConfig
+    from dflash_assets.drafter.model import config_summary
+
+    drafter = DrafterConfig.from_json(job.drafter_config)
+    world = outcome["world"]
+    speculative = outcome.get("speculative") or {}
+    rank_seconds = outcome.get("rank_step_seconds") or []
+    return {
+        "steps": outcome["steps"],
+        "steps_per_epoch": outcome["steps_per_epoch"],
+        "global_batch_size": job.settings["global_batch_size"],
+        "resumed_from_step": outcome["resumed_from_step"] if outcome["resumed_from_step"] is not None else -1,
+        "tokens_per_s": MetadataValue.float(float(outcome["tokens_per_second"])),  # every rank's summed
+        "world_size": world["world_size"],
+        "nodes": ", ".join(dict.fromkeys(world["nodes"])),
+        "rank_devices": MetadataValue.json(
+            [
+                {"rank": r, "node": n, "device": d}
+                for r, (n, d) in enumerate(zip(world["nodes"], world["devices"], strict=True))
+            ]
+        ),
+        "rank_step_seconds": MetadataValue.json([round(s, 4) for s in rank_seconds]),
+        "slowest_rank_step_s": MetadataValue.float(float(max(rank_seconds, default=0.0))),
+        "trained_world_sizes": MetadataValue.json(outcome.get("world_sizes") or []),
+        "mode": job.mode,
+        "device": world["devices"][0],
+        "node": node,
+        "target_devices": "none (offline)"
+        if job.mode == "offline"
+        else ", ".join(world["target_devices"][0] or world["devices"][:1]),
+        "drafter_uri": outcome["drafter_uri"],
+        "mask_token_id": drafter.mask_token_id,
+        "mask_token_source": drafter.extra.get("mask_token_source", ""),
+        "drafter_shape": MetadataValue.json(config_summary(drafter)),
+        "trained_partitions": MetadataValue.json(outcome["partitions"]),
+        "training_data": MetadataValue.json(job.data_source),
+        "checkpoints_written": len(outcome["checkpoints"]),
+        "spec_matches_target_greedy": bool(speculative.get("matches_target_greedy", False)),
+        **_block_metadata(
+            "",
+            {
+                **outcome["metrics"],
+                "loss": outcome["final_loss"],
+                "per_position_accuracy": outcome["per_position_accuracy"],
+            },
+        ),  # fmt: skip
+        **_block_metadata("baseline_", (outcome.get("baseline") or {}).get("speculative")),
+        **_block_metadata("eval_", outcome.get("eval")),
+    }
+
+
+def manifest_fields(outcome: dict[str, Any], job) -> dict[str, Any]:
+    """What `checkpoints/<run>/_manifest.json` records of the run."""
+    from dflash_assets.drafter.config import DrafterConfig
+
+    drafter = DrafterConfig.from_json(job.drafter_config)
+    return {
+        "run": job.run,
+        "mode": job.mode,
+        "steps": outcome["steps"],
+        "trained_partitions": outcome["partitions"],
+        "trained_sample_ranges": outcome["trained_sample_ranges"],
+        "eval_sample_indices": outcome["eval_sample_indices"],
+        "checkpoints": outcome["checkpoints"],
+        "drafter": outcome["drafter_uri"],
+        "target_model": drafter.target_model,
+        "target_layer_ids": drafter.target_layer_ids,
+        "world_sizes": outcome.get("world_sizes") or [],
+        "acceptance_length_tau": outcome["acceptance_length_tau"],
+        "baseline_acceptance_length_tau": outcome["metrics"].get("baseline_acceptance_length_tau"),
+    }

@@ -1,0 +1,232 @@
+"""One rank of a data-parallel training run, as torch.distributed's launcher starts it:
+`python -m dflash_assets.training.rank JOB.json NODE.json` (positional: torchrun would take an option
+after the module for one of its own).
+
+The job file is the same on every node (`job.TrainingJob`); the node file says what this node offers
+(`NodeSpec`: its name, the devices its ranks may lease and the lock directory of those leases, its target
+directory, its local directories). The launcher sets torch.distributed's standard environment (`RANK`,
+`LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`). The rank:
+
+1. dies with its launcher (a launcher killed by SIGKILL leaves no rank behind);
+2. leases its device, and online its target devices, through the same lock files as every other run on
+   the node, within the collective timeout (a busy node fails the rank naming who holds the devices);
+3. joins the process group, trains its share (`job.run_job`) and, on rank 0, sends its reports to the
+   step that launched the run through a `torch.distributed.TCPStore` the step serves (`StoreEvents`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_assets import terminal
+from dflash_assets.training.distributed import ProcessGroup, Timeouts
+from dflash_assets.training.job import NodeResources, TrainingJob, run_job
+
+EVENTS_QUEUE = "dflash/events"
+
+
+@dataclass
+class NodeSpec:
+    """What one node offers the ranks it runs (written by whoever launches them there)."""
+
+    node: str
+    devices: list[str]  # lease candidates, e.g. ["cuda:0", "cuda:1"] or ["cpu:0", "cpu:1"]
+    lock_dir: str  # the node's device-lease lock files
+    target_model_dir: str
+    target_model_name: str
+    work_dir: str  # rank 0's checkpoints, curves and export on their way; other ranks use subfolders
+    train_cache_dir: str  # offline: streamed hidden states (each local rank in a folder of its own)
+    read_cache_dir: str  # tokenized shards read from the store
+    events: str = ""  # host:port of the step's event store (rank 0 reports there)
+    collective_timeout_s: float = 600.0
+    eval_timeout_s: float = 3600.0
+    holder: str = ""  # who leases, for the lock files (e.g. "run <id>")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeSpec:
+        return cls(**json.loads(text))
+
+
+# ----------------------------------------------------------------------------------------- events
+
+
+@dataclass
+class StoreEvents:
+    """Rank 0's reports, queued in the step's TCPStore as JSON (the step replays them in Dagster). A
+    step that is gone is no reason to stop training: a failed report is dropped with one warning."""
+
+    endpoint: str
+    timeout_s: float = 30.0
+    _store: Any = field(default=None, init=False, repr=False)
+    _failed: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+
+        host, port = self.endpoint.rsplit(":", 1)
+        self._store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s)
+        )
+
+    def _send(self, kind: str, body: Any) -> None:
+        try:
+            self._store.queue_push(EVENTS_QUEUE, json.dumps({"kind": kind, "body": body}, default=str))
+        except Exception as error:  # noqa: BLE001 (any transport error)
+            if not self._failed:
+                self._failed = True
+                print(f"WARNING: the step stopped hearing rank 0's reports ({error})", file=sys.stderr)
+
+    def log(self, message: str) -> None:
+        self._send("log", message)
+
+    def progress(self, snapshot: terminal.ProgressSnapshot) -> None:
+        self._send("progress", asdict(snapshot))
+
+    def checkpoint(self, report: dict[str, Any]) -> None:
+        self._send("checkpoint", report)
+
+    def outcome(self, outcome: dict[str, Any]) -> None:
+        self._send("outcome", outcome)
+
+
+class StderrEvents:
+    """Ranks other than 0: their warnings go to their own stderr (the launcher's log)."""
+
+    def log(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    def progress(self, snapshot: terminal.ProgressSnapshot) -> None:
+        pass
+
+    def checkpoint(self, report: dict[str, Any]) -> None:
+        pass
+
+    def outcome(self, outcome: dict[str, Any]) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------- dying with the launcher
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process as soon as its parent dies (Linux: the kernel's parent-death signal; else a
+    thread that watches the parent)."""
+    parent = os.getppid()
+    armed = False
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0
+    if os.getppid() != parent or parent == 1:  # died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="dflash-parent-watch", daemon=True).start()
+
+
+# ----------------------------------------------------------------------------------------- the rank
+
+
+def _lease_timeout_message(error: Exception, rank: int, node: str) -> str:
+    return (
+        f"rank {rank} on node {node} found no free device in time: {error}. Other runs hold the node's "
+        "devices: wait for them, lower DFLASH_TRAIN_NPROC_PER_NODE, or add devices (DFLASH_DEVICES)"
+    )
+
+
+def run_rank(job: TrainingJob, spec: NodeSpec) -> int:
+    from dflash_assets.target.devices import DeviceLeaseTimeout, lease_device, torch_device, try_lease_device
+    from dflash_assets.training.distributed import launched_by_torchrun
+
+    if not launched_by_torchrun():
+        raise SystemExit("dflash_assets.training.rank runs as a rank of torch.distributed.run (RANK unset)")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    # A rank tries the device of its local rank first, so a node's ranks usually get one device each in
+    # order; the lock files decide (another run may hold any of them).
+    candidates = spec.devices[local_rank:] + spec.devices[:local_rank]
+    holder = f"{spec.holder} rank {rank}".strip()
+    timeout = spec.collective_timeout_s
+    events: Any = StoreEvents(spec.events) if rank == 0 and spec.events else StderrEvents()
+    with contextlib.ExitStack() as stack:
+        try:
+            device = stack.enter_context(
+                lease_device(candidates, lock_dir=spec.lock_dir, timeout_s=timeout, holder=holder)
+            )
+            target_devices = [
+                stack.enter_context(
+                    lease_device(candidates, lock_dir=spec.lock_dir, timeout_s=timeout, holder=holder)
+                )
+                for _ in range(job.online_target_devices if job.mode == "online" else 0)
+            ]
+        except DeviceLeaseTimeout as error:
+            message = _lease_timeout_message(error, rank, spec.node)
+            events.log(f"ERROR: {message}")
+            raise SystemExit(message) from None
+        torch_target = torch_device(device)
+        if torch_target.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(torch_target)
+        collective = ProcessGroup(torch_target, Timeouts(spec.collective_timeout_s, spec.eval_timeout_s))
+        stack.callback(collective.close)
+        work_dir = Path(spec.work_dir) if rank == 0 else Path(spec.work_dir) / f"rank-{rank}"
+        node = NodeResources(
+            node=spec.node,
+            device=device,
+            target_model_dir=Path(spec.target_model_dir),
+            target_model_name=spec.target_model_name,
+            work_dir=work_dir,
+            train_cache_dir=Path(spec.train_cache_dir) / f"rank-{local_rank}",
+            read_cache_dir=Path(spec.read_cache_dir) / f"rank-{local_rank}",
+            target_devices=target_devices,
+            spare_device=lambda: try_lease_device(
+                [d for d in spec.devices if d not in {device, *target_devices}],
+                lock_dir=spec.lock_dir,
+                holder=holder,
+            ),
+        )
+        try:
+            outcome = run_job(job, node, collective=collective, events=events)
+        except BaseException as error:
+            if rank == 0 and not isinstance(error, KeyboardInterrupt):
+                events.log(f"ERROR: rank 0 failed: {type(error).__name__}: {error}")
+                traceback.print_exc()
+            raise
+        if rank == 0:
+            events.outcome(outcome)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_assets.training.rank", description=__doc__)
+    parser.add_argument("job", help="the run's TrainingJob JSON")
+    parser.add_argument("node", help="this node's NodeSpec JSON")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    job = TrainingJob.from_json(Path(args.job).read_text())
+    spec = NodeSpec.from_json(Path(args.node).read_text())
+    return run_rank(job, spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

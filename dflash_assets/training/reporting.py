@@ -1,0 +1,172 @@
+"""What a run tells the world, from rank 0: a log line every few steps, the live progress snapshot (the
+terminal's status line and `on_progress`), every step's and evaluation's scalars in TensorBoard
+(`curves.py`), and the `on_checkpoint` reports once each checkpoint is committed in the store.
+
+The other ranks keep quiet (`QuietReporter`): every figure here is already global (`StepStats`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dflash_assets import terminal
+from dflash_assets.training.curves import TrainingCurves
+from dflash_assets.training.metrics import StepStats, TrainMetrics
+
+
+class RunReporter:
+    def __init__(
+        self,
+        *,
+        run: str,
+        block_size: int,
+        total_steps: int,
+        world: dict[str, Any],  # world_size, nodes, devices
+        log: Callable[[str], None],
+        log_every_steps: int,
+        open_curves: Callable[[int], TrainingCurves],
+        on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
+        on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.run, self.block_size, self.total_steps = run, block_size, total_steps
+        self.world = world
+        self.log, self.log_every_steps = log, log_every_steps
+        self._open_curves = open_curves
+        self.on_progress, self.on_checkpoint = on_progress, on_checkpoint
+        self.metrics = TrainMetrics(block_size, 0, total_steps, world["world_size"])
+        self.curves: TrainingCurves | None = None
+        self.step_scalars: dict[str, Any] = {}  # the last optimiser step's figures
+        self._pending: list[dict[str, Any]] = []
+
+    @property
+    def task(self) -> str:
+        return f"training {self.run}"
+
+    def start(self, step: int) -> None:
+        """Open the curves at the run's first step (0, or the step it resumed at)."""
+        self.metrics = TrainMetrics(self.block_size, step, self.total_steps, self.world["world_size"])
+        self.curves = self._open_curves(step)
+
+    def start_clock(self) -> None:
+        self.metrics.start_clock()
+
+    # -- every step
+
+    def step(self, step: int, epoch: int, epochs: int, lr: float, stats: StepStats, grad_norm, seconds):
+        """Step `step` is done: its figures to the metrics, the curves, the log and the status line."""
+        self.metrics.add_step(stats)
+        loss = stats.loss if stats.nonfinite_ranks == 0 else math.nan
+        scalars: dict[str, Any] = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "sequences_per_step": stats.sequences,
+            "lr": lr,
+            "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0,  # every rank's tokens
+        }
+        self.step_scalars = scalars
+        if self.curves is not None:
+            self.curves.log_step(step, scalars)
+            if len(stats.rank_seconds) > 1:
+                self.curves.log_scalars(
+                    step, {f"ranks/step_s_rank_{r}": s for r, s in enumerate(stats.rank_seconds)}
+                )
+        if step % self.log_every_steps == 0 or step == self.total_steps:
+            self.log(self.metrics.report(step, epoch, epochs, lr))
+        loss_text = f" · loss {loss:.3f}" if isinstance(loss, float) and math.isfinite(loss) else ""
+        self.status(f"epoch {epoch + 1}/{epochs}{loss_text}{self._ranks_text(stats.rank_seconds)}", step)
+
+    def _ranks_text(self, rank_seconds: Sequence[float]) -> str:
+        if len(rank_seconds) < 2:
+            return ""
+        slowest = max(range(len(rank_seconds)), key=lambda r: rank_seconds[r])
+        return (
+            f" · {len(rank_seconds)} ranks, {self.metrics.tokens_per_second:,.0f} tok/s · slowest rank "
+            f"{slowest} {rank_seconds[slowest]:.2f} s"
+        )
+
+    def status(self, text: str, step: int) -> None:
+        snapshot = terminal.ProgressSnapshot(
+            task=self.task,
+            done=step,
+            total=self.total_steps,
+            unit="steps",
+            rate=self.metrics.steps_per_second(step),
+            status=text,
+        )
+        terminal.report(snapshot)
+        if self.on_progress is not None:
+            self.on_progress(snapshot)
+
+    # -- evaluations and checkpoints
+
+    def evaluation(self, step: int, evaluation: dict[str, Any] | None) -> None:
+        teacher_forced = (evaluation or {}).get("teacher_forced") or {}
+        speculative = (evaluation or {}).get("speculative") or {}
+        if self.curves is not None and evaluation:
+            self.curves.log_eval(
+                step,
+                {
+                    "loss": teacher_forced.get("loss"),
+                    "tau_teacher_forced": teacher_forced.get("teacher_forced_tau"),
+                    "tau_measured": speculative.get("acceptance_length_tau"),
+                },
+            )
+
+    def checkpoint_written(self) -> None:
+        if self.curves is not None:
+            self.curves.rotate()
+
+    def queue_checkpoint_report(
+        self, step: int, checkpoint_uri: str | None, epoch: int, evaluation: dict[str, Any] | None
+    ) -> None:
+        self._pending.append(
+            {
+                "step": step,
+                "checkpoint": checkpoint_uri,
+                "epoch": epoch,
+                "train": self.metrics.last_window or None,
+                "tokens_per_second": self.metrics.tokens_per_second,
+                "eval": (evaluation or {}).get("teacher_forced"),
+                "speculative": (evaluation or {}).get("speculative"),
+                **self.world,
+            }
+        )
+
+    def send_committed(self) -> None:
+        """The queued reports, once their checkpoints are committed (the caller waited for that)."""
+        for report in self._pending:
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(report)
+        self._pending.clear()
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def close(self, *, failed: bool) -> None:
+        try:
+            if self.curves is not None:
+                self.curves.close(failed=failed)
+        finally:
+            terminal.finish(self.task)
+
+
+class QuietReporter(RunReporter):
+    """A rank other than 0: keeps the figures (the same global ones), writes and draws nothing."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "on_progress": None, "on_checkpoint": None})
+
+    def start(self, step: int) -> None:
+        self.metrics = TrainMetrics(self.block_size, step, self.total_steps, self.world["world_size"])
+
+    def step(self, step, epoch, epochs, lr, stats, grad_norm, seconds):
+        self.metrics.add_step(stats)
+
+    def status(self, text: str, step: int) -> None:
+        pass
+
+    def close(self, *, failed: bool) -> None:
+        pass
