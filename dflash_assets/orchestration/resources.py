@@ -241,7 +241,8 @@ class DeviceLeaseResource(ConfigurableResource):
         """`holder` names the run in the lock file; `log` hears whom a waiting run waits for."""
         from dflash_assets.target.devices import lease_device
 
-        with lease_device(self.candidates(), lock_dir=self.lock_directory(), holder=holder, log=log) as device:
+        lock_dir = self.lock_directory()
+        with lease_device(self.candidates(), lock_dir=lock_dir, holder=holder, log=log) as device:
             yield device
 
     @contextlib.contextmanager
