@@ -81,28 +81,29 @@ class StoreIOManager(ConfigurableIOManager):
                 "expects a PartitionOutput"
             )
         store = self.store.open()
+        asset_name = _asset_name(context)
         partition_key = context.partition_key if context.has_partition_key else None
-        prefix = obj.prefix or partition_prefix(_asset_name(context), partition_key)
-        objects = dict(obj.stored_objects)
-        if obj.staged_files:
-            with self.store.uploader() as uploader:
-                for name, path in obj.staged_files.items():
-                    objects[name] = path.stat().st_size
-                    uploader.submit(path, f"{prefix}/{name}")
-                uploader.flush()
-        manifest = new_manifest(
-            _asset_name(context), partition_key or "", objects, run_id=context.run_id, **obj.manifest_fields
-        )
-        fault_point("before_manifest")
-        committed = _committed(store, prefix)
-        if committed is not None and _same_commit(store, prefix, committed, manifest):
-            # A rerun that changed nothing leaves the commit (and who made it) as it was.
-            context.log.info(
-                f"{store.uri(prefix)} is committed with these objects already (by run "
-                f"{committed.get('run_id')}): its manifest is kept"
+        prefix = obj.prefix or partition_prefix(asset_name, partition_key)
+
+        def commit(staged: dict[str, int]) -> dict[str, int]:  # the manifest, last (upload_then_commit)
+            objects = {**obj.stored_objects, **staged}
+            manifest = new_manifest(
+                asset_name, partition_key or "", objects, run_id=context.run_id, **obj.manifest_fields
             )
-        else:
-            write_manifest(store, prefix, manifest)
+            fault_point("before_manifest")
+            committed = _committed(store, prefix)
+            if committed is not None and _same_commit(store, prefix, committed, manifest):
+                # A rerun that changed nothing leaves the commit (and who made it) as it was.
+                context.log.info(
+                    f"{store.uri(prefix)} is committed with these objects already (by run "
+                    f"{committed.get('run_id')}): its manifest is kept"
+                )
+            else:
+                write_manifest(store, prefix, manifest)
+            return objects
+
+        with self.store.uploader() as uploader:
+            objects = uploader.upload_then_commit(obj.staged_files, prefix, commit)
         context.add_output_metadata(
             {
                 "uri": MetadataValue.path(store.uri(prefix)),

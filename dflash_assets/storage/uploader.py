@@ -11,13 +11,15 @@ import logging
 import random
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from dflash_assets.storage.store import ObjectInfo, ObjectStore, StoreError, source_will_be_deleted
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class UploadError(StoreError):
@@ -190,6 +192,26 @@ class Uploader:
             self._queue.append(job)
             self._start_worker_if_needed()
             self._jobs_ready.notify()
+
+    def upload_then_commit(
+        self,
+        files: Mapping[str, Path],
+        prefix: str,
+        commit: Callable[[dict[str, int]], T],
+        *,
+        delete_after: bool = True,
+    ) -> T:
+        """Upload `files` (name -> local file) under `prefix`, wait until the store has confirmed every
+        one, then call `commit(sizes)` (name -> bytes), which writes the marker that makes the whole
+        directory count: a partition's manifest, a checkpoint's `_complete.json`, an export's
+        `config.json`. A reader that finds the marker finds every file; a failed upload raises before it.
+        """
+        sizes = {name: Path(path).stat().st_size for name, path in files.items()}
+        base = prefix.rstrip("/")
+        for name, path in files.items():
+            self.submit(path, f"{base}/{name}", delete_after=delete_after)
+        self.flush()  # raises UploadError if any failed for good: no marker then
+        return commit(sizes)
 
     def _start_worker_if_needed(self) -> None:
         if self._idle_workers < len(self._queue) and len(self._workers) < self.max_workers:

@@ -334,3 +334,30 @@ def test_each_retry_waits_longer_than_the_one_before(tmp_path: Path) -> None:
     assert len(gaps) == 3 and uploader.stats.retries == 3
     for attempt, gap in enumerate(gaps, start=1):
         assert gap >= 0.2 * 2 ** (attempt - 1) / 2, (attempt, gaps)
+
+
+def test_upload_then_commit_writes_the_marker_only_after_the_store_has_every_file(
+    s3_store_url: str, faulty_proxy, tmp_path: Path
+) -> None:
+    proxy = faulty_proxy()
+    store = slow_s3_store(s3_store_url, proxy, max_attempts=1)
+    files = {f"part-{i}": write_file(tmp_path / "export" / f"part-{i}", 100 + i) for i in range(3)}
+    proxy.throttle(latency_s=0.2)  # uploads outlast a marker written without waiting for them
+    seen_at_commit: list[set[str]] = []
+
+    def commit(sizes: dict[str, int]) -> str:
+        seen_at_commit.append({info.key for info in store.list("run/")})
+        store.put_bytes("run/_complete.json", b"{}")
+        return "committed"
+
+    with Uploader(store, backoff_s=0.01) as uploader:
+        assert uploader.upload_then_commit(files, "run/", commit, delete_after=False) == "committed"
+    assert seen_at_commit == [{f"run/part-{i}" for i in range(3)}]
+    assert all(path.exists() for path in files.values())  # delete_after=False keeps them
+
+    proxy.go_down()
+    broken = Uploader(store, max_attempts=2, backoff_s=0.01, max_backoff_s=0.02)
+    with pytest.raises(UploadError):
+        broken.upload_then_commit({"late": write_file(tmp_path / "late", 5)}, "other", commit)
+    broken.close()
+    assert len(seen_at_commit) == 1  # no marker for a directory whose upload failed
