@@ -1,5 +1,6 @@
-"""Conversations: reading chat datasets, sample-range keys, the chat template and loss mask, and the
-tokenized shard every later stage reads.
+"""Conversations: reading chat datasets (`datasets.py`), sample-range keys (`sample_range.py`),
+tokenizing rows (`tokenize.py`) with the chat template's loss mask (`loss_mask.py`), and the tokenized
+shard every later stage reads (`shard.py`).
 
-May import: `storage`.
+May import: `storage` (and the `settings` leaf, for a default stated there).
 """

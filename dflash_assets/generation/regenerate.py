@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from dflash_assets.conversations.datasets import Dropped
-from dflash_assets.conversations.tokenize import BadRow, TooManyBadRows
+from dflash_assets.conversations.tokenize import BadRow, check_bad_rows
 from dflash_assets.generation.conversation import Answer, Regeneration, plan_regeneration
 from dflash_assets.generation.engine import Engine, TurnScheduler
 from dflash_assets.generation.records import (
@@ -311,14 +311,18 @@ def regenerate_range(
         f"{result.tokens_generated_now:,} tokens at {result.tokens_per_s:,.0f} tokens/s; "
         f"{result.requests} requests, {result.retries} retries"
     )
-    if result.rows and len(result.dropped) / result.rows > max_bad_fraction:
-        first = min(result.dropped)
-        raise TooManyBadRows(
-            f"{len(result.dropped)} of {result.rows} rows of {where} were dropped "
-            f"({result.dropped_by_reason}), more than max_bad_fraction={max_bad_fraction}. First: "
-            f"{BadRow(dataset_name, first, f'row {first}', result.dropped[first], summary.first_detail)}. "
-            "Every answer is stored: fix the cause (or raise max_bad_fraction) and rerun"
-        )
+    first = min(result.dropped, default=None)
+    first_bad = None
+    if first is not None:
+        first_bad = BadRow(dataset_name, first, f"row {first}", result.dropped[first], summary.first_detail)
+    check_bad_rows(
+        result.rows,
+        result.dropped,
+        max_bad_fraction,
+        where=f"of {where}",
+        first_bad=first_bad,
+        advice="Every answer is stored: fix the cause (or raise max_bad_fraction) and rerun.",
+    )
     return result
 
 

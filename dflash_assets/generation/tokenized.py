@@ -19,7 +19,7 @@ from dflash_assets.conversations.tokenize import (
     AnswerTokenizer,
     BadRow,
     TokenizeResult,
-    TooManyBadRows,
+    check_bad_rows,
 )
 from dflash_assets.generation.records import iter_records
 
@@ -75,10 +75,7 @@ def tokenize_completions(
     result.samples.sort(key=lambda sample: sample.sample_index)
     result.dropped = dict(sorted(result.dropped.items()))
     result.dropped_by_reason = dict(sorted(reasons.items()))
-    if result.rows and result.bad_fraction > max_bad_fraction:
-        counts = ", ".join(f"{reason}={count}" for reason, count in result.dropped_by_reason.items())
-        raise TooManyBadRows(
-            f"{len(result.dropped)} of {result.rows} rows of {where} were dropped ({counts}), more than "
-            f"max_bad_fraction={max_bad_fraction}. First bad row: {result.first_bad}."
-        )
+    check_bad_rows(
+        result.rows, result.dropped, max_bad_fraction, where=f"of {where}", first_bad=result.first_bad
+    )
     return result

@@ -142,16 +142,9 @@ def committed(store: ObjectStore, prefixes: Sequence[str]) -> list[StoredPartiti
 
 def tokenized_samples(store: ObjectStore, prefixes: Sequence[str], cache_dir: Path) -> list:
     """Every sample of the committed tokenized ranges (token ids and loss masks: small)."""
-    from dflash_assets.conversations.tokenize import read_shard
-    from dflash_assets.planning.workload import SHARD_NAME
+    from dflash_assets.conversations.shard import load_shard
 
-    samples = []
-    for partition in committed(store, prefixes):
-        local = cache_dir / partition.prefix / SHARD_NAME
-        local.parent.mkdir(parents=True, exist_ok=True)
-        store.download(f"{partition.prefix}/{SHARD_NAME}", local)
-        samples.extend(read_shard(local))
-    return samples
+    return [sample for partition in committed(store, prefixes) for sample in load_shard(partition, cache_dir)]
 
 
 def run_job(job: TrainingJob, node: NodeResources, *, collective: Any, events: JobEvents) -> dict[str, Any]:

@@ -12,14 +12,8 @@ from transformers import AutoTokenizer
 from dflash_assets.conversations.datasets import Dropped
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.conversations.tokenize import (
-    SHARD_FORMAT,
-    TooManyBadRows,
-    read_shard,
-    tokenize_conversation,
-    tokenize_range,
-    write_shard,
-)
+from dflash_assets.conversations.shard import SHARD_FORMAT, read_shard, write_shard
+from dflash_assets.conversations.tokenize import TooManyBadRows, tokenize_conversation, tokenize_range
 
 # A Qwen3-style template written for these tests: system first, reasoning stripped from assistant
 # turns before the last user message, and a (possibly empty) <think> block on the turns after it.

@@ -14,7 +14,7 @@ import pytest
 import torch
 from dagster import AssetKey
 
-from dflash_assets.conversations.tokenize import read_shard
+from dflash_assets.conversations.shard import read_shard
 from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, parse_line
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store

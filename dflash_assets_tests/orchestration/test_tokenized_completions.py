@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInstance, materialize
 
-from dflash_assets.conversations.tokenize import read_shard
+from dflash_assets.conversations.shard import read_shard
 from dflash_assets.orchestration.assets.tokenized_completions import tokenized_completions_asset
 from dflash_assets.orchestration.io_manager import StoreIOManager
 from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource

@@ -1,6 +1,5 @@
 """`hidden_state_partitions`: the target's chosen decoder-layer outputs, one object per sample."""
 
-from pathlib import Path
 
 from dagster import (
     AssetCheckExecutionContext,
@@ -19,8 +18,7 @@ from pydantic import Field
 
 from dflash_assets import settings
 from dflash_assets.conversations.sample_range import SampleRange
-from dflash_assets.conversations.tokenize import read_shard
-from dflash_assets.orchestration.assets.tokenized_completions import SHARD_NAME
+from dflash_assets.conversations.shard import load_shard
 from dflash_assets.orchestration.execution.k8s import gpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
@@ -56,11 +54,6 @@ class ExtractConfig(Config):
         return check_hidden_state_dtype(dtype)
 
 
-def load_tokenized(partition: StoredPartition, cache_dir: Path):
-    """The range's tokenized samples; `cache_dir`: the store's read cache (`StoreResource.read_cache_dir`)."""
-    return read_shard(partition.local_copy(SHARD_NAME, cache_dir))
-
-
 def hidden_state_partitions_asset() -> AssetsDefinition:
     """The asset, with its GPU step tags as the settings say when the code location is built."""
 
@@ -91,7 +84,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         object_store = store.check()
         layer_ids = target_model.layer_ids()  # validated before anything touches a device
         dtype = config.stored_dtype()
-        samples = load_tokenized(tokenized, store.read_cache_dir())
+        samples = load_shard(tokenized, store.read_cache_dir())
         if not samples:
             raise ValueError(
                 f"tokenized_completions {sample_range.key} holds no samples "

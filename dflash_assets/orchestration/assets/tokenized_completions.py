@@ -13,7 +13,8 @@ from pydantic import Field
 
 from dflash_assets import settings
 from dflash_assets.conversations.sample_range import SampleRange
-from dflash_assets.conversations.tokenize import TokenizeResult, tokenize_range, write_shard
+from dflash_assets.conversations.shard import SHARD_NAME, write_shard
+from dflash_assets.conversations.tokenize import TokenizeResult, tokenize_range
 from dflash_assets.orchestration.capacity_plan import range_plan_metadata
 from dflash_assets.orchestration.execution.k8s import cpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
@@ -21,8 +22,6 @@ from dflash_assets.orchestration.io_manager import PartitionOutput
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition, partition_prefix
-
-SHARD_NAME = "shard.parquet"
 
 
 class TokenizeConfig(Config):
