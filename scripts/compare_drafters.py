@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_assets.conversations.tokenize import read_shard
+from dflash_assets.conversations.shard import read_shard
 from dflash_assets.drafter.export import load_drafter
 from dflash_assets.drafter.speculative import (
     SpeculativeEvaluator,
