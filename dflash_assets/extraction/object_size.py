@@ -55,10 +55,6 @@ def check_hidden_state_dtype(name: str) -> str:
     return value
 
 
-def other_dtype(dtype: str) -> str:
-    return "fp8" if check_hidden_state_dtype(dtype) == "bf16" else "bf16"
-
-
 def bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
     """Stored bytes per token, header excluded: the states (and fp8's scales), the int32 id, the mask byte."""
     dtype = check_hidden_state_dtype(dtype)

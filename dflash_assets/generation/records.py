@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_assets.conversations.datasets import Dropped
-from dflash_assets.generation.conversation import Answer, Regeneration
+from dflash_assets.generation.conversation import Regeneration
 
 COMPLETIONS_FORMAT = "dflash-assets.completions/1"
 COMPLETIONS_NAME = "completions.jsonl"
@@ -175,17 +175,3 @@ def iter_records(path: Path) -> Iterator[CompletionRecord]:
                 line = parse_line(text, f"{path} line {number}")
                 if isinstance(line, CompletionRecord):
                     yield line
-
-
-def answer_of(record: CompletionRecord) -> Answer:
-    """The last answer of a record, as the engine gave it."""
-    turn = record.turns[-1]
-    message = record.last_answer
-    return Answer(
-        content=message.get("content", ""),
-        reasoning=message.get("reasoning_content"),
-        finish_reason=turn["finish_reason"],
-        completion_token_ids=turn.get("completion_token_ids"),
-        prompt_token_ids=record.prompt_token_ids,
-        completion_tokens=turn.get("completion_tokens"),
-    )

@@ -17,9 +17,6 @@ from typing import Any
 
 from dflash_assets.target.model import num_decoder_layers, text_config
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
-
 
 @dataclass(frozen=True)
 class CheckpointTensor:
