@@ -197,15 +197,16 @@ def check_settings() -> None:
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from dflash_assets.conversations.datasets import DatasetError
+    from dflash_assets.orchestration.partitions import NotASampleRange
     from dflash_assets.storage.store import StoreConfigError
 
-    return (SettingError, DatasetError, StoreConfigError)
+    return (SettingError, DatasetError, StoreConfigError, NotASampleRange)
 
 
 def user_error_message(error: BaseException) -> str | None:
     """The one line for a mistake of the user's anywhere in `error`'s chain (a bad setting, a missing
-    dataset, a store URL or credentials refused, an asset the settings leave out); None for anything
-    else, which keeps its traceback."""
+    dataset, a store URL or credentials refused, a partition key that is no range of the dataset, an
+    asset the settings leave out); None for anything else, which keeps its traceback."""
     types = _user_error_types()
     seen: set[int] = set()
     current: BaseException | None = error

@@ -14,7 +14,7 @@ import pytest
 from dflash_assets import cli
 from dflash_assets.orchestration.user_errors import DRAFTER_SHAPES, EXECUTORS, check_settings
 from dflash_assets.settings import ALL_SETTINGS, SettingError
-from dflash_assets_tests.conftest import make_dagster_home
+from dflash_assets_tests.conftest import REPO, make_dagster_home, open_instance
 
 
 @pytest.fixture
@@ -111,22 +111,27 @@ def test_the_console_script_prints_a_store_url_typo_as_one_line_and_creates_noth
     assert list(clean_env.iterdir()) == []
 
 
-def test_dagster_commands_end_with_one_line_for_a_bad_setting_and_for_an_asset_the_settings_leave_out(
-    clean_env: Path,
-):
+def test_dagster_and_dg_commands_end_with_one_line_for_a_bad_setting_key_or_asset_selection(clean_env: Path):
     make_dagster_home(Path(os.environ["DAGSTER_HOME"]))
-    dagster = str(Path(sys.executable).with_name("dagster"))
-    select = ["asset", "materialize", "-m", "dflash_assets.definitions", "--partition", "00000000-00000099"]
-    cases = {
+    binaries = Path(sys.executable).parent
+    materialize = [str(binaries / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions"]
+    launch = [str(binaries / "dg"), "launch"]  # run where the project is, as a user would
+    cases = [
         # Met while the code location loads.
-        "DFLASH_HIDDEN_STATE_DTYPE": ({"DFLASH_HIDDEN_STATE_DTYPE": "fp16"}, "tokenized_completions"),
+        (materialize + ["--select", "tokenized_completions"], "00000000-00000099",
+         {"DFLASH_HIDDEN_STATE_DTYPE": "fp16"}, "DFLASH_HIDDEN_STATE_DTYPE"),
+        # A range past the bundled data's 500 rows: refused, and not registered.
+        (materialize + ["--select", "tokenized_completions"], "00000900-00000999", {}, "its last range is"),
         # target_completions is in the graph only with DFLASH_COMPLETIONS=target.
-        "DFLASH_COMPLETIONS=target": ({}, "target_completions"),
-    }
-    for named, (extra, asset) in cases.items():
-        done = _shell([dagster, *select, "--select", asset], {**os.environ, **extra}, clean_env)
+        (launch + ["--assets", "target_completions"], "00000000-00000099", {}, "DFLASH_COMPLETIONS=target"),
+    ]  # fmt: skip
+    for args, key, extra, named in cases:
+        cwd = REPO if args[0].endswith("dg") else clean_env
+        done = _shell([*args, "--partition", key], {**os.environ, **extra}, cwd)
         ours = [line for line in done.stderr.splitlines() if line.startswith("dflash-assets:")]
         assert done.returncode != 0
         assert len(ours) == 1 and named in ours[0], done.stderr[-3000:]
         assert "Traceback" not in done.stderr, done.stderr[-3000:]
-        assert list(clean_env.iterdir()) == []
+    assert list(clean_env.iterdir()) == []
+    with open_instance(os.environ["DAGSTER_HOME"]) as instance:
+        assert "00000900-00000999" not in instance.get_dynamic_partitions("sample_ranges")
