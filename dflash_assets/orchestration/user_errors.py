@@ -47,6 +47,7 @@ _NUMBERS: dict[Setting, tuple[float, bool]] = {
     settings.RETRIGGER_BACKOFF_S: (0.0, True),
     settings.CELERY_NODE_LOST_AFTER_S: (0.0, False),
     settings.CELERY_RUN_CHECK_S: (0.0, False),
+    settings.PEAK_TFLOPS: (0.0, False),
 }
 
 
@@ -159,6 +160,8 @@ def _check_one(setting: Setting) -> None:
             raise SettingError(f"{setting.name}={value!r} must be {smallest} or more")
     elif setting in _NUMBERS:
         smallest, inclusive = _NUMBERS[setting]
+        if not value:  # no default: unset
+            return
         number = setting.get_float()
         if number < smallest or (number == smallest and not inclusive):
             raise SettingError(
