@@ -39,6 +39,9 @@ _INTEGERS: dict[Setting, tuple[int, bool]] = {
     settings.RETRIGGER_MAX_ATTEMPTS: (0, False),
     settings.CELERY_STEP_RESUBMITS: (0, False),
     settings.K8S_TRAIN_GPUS: (1, False),
+    settings.TRAIN_NNODES: (1, False),
+    settings.TRAIN_RDZV_PORT: (0, False),
+    settings.TRAIN_MAX_RESTARTS: (0, False),
 }
 # Numbers: the smallest value, and whether it is allowed itself.
 _NUMBERS: dict[Setting, tuple[float, bool]] = {
@@ -48,6 +51,9 @@ _NUMBERS: dict[Setting, tuple[float, bool]] = {
     settings.CELERY_NODE_LOST_AFTER_S: (0.0, False),
     settings.CELERY_RUN_CHECK_S: (0.0, False),
     settings.PEAK_TFLOPS: (0.0, False),
+    settings.TRAIN_RDZV_TIMEOUT_S: (0.0, False),
+    settings.TRAIN_COLLECTIVE_TIMEOUT_S: (0.0, False),
+    settings.TRAIN_EVAL_TIMEOUT_S: (0.0, False),
 }
 
 
@@ -133,6 +139,11 @@ def _run_name(value: str) -> None:
         )
 
 
+def _ranks_per_node(value: str) -> None:
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise SettingError(f"{settings.TRAIN_NPROC_PER_NODE.name}={value!r} must be `auto` or 1 or more")
+
+
 def _special() -> dict[Setting, Callable[[str], None]]:
     return {
         settings.STORE_URL: _store_url,
@@ -146,6 +157,7 @@ def _special() -> dict[Setting, Callable[[str], None]]:
         settings.GENERATE_URL: _generate_urls,
         settings.K8S_NODE_SELECTOR: _node_selector,
         settings.RUN_NAME: _run_name,
+        settings.TRAIN_NPROC_PER_NODE: _ranks_per_node,
     }
 
 
