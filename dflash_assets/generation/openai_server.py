@@ -38,6 +38,7 @@ from dflash_assets.generation.engine import (
     no_room,
 )
 from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.redaction import redact
 
 URL_SETTING = "DFLASH_GENERATE_URL"
 MODEL_SETTING = "DFLASH_GENERATE_MODEL"
@@ -132,7 +133,7 @@ class OpenAIEngine(Engine):
         self.concurrency, self.timeout_s = concurrency, timeout_s
         self.max_attempts, self.backoff_s, self.warn = max(1, max_attempts), backoff_s, warn
         self.stats = EngineStats()
-        self.name = ",".join(s.base_url for s in self.servers)
+        self.name = redact(",".join(s.base_url for s in self.servers))  # recorded with every answer
         self.description = f"{len(self.servers)} server(s) at {self.name}, {concurrency} requests in flight"
         self._lock = threading.Lock()
         self._prompt_mismatch_warned = False

@@ -18,6 +18,7 @@ from typing import Any
 from dagster import ConfigurableIOManager, InputContext, MetadataValue, OutputContext
 
 from dflash_assets.orchestration.partitions import SampleRangePartitions, dataset_range_keys
+from dflash_assets.orchestration.redaction import redacted_fields
 from dflash_assets.orchestration.resources import StoreResource
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.manifest import (
@@ -87,9 +88,8 @@ class StoreIOManager(ConfigurableIOManager):
 
         def commit(staged: dict[str, int]) -> dict[str, int]:  # the manifest, last (upload_then_commit)
             objects = {**obj.stored_objects, **staged}
-            manifest = new_manifest(
-                asset_name, partition_key or "", objects, run_id=context.run_id, **obj.manifest_fields
-            )
+            fields = redacted_fields(obj.manifest_fields)  # other tools read a manifest: no secret in it
+            manifest = new_manifest(asset_name, partition_key or "", objects, run_id=context.run_id, **fields)
             fault_point("before_manifest")
             committed = _committed(store, prefix)
             if committed is not None and _same_commit(store, prefix, committed, manifest):

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
 from dflash_assets import terminal
+from dflash_assets.orchestration.redaction import redact, redacted_tags
 from dflash_assets.storage.range_progress import RangeProgress  # extraction's and regeneration's snapshots
 from dflash_assets.storage.units import human_bytes, human_duration  # torch-free, unlike extraction/
 
@@ -99,11 +100,12 @@ class RangeProgressReporter:
 
     def set_status(self, text: str) -> None:
         """The run's progress tag, for states before any snapshot (loading, waiting for a device)."""
-        self._context.instance.add_run_tags(self._context.run_id, {PROGRESS_TAG: text[:200]})
+        tags = redacted_tags({PROGRESS_TAG: text[:200]})
+        self._context.instance.add_run_tags(self._context.run_id, tags)
         terminal.report(terminal.ProgressSnapshot(self._task, status=text))
 
     def log_line(self, line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+        print(redact(line), file=sys.stderr, flush=True)  # the compute logs
 
     def __call__(self, progress: RangeProgress) -> None:
         self.set_status(progress_line(progress))

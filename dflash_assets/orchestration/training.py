@@ -14,6 +14,7 @@ from pydantic import Field
 
 from dflash_assets import settings, terminal
 from dflash_assets.orchestration.progress import PROGRESS_TAG
+from dflash_assets.orchestration.redaction import redacted_tags
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition
 
@@ -281,7 +282,7 @@ class StepReports:
     def _tag(self, text: str, force: bool = False) -> None:
         if force or time.monotonic() - self._tagged_at >= self.TAG_EVERY_S:
             self._tagged_at = time.monotonic()
-            self.context.instance.add_run_tags(self.context.run_id, {PROGRESS_TAG: text})
+            self.context.instance.add_run_tags(self.context.run_id, redacted_tags({PROGRESS_TAG: text}))
 
     def progress(self, snapshot: terminal.ProgressSnapshot) -> None:
         terminal.report(snapshot)

@@ -16,7 +16,6 @@ from dflash_assets.drafter.export import load_drafter
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import (
-    TEST_SECRET_ACCESS_KEY,
     aws_env,
     aws_env_set,
     create_bucket,
@@ -25,6 +24,7 @@ from dflash_assets_tests.conftest import (
 )
 from dflash_assets_tests.support.cli import materialize_args
 from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
+from dflash_assets_tests.support.secrets import SECRET_ENV, assert_no_secret
 
 RANGES = ["00000000-00000023", "00000024-00000047"]
 TRAIN = {
@@ -74,6 +74,7 @@ def ranges(tmp_path_factory, moto_endpoint, demo_ranges, demo_model_dir):
         "DFLASH_SAMPLES_PER_PARTITION": "24",
         "DFLASH_STORE_URL": ranges_store_url(),
         "OMP_NUM_THREADS": "1",
+        **SECRET_ENV,  # besides AWS's: none may show up anywhere
     }
     with aws_env_set(moto_endpoint):
         demo_ranges.copy_to(open_store(ranges_store_url()))
@@ -119,7 +120,12 @@ def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_
 ):
     done, env = offline_run
     assert done.returncode == 0, done.stderr[-4000:]
-    assert TEST_SECRET_ACCESS_KEY not in done.stdout + done.stderr
+    assert assert_no_secret(
+        texts=[done.stdout, done.stderr],
+        dagster_home=env["DAGSTER_HOME"],
+        stores=[open_store(ranges_store_url())],
+        directories=[env["DFLASH_HOME"]],
+    )
 
     store = open_store(ranges_store_url())
     manifest = read_manifest(store, "checkpoints/offline-run")

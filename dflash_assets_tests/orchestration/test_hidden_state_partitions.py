@@ -30,6 +30,7 @@ from dflash_assets_tests.support.cli import IN_PROCESS, materialize_args
 from dflash_assets_tests.support.cli import dagster as _dagster
 from dflash_assets_tests.support.cli import kill_when as _kill_when
 from dflash_assets_tests.support.cli import run_cli as _run_cli
+from dflash_assets_tests.support.secrets import SECRET_ENV, assert_no_secret
 from dflash_assets_tests.support.stores import staging_of
 
 KEY = "00000000-00000023"  # 24 samples per range keeps each run to seconds
@@ -91,6 +92,7 @@ def pipeline(tmp_path_factory, moto_endpoint, demo_ranges, demo_model_dir):
         "DFLASH_MAX_TOKENS_PER_BATCH": demo_ranges.env["DFLASH_MAX_TOKENS_PER_BATCH"],
         "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
         "OMP_NUM_THREADS": "1",
+        **SECRET_ENV,  # besides AWS's: none may show up anywhere
     }
     # The test process itself reads the store too: the same variables a user would set.
     with aws_env_set(moto_endpoint):
@@ -545,3 +547,10 @@ def test_an_object_corrupted_after_its_commit_fails_the_check_blocks_training_an
     assert list(evaluation.values())[0].status.value == "SUCCEEDED"
     assert changed_since_commit(store, HS_PREFIX, read_manifest(store, HS_PREFIX)) == {}
     _assert_matches_reference(pipeline, url)
+    # Neither the failing check, the refused training nor the repair wrote a secret anywhere.
+    assert assert_no_secret(
+        texts=[done.stdout, done.stderr, output],
+        dagster_home=env["DAGSTER_HOME"],
+        stores=[store],
+        directories=[env["DFLASH_HOME"]],
+    ) > len(pipeline["reference"])

@@ -18,9 +18,15 @@ from dflash_assets.conversations.shard import read_shard
 from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, parse_line
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
-from dflash_assets_tests.conftest import make_dagster_home, open_instance, shared_tmp_dir
+from dflash_assets_tests.conftest import (
+    TEST_SECRET_ACCESS_KEY,
+    make_dagster_home,
+    open_instance,
+    shared_tmp_dir,
+)
 from dflash_assets_tests.support.cli import dagster, materialize_args
 from dflash_assets_tests.support.inference_server import TransformersServer
+from dflash_assets_tests.support.secrets import API_KEY, SECRET_ENV, assert_no_secret
 from dflash_assets_tests.support.shared import build_once
 from dflash_assets_tests.support.stores import staging_of
 
@@ -95,6 +101,9 @@ def setup(tmp_path_factory, demo_model_dir: Path):
         "DFLASH_GENERATE_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
         "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
         "OMP_NUM_THREADS": "1",
+        # Secrets a user's environment holds while these run: none may show up anywhere.
+        "AWS_SECRET_ACCESS_KEY": TEST_SECRET_ACCESS_KEY,
+        **SECRET_ENV,
     }
     return {"root": root, "env": env, "model_dir": demo_model_dir}
 
@@ -226,7 +235,9 @@ def test_a_served_range_killed_mid_way_asks_again_only_for_turns_never_answered(
     env = {
         **setup["env"],
         "DFLASH_STORE_URL": store_url,
-        "DFLASH_GENERATE_URL": proxy.endpoint_url + "/v1",
+        # The API key written into the URL as well: a secret that would otherwise be recorded with
+        # every answer (the engine's name) and in the metadata.
+        "DFLASH_GENERATE_URL": proxy.endpoint_url.replace("://", f"://dflash:{API_KEY}@") + "/v1",
         "DFLASH_GENERATE_CONCURRENCY": str(concurrency),
     }
     journal = staging_of(env, f"target-completions/{KEY}") / "journal.jsonl"
@@ -244,6 +255,7 @@ def test_a_served_range_killed_mid_way_asks_again_only_for_turns_never_answered(
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGKILL)  # the whole process group, as a lost shell or OOM kill does
     process.wait()
+    killed_output = process.stdout.read()
     journaled = turns_journaled()
     asked_before_rerun = proxy.counters.requests
 
@@ -269,6 +281,18 @@ def test_a_served_range_killed_mid_way_asks_again_only_for_turns_never_answered(
         if isinstance(line, CompletionRecord)
     }
     assert {i: r.messages for i, r in records.items()} == reference
+
+    # No secret in what either regeneration (killed, rerun; in-process, with tokenisation) printed, in
+    # their instances (events, tags, run config, compute logs), stores or local state.
+    assert "dflash:***@" in records[0].engine  # the URL is recorded with its password masked
+    looked = assert_no_secret(
+        texts=[killed_output, rerun],
+        dagster_home=env["DAGSTER_HOME"],
+        stores=[store, in_process["store"]],
+        directories=[env["DFLASH_HOME"]],
+    )
+    looked += assert_no_secret(dagster_home=in_process["env"]["DAGSTER_HOME"])
+    assert looked > 20
 
 
 def test_an_answer_is_as_long_as_the_target_states_unless_a_setting_or_the_run_config_says(

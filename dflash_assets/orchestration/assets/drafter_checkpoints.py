@@ -7,6 +7,7 @@ from dflash_assets import settings
 from dflash_assets.orchestration.execution.k8s import gpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
+from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 from dflash_assets.orchestration.training import (
     StepReports,
@@ -31,6 +32,7 @@ from dflash_assets.storage.manifest import StoredPartition
     kinds={"pytorch", "s3"},
     description="DFlash drafter trained on the materialised ranges; resumable checkpoints; exported model.",
 )
+@redacted  # every event, log line, tag and error of the step masks secrets (orchestration/redaction.py)
 def drafter_checkpoints(
     context: AssetExecutionContext,
     config: TrainConfig,

@@ -24,6 +24,7 @@ from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 from dflash_assets.orchestration.progress import RangeProgressReporter, human_duration
+from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition, partition_prefix, read_manifest
 
@@ -67,6 +68,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         kinds={"pytorch", "safetensors", "s3"},
         description="Raw outputs of the target's chosen decoder layers, one safetensors object per sample.",
     )
+    @redacted  # every event, log line, tag and error of the step masks secrets
     def hidden_state_partitions(
         context: AssetExecutionContext,
         config: ExtractConfig,
@@ -182,6 +184,7 @@ class RangeCheckConfig(Config):
     "layers, dtype and finite values. Blocking: a run that fails it does not go on to train; run it alone "
     "to re-verify a committed range.",
 )
+@redacted
 def range_complete(
     context: AssetCheckExecutionContext,
     config: RangeCheckConfig,

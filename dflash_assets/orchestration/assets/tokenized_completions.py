@@ -20,6 +20,7 @@ from dflash_assets.orchestration.execution.k8s import cpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES
+from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition, partition_prefix
 
@@ -151,6 +152,7 @@ def tokenized_completions_asset(completions: str) -> AssetsDefinition:
         if from_target
         else "Chat conversations tokenized with the target's chat template; loss mask = assistant tokens.",
     )
+    @redacted  # every event, log line, tag and error of the step masks secrets
     def tokenized_completions(
         context: AssetExecutionContext,
         config: TokenizeConfig,
