@@ -78,6 +78,27 @@ class TokenizeResult:
     def bad_fraction(self) -> float:
         return len(self.dropped) / self.rows if self.rows else 0.0
 
+    def metadata(self) -> dict[str, Any]:
+        """What tokenizing the range reports: numbers a UI plots across ranges."""
+        return {
+            "samples": len(self.samples),
+            "tokens": self.tokens,
+            "mean_length": float(self.mean_length),
+            "max_length": self.max_length,
+            "truncated": self.truncated,
+            "dropped": len(self.dropped),
+            "exact_target_ids": self.exact_ids,
+            **{f"dropped_{reason}": count for reason, count in sorted(self.dropped_by_reason.items())},
+        }
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """What the range's manifest records beside its shard."""
+        return {
+            "sample_indices": [sample.sample_index for sample in self.samples],
+            "dropped": {str(index): reason for index, reason in sorted(self.dropped.items())},
+            "tokens": self.tokens,
+        }
+
 
 class TooManyBadRows(DatasetError):
     pass

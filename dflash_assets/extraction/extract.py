@@ -31,7 +31,7 @@ from dflash_assets.extraction.sample_format import (
 from dflash_assets.extraction.writes import GapExtraction
 from dflash_assets.storage.staging import FINGERPRINT_NAME, PartitionBusy, StagingDirectory, staging_lock
 from dflash_assets.storage.store import ObjectStore
-from dflash_assets.storage.units import human_bytes
+from dflash_assets.storage.units import human_bytes, human_duration
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.batching import padding_fraction, plan_batches
 from dflash_assets.target.kernels import report_kernel_paths
@@ -68,6 +68,37 @@ class ExtractionResult:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     dropped: dict[int, str] = field(default_factory=dict)  # only with drop_non_finite=True
     peak_device_memory_bytes: int | None = None
+    upload_retries: int = 0
+    staging_budget_bytes: int = 0
+
+    def metadata(self) -> dict[str, Any]:
+        """What the run reports about the range: numbers a UI plots across ranges, and what it stored."""
+        return {
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "bytes_stored": self.bytes_stored,
+            "extracted_now": self.extracted_now,
+            "reused_from_store": self.reused_from_store,
+            "reused_from_staging": self.reused_from_staging,
+            "duration_s": float(self.duration_s),
+            "duration": human_duration(self.duration_s),
+            "samples_per_s": float(self.samples_per_s),
+            "tokens_per_s": float(self.tokens_per_s),
+            "peak_staging_bytes": self.peak_staging_bytes,
+            "upload_retries": self.upload_retries,
+            "staging_budget_bytes": self.staging_budget_bytes,
+            "padding_fraction": float(self.padding_fraction),
+            "device": self.device,
+            "target_layer_ids": list(self.fingerprint.get("target_layer_ids", [])),
+            "hidden_state_dtype": self.fingerprint.get("hidden_state_dtype", ""),
+        }
+
+    def summary(self) -> str:
+        return (
+            f"{self.samples} samples on {self.device} in {human_duration(self.duration_s)} "
+            f"({self.extracted_now} extracted now, {self.reused_from_store} already in the store, "
+            f"{self.reused_from_staging} recovered from local staging)"
+        )
 
 
 def extraction_fingerprint(
@@ -201,6 +232,8 @@ def extract_range(
         samples_per_s=extracted_now / extract_seconds if extracted_now else 0.0,
         tokens_per_s=tokens_now / extract_seconds if extracted_now else 0.0,
         peak_staging_bytes=stats.peak_staging_bytes,
+        upload_retries=stats.retries,
+        staging_budget_bytes=stats.staging_budget_bytes,
         device=str(device),
         fingerprint=fingerprint,
         dropped=dict(gaps.dropped),

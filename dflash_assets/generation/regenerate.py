@@ -57,6 +57,7 @@ from dflash_assets.storage.fingerprint import claim_prefix
 from dflash_assets.storage.range_progress import RangeCounters, RangeProgress, eta_text
 from dflash_assets.storage.staging import PartitionBusy, StagingDirectory, staging_lock
 from dflash_assets.storage.store import ObjectStore, StoreError
+from dflash_assets.storage.units import human_duration
 from dflash_assets.storage.uploader import Uploader
 
 __all__ = ["PartitionBusy", "RegenerationProgress", "RegenerationResult", "regenerate_range"]
@@ -162,10 +163,54 @@ class RegenerationResult:
     tokens_per_s: float  # this run's generation rate
     engine: str
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    sample_indices: list[int] = field(default_factory=list)  # the rows kept, in order
 
     @property
     def dropped_by_reason(self) -> dict[str, int]:
         return dict(sorted(Counter(self.dropped.values()).items()))
+
+    def metadata(self) -> dict[str, Any]:
+        """What the run reports about the range: numbers a UI plots across ranges, and the settings."""
+        return {
+            "conversations": self.records,
+            "rows": self.rows,
+            "dropped": len(self.dropped),
+            **{f"dropped_{reason}": count for reason, count in self.dropped_by_reason.items()},
+            "truncated": self.truncated,
+            "tokens_generated": self.tokens_generated,
+            "generated_now": self.generated_now,
+            "reused_from_store": self.reused_from_store,
+            "reused_from_staging": self.reused_from_staging,
+            "tokens_per_s": float(self.tokens_per_s),
+            "requests": self.requests,
+            "retries": self.retries,
+            "server_errors": self.server_errors,
+            "prompt_token_mismatches": self.prompt_token_mismatches,
+            "engine": self.engine or "none (every row was already answered)",
+            "duration": human_duration(self.duration_s),
+            "generation": self.fingerprint.get("generation", {}),
+        }
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """What the range's manifest records beside its objects."""
+        return {
+            "sample_indices": list(self.sample_indices),
+            "dropped": {str(index): reason for index, reason in sorted(self.dropped.items())},
+            "target_model": self.fingerprint.get("target_model"),
+            "generation": self.fingerprint.get("generation"),
+            "truncated_policy": self.fingerprint.get("truncated"),
+            "conversations": self.records,
+            "truncated": self.truncated,
+            "tokens_generated": self.tokens_generated,
+        }
+
+    def summary(self) -> str:
+        return (
+            f"{self.records} conversations answered by {self.fingerprint.get('target_model')} in "
+            f"{human_duration(self.duration_s)} ({self.generated_now} generated now, "
+            f"{self.reused_from_store} already in the store, {self.reused_from_staging} recovered from local "
+            "staging)"
+        )
 
 
 def regenerate_range(
@@ -303,6 +348,7 @@ def regenerate_range(
         tokens_per_s=counters.tokens_this_run / generate_seconds if counters.tokens_this_run else 0.0,
         engine=engine_name,
         fingerprint=fingerprint,
+        sample_indices=sorted(all_rows - set(summary.dropped)),
     )
     log(
         f"{where}: done: {result.records} conversations ({result.truncated} truncated), "

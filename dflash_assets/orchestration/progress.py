@@ -104,6 +104,11 @@ class RangeProgressReporter:
         self._context.instance.add_run_tags(self._context.run_id, tags)
         terminal.report(terminal.ProgressSnapshot(self._task, status=text))
 
+    def note(self, message: str) -> None:
+        """A state before any snapshot worth a log line too (whom a waiting run waits for)."""
+        self._context.log.info(f"{self._partition_key}: {message}")
+        self.set_status(message)
+
     def log_line(self, line: str) -> None:
         print(redact(line), file=sys.stderr, flush=True)  # the compute logs
 

@@ -209,6 +209,15 @@ class DatasetResource(ConfigurableResource):
 
         return dataset_uri(settings.given_or(self.dataset, settings.DATASET.get))
 
+    def past_the_end(self, sample_range: Any) -> ValueError:
+        """The error for a range with no rows: the dataset ends before it starts. Such a range must never
+        be committed as if it were done."""
+        return ValueError(
+            f"sample range {sample_range.key} has no rows in {self.uri()}: the dataset ends before row "
+            f"{sample_range.start}. Check {settings.DATASET.name} and {settings.SAMPLES_PER_PARTITION.name}, "
+            "or materialise this range once the dataset has grown."
+        )
+
     def local_path(self) -> Path:
         """The dataset as a local file: an `s3://` one is downloaded into the cache once per version."""
         from dflash_assets.conversations.datasets import resolve_dataset

@@ -9,7 +9,6 @@ from dagster import (
     AssetIn,
     AssetsDefinition,
     Config,
-    MetadataValue,
     Output,
     asset,
     asset_check,
@@ -22,8 +21,9 @@ from dflash_assets.conversations.shard import load_shard
 from dflash_assets.orchestration.execution.k8s import gpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
+from dflash_assets.orchestration.metadata import dagster_metadata
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES
-from dflash_assets.orchestration.progress import RangeProgressReporter, human_duration
+from dflash_assets.orchestration.progress import RangeProgressReporter
 from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition, partition_prefix, read_manifest
@@ -76,13 +76,11 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         store: StoreResource,
         target_model: TargetModelResource,
         devices: DeviceLeaseResource,
-    ):
+    ) -> Output:
         from dflash_assets.extraction.extract import extract_range
         from dflash_assets.target.model import load_target_model
 
         sample_range = SampleRange.parse(context.partition_key)
-        node = step_node(context)
-        progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
         object_store = store.check()
         layer_ids = target_model.layer_ids()  # validated before anything touches a device
         dtype = config.stored_dtype()
@@ -93,19 +91,13 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
                 f"({len(tokenized.manifest.get('dropped', {}))} rows dropped upstream): nothing to extract"
             )
         prefix = partition_prefix("hidden_state_partitions", sample_range.key)
-
-        def waiting_for_device(message: str) -> None:
-            context.log.info(f"{sample_range.key}: {message}")
-            progress.set_status(message)
-
+        progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
         progress.set_status("waiting for a device")
-        with devices.lease(holder=f"run {context.run_id}", log=waiting_for_device) as device:
-            context.log.info(f"{sample_range.key}: leased device {device}; target layers {layer_ids}")
-            progress.set_status(f"loading the target model on {device}")
-            model = load_target_model(target_model.model_dir(), device)
+        with devices.lease(holder=f"run {context.run_id}", log=progress.note) as device:
+            progress.note(f"leased device {device}; loading the target, layers {layer_ids}")
             with store.uploader() as uploader:
                 result = extract_range(
-                    model=model,
+                    model=load_target_model(target_model.model_dir(), device),
                     target_model_name=target_model.name,
                     samples=samples,
                     target_layer_ids=layer_ids,
@@ -123,46 +115,18 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
                     hidden_state_dtype=dtype,
                     source=tokenized.prefix,  # relative: a store copied elsewhere keeps its objects
                 )
-                upload_retries = uploader.stats.retries
-
-        context.log.info(
-            f"{sample_range.key}: {result.samples} samples on {device} in "
-            f"{human_duration(result.duration_s)} "
-            f"({result.extracted_now} extracted now, {result.reused_from_store} already in the store, "
-            f"{result.reused_from_staging} recovered from local staging)"
-        )
-        yield Output(
-            PartitionOutput(
-                stored_objects=result.objects,
-                manifest_fields={
-                    "sample_indices": [s.sample_index for s in samples],
-                    "dropped": tokenized.manifest.get("dropped", {}),
-                    "target_model": target_model.name,
-                    "target_layer_ids": layer_ids,
-                    "tokens": result.tokens,
-                    "hidden_state_dtype": dtype,
-                },
-            ),
-            metadata={
-                "samples": result.samples,
-                "tokens": result.tokens,
-                "bytes_stored": result.bytes_stored,
-                "extracted_now": result.extracted_now,
-                "reused_from_store": result.reused_from_store,
-                "reused_from_staging": result.reused_from_staging,
-                "duration_s": MetadataValue.float(result.duration_s),
-                "duration": MetadataValue.text(human_duration(result.duration_s)),
-                "samples_per_s": MetadataValue.float(result.samples_per_s),
-                "tokens_per_s": MetadataValue.float(result.tokens_per_s),
-                "peak_staging_bytes": result.peak_staging_bytes,
-                "upload_retries": upload_retries,
-                "staging_budget_bytes": store.staging_budget_bytes(),
-                "padding_fraction": MetadataValue.float(result.padding_fraction),
-                "device": device,
-                "node": node,
-                "target_layer_ids": MetadataValue.json(layer_ids),
-                "hidden_state_dtype": dtype,
-            },
+        context.log.info(f"{sample_range.key}: {result.summary()}")
+        manifest_fields = {
+            "sample_indices": [s.sample_index for s in samples],
+            "dropped": tokenized.manifest.get("dropped", {}),
+            "target_model": target_model.name,
+            "target_layer_ids": layer_ids,
+            "tokens": result.tokens,
+            "hidden_state_dtype": dtype,
+        }
+        return Output(
+            PartitionOutput(stored_objects=result.objects, manifest_fields=manifest_fields),
+            metadata=dagster_metadata({**result.metadata(), "node": step_node(context)}),
         )
 
     return hidden_state_partitions

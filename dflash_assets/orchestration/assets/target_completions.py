@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from dagster import AssetExecutionContext, AssetsDefinition, Config, MetadataValue, asset
+from dagster import AssetExecutionContext, AssetsDefinition, Config, asset
 from pydantic import Field
 
 from dflash_assets import settings
@@ -11,8 +11,9 @@ from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.orchestration.execution.k8s import gpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
+from dflash_assets.orchestration.metadata import dagster_metadata
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES
-from dflash_assets.orchestration.progress import RangeProgressReporter, human_duration
+from dflash_assets.orchestration.progress import RangeProgressReporter
 from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import (
     DatasetResource,
@@ -121,34 +122,26 @@ def target_completions_asset() -> AssetsDefinition:
         from dflash_assets.generation import regenerate
 
         sample_range = SampleRange.parse(context.partition_key)
-        node = step_node(context)
         object_store = store.check()
-        generation_settings = config.generation_settings(target_model.model_dir())
         rows = list(iter_rows(dataset.local_path(), sample_range, require_assistant=False))
         if not rows:
-            raise ValueError(
-                f"sample range {sample_range.key} has no rows in {dataset.uri()}: the dataset ends before "
-                f"row {sample_range.start}. Check {settings.DATASET.name} and "
-                f"{settings.SAMPLES_PER_PARTITION.name}."
-            )
-        # Staged answers of other rows never count.
-        made_from = regenerate.dataset_identity(dataset.uri(), rows)
+            raise dataset.past_the_end(sample_range)
+        generation_settings = config.generation_settings(target_model.model_dir())
         fingerprint = regenerate.completions_fingerprint(
-            target_model.name, generation_settings, config.truncated, dataset=made_from
+            target_model.name,
+            generation_settings,
+            config.truncated,
+            dataset=regenerate.dataset_identity(dataset.uri(), rows),  # others' staged answers never count
         )
         prefix = partition_prefix("target_completions", sample_range.key)
         progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
-
-        def log(message: str) -> None:
-            context.log.info(f"{sample_range.key}: {message}")
-
         progress.set_status("waiting for the engine")
         open_engine = generation.engine_opener(
             generation_settings,
             target_model=target_model,
             devices=devices,
             holder=f"run {context.run_id}",
-            log=log,
+            log=lambda message: context.log.info(f"{sample_range.key}: {message}"),
             warn=context.log.warning,
             max_tokens_per_batch=config.max_tokens_per_batch,
             max_batch_size=config.max_batch_size,
@@ -170,46 +163,8 @@ def target_completions_asset() -> AssetsDefinition:
                 progress_every_s=config.progress_every_s,
                 on_progress=progress,
             )
-        log(
-            f"{result.records} conversations answered by {target_model.name} in "
-            f"{human_duration(result.duration_s)} ({result.generated_now} generated now, "
-            f"{result.reused_from_store} already in the store, {result.reused_from_staging} recovered from "
-            "local staging)"
-        )
-        context.add_output_metadata(
-            {
-                "conversations": result.records,
-                "rows": result.rows,
-                "dropped": len(result.dropped),
-                **{f"dropped_{reason}": count for reason, count in result.dropped_by_reason.items()},
-                "truncated": result.truncated,
-                "tokens_generated": result.tokens_generated,
-                "generated_now": result.generated_now,
-                "reused_from_store": result.reused_from_store,
-                "reused_from_staging": result.reused_from_staging,
-                "tokens_per_s": MetadataValue.float(result.tokens_per_s),
-                "requests": result.requests,
-                "retries": result.retries,
-                "server_errors": result.server_errors,
-                "prompt_token_mismatches": result.prompt_token_mismatches,
-                "engine": result.engine or "none (every row was already answered)",
-                "node": node,
-                "duration": MetadataValue.text(human_duration(result.duration_s)),
-                "generation": MetadataValue.json(fingerprint["generation"]),
-            }
-        )
-        return PartitionOutput(
-            stored_objects=result.objects,
-            manifest_fields={
-                "sample_indices": [index for index, _ in rows if index not in result.dropped],
-                "dropped": {str(index): reason for index, reason in sorted(result.dropped.items())},
-                "target_model": target_model.name,
-                "generation": fingerprint["generation"],
-                "truncated_policy": config.truncated,
-                "conversations": result.records,
-                "truncated": result.truncated,
-                "tokens_generated": result.tokens_generated,
-            },
-        )
+        context.log.info(f"{sample_range.key}: {result.summary()}")
+        context.add_output_metadata(dagster_metadata({**result.metadata(), "node": step_node(context)}))
+        return PartitionOutput(stored_objects=result.objects, manifest_fields=result.manifest_fields())
 
     return target_completions

@@ -8,7 +8,7 @@ of it. One asset either way, built by `tokenized_completions_asset`.
 
 from pathlib import Path
 
-from dagster import AssetExecutionContext, AssetIn, AssetsDefinition, Config, MetadataValue, asset
+from dagster import AssetExecutionContext, AssetIn, AssetsDefinition, Config, asset
 from pydantic import Field
 
 from dflash_assets import settings
@@ -19,6 +19,7 @@ from dflash_assets.orchestration.capacity_plan import range_plan_metadata
 from dflash_assets.orchestration.execution.k8s import cpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
+from dflash_assets.orchestration.metadata import dagster_metadata
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
@@ -36,28 +37,34 @@ class TokenizeConfig(Config):
         return settings.given_or(self.max_length, settings.MAX_LENGTH.get_int)
 
 
-def _from_dataset(
-    config: TokenizeConfig, dataset: DatasetResource, tokenizer, sample_range
-) -> TokenizeResult:
-    return tokenize_range(
-        tokenizer,
-        dataset.local_path(),
-        sample_range,
-        max_length=config.token_limit(),
-        overlong=config.overlong,
-        max_bad_fraction=config.max_bad_fraction,
-    )
-
-
-def _from_target(config: TokenizeConfig, completions: StoredPartition, tokenizer, cache_dir: Path):
+def _tokenize(
+    config: TokenizeConfig,
+    sample_range: SampleRange,
+    dataset: DatasetResource,
+    target_model: TargetModelResource,
+    completions: StoredPartition | None,
+    read_cache: Path,
+) -> tuple[TokenizeResult, dict]:
+    """The range tokenized with the target's tokenizer, and where its answers came from (for metadata
+    and the manifest)."""
+    tokenizer = target_model.load_tokenizer()
+    if completions is None:
+        result = tokenize_range(
+            tokenizer,
+            dataset.local_path(),
+            sample_range,
+            max_length=config.token_limit(),
+            overlong=config.overlong,
+            max_bad_fraction=config.max_bad_fraction,
+        )
+        return result, {"completions": "dataset", "dataset": dataset.uri()}
     from dflash_assets.generation.records import COMPLETIONS_NAME
     from dflash_assets.generation.tokenized import tokenize_completions
 
-    local = completions.local_copy(COMPLETIONS_NAME, cache_dir)
     generation = completions.manifest.get("generation", {})
-    return tokenize_completions(
+    result = tokenize_completions(
         tokenizer,
-        local,
+        completions.local_copy(COMPLETIONS_NAME, read_cache),
         dropped_upstream={int(i): reason for i, reason in completions.manifest.get("dropped", {}).items()},
         chat_template_kwargs=generation.get("chat_template_kwargs"),
         max_length=config.token_limit(),
@@ -65,75 +72,8 @@ def _from_target(config: TokenizeConfig, completions: StoredPartition, tokenizer
         max_bad_fraction=config.max_bad_fraction,
         where=completions.uri,
     )
-
-
-def _tokenize(
-    context: AssetExecutionContext,
-    config: TokenizeConfig,
-    store: StoreResource,
-    dataset: DatasetResource,
-    target_model: TargetModelResource,
-    completions: StoredPartition | None,
-) -> PartitionOutput:
-    sample_range = SampleRange.parse(context.partition_key)
-    node = step_node(context)
-    store.check()
-    tokenizer = target_model.load_tokenizer()
-    if completions is None:
-        result = _from_dataset(config, dataset, tokenizer, sample_range)
-        source = {"completions": "dataset", "dataset": dataset.uri()}
-    else:
-        result = _from_target(config, completions, tokenizer, store.read_cache_dir())
-        source = {
-            "completions": "target",
-            "regenerated_by": completions.manifest.get("target_model"),
-            "generation": completions.manifest.get("generation"),
-        }
-    if result.rows == 0:
-        # Keys are validated by shape, not against the dataset (that would read it when the code
-        # location loads); an empty range must not be committed as if it were done.
-        raise ValueError(
-            f"sample range {sample_range.key} has no rows in {dataset.uri()}: the dataset ends before row "
-            f"{sample_range.start}. Check {settings.DATASET.name} and {settings.SAMPLES_PER_PARTITION.name}, "
-            "or materialise this range once the dataset has grown."
-        )
-    shard_path = store.staging_path(partition_prefix("tokenized_completions", sample_range.key)) / SHARD_NAME
-    write_shard(result.samples, shard_path)
-
-    context.log.info(
-        f"{sample_range.key}: {len(result.samples)} samples ({source['completions']}'s answers), "
-        f"{result.tokens} tokens, {len(result.dropped)} rows dropped {dict(result.dropped_by_reason)}"
-    )
-    context.add_output_metadata(
-        {
-            "samples": len(result.samples),
-            "tokens": result.tokens,
-            "mean_length": MetadataValue.float(result.mean_length),
-            "max_length": result.max_length,
-            "truncated": result.truncated,
-            "dropped": len(result.dropped),
-            "completions": source["completions"],
-            "exact_target_ids": result.exact_ids,
-            "node": node,
-            **{f"dropped_{reason}": count for reason, count in sorted(result.dropped_by_reason.items())},
-            # What this range, and the whole run, will take in the later stages (capacity_plan.py).
-            **range_plan_metadata(
-                result.samples, sample_range.key, store=store, dataset=dataset, target_model=target_model,
-                warn=context.log.warning,
-            ),  # fmt: skip
-        }
-    )
-    return PartitionOutput(
-        staged_files={SHARD_NAME: shard_path},
-        manifest_fields={
-            "sample_indices": [s.sample_index for s in result.samples],
-            "dropped": {str(index): reason for index, reason in sorted(result.dropped.items())},
-            "tokens": result.tokens,
-            "tokenizer": target_model.name,
-            "max_length": config.token_limit(),
-            **source,
-        },
-    )
+    regenerated = {"regenerated_by": completions.manifest.get("target_model"), "generation": generation}
+    return result, {"completions": "target", **regenerated}
 
 
 def tokenized_completions_asset(completions: str) -> AssetsDefinition:
@@ -161,6 +101,34 @@ def tokenized_completions_asset(completions: str) -> AssetsDefinition:
         target_model: TargetModelResource,
         **upstream: StoredPartition,
     ) -> PartitionOutput:
-        return _tokenize(context, config, store, dataset, target_model, upstream.get("completions"))
+        sample_range = SampleRange.parse(context.partition_key)
+        store.check()
+        completions, read_cache = upstream.get("completions"), store.read_cache_dir()
+        result, source = _tokenize(config, sample_range, dataset, target_model, completions, read_cache)
+        if result.rows == 0:
+            raise dataset.past_the_end(sample_range)
+        shard = store.staging_path(partition_prefix("tokenized_completions", sample_range.key)) / SHARD_NAME
+        write_shard(result.samples, shard)
+
+        context.log.info(
+            f"{sample_range.key}: {len(result.samples)} samples ({source['completions']}'s answers), "
+            f"{result.tokens} tokens, {len(result.dropped)} rows dropped {dict(result.dropped_by_reason)}"
+        )
+        # What this range, and the whole run, will take in the later stages (capacity_plan.py).
+        plan = range_plan_metadata(
+            result.samples, sample_range.key, store=store, dataset=dataset, target_model=target_model,
+            warn=context.log.warning,
+        )  # fmt: skip
+        here = {"completions": source["completions"], "node": step_node(context)}
+        context.add_output_metadata(dagster_metadata({**result.metadata(), **here, **plan}))
+        return PartitionOutput(
+            staged_files={SHARD_NAME: shard},
+            manifest_fields={
+                **result.manifest_fields(),
+                "tokenizer": target_model.name,
+                "max_length": config.token_limit(),
+                **source,
+            },
+        )
 
     return tokenized_completions
