@@ -187,6 +187,11 @@ def run_plan(args: argparse.Namespace) -> int:
         train_tokens_per_s=args.train_tokens_per_s,
         mfu=args.mfu,
         gpu_result=args.gpu_result,
+        gpus_per_node=args.gpus_per_node,
+        nodes=args.nodes,
+        samples=args.samples,
+        mean_tokens=args.mean_tokens,
+        online_target_devices=args.online_target_devices,
         log=log,
     )
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
@@ -202,10 +207,27 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         "--device-memory-gib": args.device_memory_gib,
         "--train-tokens-per-s": args.train_tokens_per_s,
         "--mfu": args.mfu,
+        "--gpus-per-node": args.gpus_per_node,
+        "--nodes": args.nodes,
+        "--samples": args.samples,
+        "--mean-tokens": args.mean_tokens,
     }
     for flag, value in positive.items():
         if value is not None and value <= 0:
             raise UsageError(f"{flag} {value:g} must be more than 0")
+    if args.online_target_devices is not None and args.online_target_devices < 0:
+        raise UsageError(
+            f"--online-target-devices {args.online_target_devices} must be 0 (the target on each rank's "
+            "device) or more"
+        )
+    if args.mean_tokens is not None:
+        from dflash_assets import settings
+
+        if args.mean_tokens > settings.MAX_LENGTH.get_int():
+            raise UsageError(
+                f"--mean-tokens {args.mean_tokens:g} is more than {settings.MAX_LENGTH.name}="
+                f"{settings.MAX_LENGTH.get_int()}, where every sample is cut: give at most that"
+            )
     if args.mfu is not None and args.mfu > 1:
         raise UsageError(f"--mfu {args.mfu:g} is a fraction of the device's peak: give at most 1, e.g. 0.4")
     if args.sample_rows < 0:
@@ -259,6 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--train-tokens-per-s", type=float, default=None, help="offline training's token rate")
     plan.add_argument("--mfu", type=float, default=None, help="extraction MFU without a bench --gpu result")
     plan.add_argument("--gpu-result", default=None, help="a saved `bench --gpu` result to plan from")
+    plan.add_argument(
+        "--gpus-per-node", type=int, default=None, help="training split: devices a node (default: this one's)"
+    )
+    plan.add_argument("--nodes", type=int, default=1, help="training split: nodes the run trains on")
+    plan.add_argument("--samples", type=int, default=None, help="what-if: this many samples")
+    plan.add_argument("--mean-tokens", type=float, default=None, help="what-if: tokens per sample on average")
+    plan.add_argument(
+        "--online-target-devices",
+        type=int,
+        default=None,
+        help="the split you would state: target devices per drafter rank (with DFLASH_TRAIN_NPROC_PER_NODE)",
+    )
     sub.add_parser(
         "reap", help="mark runs whose worker on this host died as failed (and free any pool slots they hold)"
     )

@@ -139,10 +139,17 @@ def time_steps(
 
 
 def drafter_step_lines(
-    device: torch.device, *, tiny: bool, peak_flops: Callable[[torch.device], float | None], steps: int = 3
+    device: torch.device,
+    *,
+    tiny: bool,
+    peak_flops: Callable[[torch.device], float | None],
+    steps: int = 3,
+    record: dict[str, Any] | None = None,
 ) -> list[str]:
     """The section's lines: per backend and batch size, step time, tokens/s, peak memory, MFU, and the
-    flex ÷ materialised ratios the issue's goals name (>= 1.5x speed, <= 0.5x memory at 1 x 3072)."""
+    flex ÷ materialised ratios the issue's goals name (>= 1.5x speed, <= 0.5x memory at 1 x 3072).
+    `record` receives what the plan reads back (`planning/gpu_result.py`'s `drafter_step`): the fastest
+    batch size of the backend training uses on this device."""
     case = TINY if tiny or device.type != "cuda" else QWEN3_8B
     backends = ["materialised", "flex"] if device.type == "cuda" else ["materialised"]
     peak = peak_flops(device)
@@ -173,6 +180,24 @@ def drafter_step_lines(
                 + (f"{mfu:.0%}" if mfu is not None else "n/a")
                 + f"  loss {result['loss']:.3f}"
             )
+    trained_with = "flex" if device.type == "cuda" and ("flex", 1) in results else "materialised"
+    measured = [(b, r) for (backend, b), r in results.items() if backend == trained_with]
+    if record is not None and measured:
+        from dflash_assets.planning.training_split import drafter_flops_per_token
+
+        batch_size, best = max(measured, key=lambda item: item[1]["tokens_per_s"])
+        length = case.sequence_length
+        flops = drafter_flops_per_token(model.config, [length], case.num_anchors, length)
+        record.update(
+            shape=case.name,
+            backend=trained_with,
+            batch_size=batch_size,
+            sequence_length=length,
+            num_anchors=case.num_anchors,
+            tokens_per_s=best["tokens_per_s"],
+            flops_per_token=flops,
+            mfu=best["tokens_per_s"] * flops / peak if peak else None,
+        )
     for batch_size in (1, 2):
         flex, dense = results.get(("flex", batch_size)), results.get(("materialised", batch_size))
         if flex and dense:

@@ -381,16 +381,21 @@ def run_gpu_bench(
         results.append(figures)
         if target_device.type == "cuda":
             torch.cuda.empty_cache()  # the next target's weights need the room
-    for line in drafter_step_figures(tiny, target_device):
+    drafter_step: dict[str, Any] = {}
+    for line in drafter_step_figures(tiny, target_device, drafter_step):
         print_fn(line)
     if result_path is not None:
-        saved = save_bench_result(result_path, results, target_device, tokens)
+        saved = save_bench_result(result_path, results, target_device, tokens, drafter_step)
         print_fn(f"\nsaved for `dflash-assets plan`: {saved}")
     return results
 
 
 def save_bench_result(
-    path: Path, results: Sequence[TargetFigures], device: torch.device, tokens: int
+    path: Path,
+    results: Sequence[TargetFigures],
+    device: torch.device,
+    tokens: int,
+    drafter_step: dict[str, Any] | None = None,
 ) -> Path:
     """The figures in the format `planning/gpu_result.py` documents."""
     from dflash_assets.planning.gpu_result import save_gpu_result
@@ -420,15 +425,16 @@ def save_bench_result(
     return save_gpu_result(
         path,
         {"device": name, "total_memory_bytes": int(total), "peak_flops": peak, "tokens_per_variant": tokens,
-         "targets": targets},
+         "targets": targets, "drafter_step": drafter_step or None},
     )  # fmt: skip
 
 
 # ------------------------------------------------------------------------- drafter training step
 
 
-def drafter_step_figures(tiny: bool, device: torch.device) -> list[str]:
-    """The drafter training step, flex vs materialised attention (see `bench.drafter_step`)."""
+def drafter_step_figures(tiny: bool, device: torch.device, record: dict[str, Any] | None = None) -> list[str]:
+    """The drafter training step, flex vs materialised attention (see `bench.drafter_step`); `record`
+    receives the figures the plan reads."""
     from dflash_assets.bench.drafter_step import drafter_step_lines
 
-    return drafter_step_lines(device, tiny=tiny, peak_flops=stated_or_sheet_peak)
+    return drafter_step_lines(device, tiny=tiny, peak_flops=stated_or_sheet_peak, record=record)

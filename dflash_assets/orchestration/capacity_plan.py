@@ -26,16 +26,24 @@ def build_plan(
     gpu_result: str | Path | None = None,
     known: dict[str, Sequence[Any]] | None = None,
     tokenize: bool = True,
+    gpus_per_node: int | None = None,
+    nodes: int = 1,
+    samples: int | None = None,
+    mean_tokens: float | None = None,
+    online_target_devices: int | None = None,
     log: Callable[[str], None] = lambda message: None,
 ):
-    """A `CapacityPlan` for the configured dataset, target and settings (see `planning/capacity.py`)."""
-    from dflash_assets.drafter.config import DrafterConfig
+    """A `CapacityPlan` for the configured dataset, target and settings (see `planning/capacity.py`), with
+    the training split for `gpus_per_node` devices (default: this node's) on `nodes` nodes
+    (`planning/training_split.py`). `samples` and `mean_tokens` override the workload's counts (with both,
+    the dataset is not read)."""
     from dflash_assets.extraction.object_size import check_hidden_state_dtype
     from dflash_assets.planning.capacity import PlanSettings, plan_capacity
     from dflash_assets.planning.gpu_result import gpu_result_path, load_gpu_result
     from dflash_assets.planning.inputs import device_profile, target_facts
     from dflash_assets.planning.memory import stage_memory
-    from dflash_assets.planning.workload import build_workload
+    from dflash_assets.planning.training_split import SplitUnknown, training_split_for
+    from dflash_assets.planning.workload import build_workload, given_workload
     from dflash_assets.storage.store import StoreError
 
     dtype = check_hidden_state_dtype(settings.HIDDEN_STATE_DTYPE.get())
@@ -44,20 +52,45 @@ def build_plan(
     except StoreError as error:  # the plan still works from the dataset alone
         log(f"the store is unreachable ({error}); planning from the dataset alone")
         object_store = None
-    from dflash_assets.orchestration.partitions import dataset_row_count
+    max_length = settings.MAX_LENGTH.get_int()
+    if samples and mean_tokens:  # a what-if: nothing of the dataset is needed (not even its range size)
+        workload = given_workload(
+            samples=samples,
+            mean_tokens=mean_tokens,
+            samples_per_partition=settings.SAMPLES_PER_PARTITION.get_int(),
+            max_length=max_length,
+            dataset="what-if",
+            given=f"given: {samples:,} samples of {mean_tokens:,.0f} tokens (--samples, --mean-tokens)",
+        )
+    else:
+        from dflash_assets.orchestration.partitions import dataset_row_count
 
-    workload = build_workload(
-        dataset_uri=dataset.uri(),
-        rows=dataset_row_count(dataset.uri()),  # counted once per version of the file
-        samples_per_partition=settings.samples_per_partition(),
-        max_length=settings.MAX_LENGTH.get_int(),
-        tokenizer=target_model.load_tokenizer() if tokenize else None,
-        store=object_store,
-        known=known,
-        sample_rows=sample_rows,
-        cache_dir=settings.cache_dir(),
-        log=log,
-    )
+        workload = build_workload(
+            dataset_uri=dataset.uri(),
+            rows=dataset_row_count(dataset.uri()),  # counted once per version of the file
+            samples_per_partition=settings.samples_per_partition(),
+            max_length=max_length,
+            tokenizer=target_model.load_tokenizer() if tokenize else None,
+            store=object_store,
+            known=known,
+            sample_rows=sample_rows,
+            cache_dir=settings.cache_dir(),
+            log=log,
+        )
+        if samples or mean_tokens:
+            count = samples or round(workload.samples)
+            mean = mean_tokens or workload.tokens / max(workload.samples, 1)
+            flag = "--samples" if samples else "--mean-tokens"
+            workload = given_workload(
+                samples=count,
+                mean_tokens=mean,
+                samples_per_partition=settings.samples_per_partition(),
+                max_length=max_length,
+                lengths=workload.lengths,
+                dataset=workload.dataset,
+                given=f"given: {count:,} samples of {mean:,.0f} tokens ({flag}; the dataset's length "
+                "distribution scaled to that mean)",
+            )
     model_dir, layer_ids = target_model.model_dir(), target_model.layer_ids()
     facts = target_facts(model_dir, target_model.name, layer_ids, workload.lengths, settings.cache_dir())
     measured = load_gpu_result(gpu_result or gpu_result_path(settings.cache_dir()))
@@ -69,7 +102,8 @@ def build_plan(
         configured_devices=configured,
         stated_peak_flops=settings.peak_flops(),
     )
-    count = devices or len(configured) or _cuda_count() or 1
+    node_devices = len(configured) or _cuda_count() or 1
+    count = devices or (gpus_per_node * nodes if gpus_per_node else node_devices)
     plan_settings = PlanSettings(
         hidden_state_dtype=dtype,
         max_tokens_per_batch=settings.MAX_TOKENS_PER_BATCH.get_int(),
@@ -83,22 +117,150 @@ def build_plan(
     if train_tokens_per_s:
         plan_settings.train_tokens_per_s = train_tokens_per_s
         plan_settings.train_tokens_per_s_source = "given (--train-tokens-per-s)"
-    drafter = DrafterConfig.from_target(
-        model_dir,
-        num_layers=target_model.draft_layers(),
-        target_layer_ids=layer_ids,
-        shape=settings.DRAFTER_SHAPE.get(),
-    )
+    drafter = planned_drafter(target_model)
+    # The longest sample decides a micro-batch's, a decode's and a generation's length; a bare what-if
+    # knows only the mean, and a run of that mean has samples up to the limit.
+    longest = max_length if samples and mean_tokens else min(max_length, max(workload.lengths, default=1))
     stages = stage_memory(
         target=facts,
         device=profile,
         drafter=drafter,
         hidden_state_dtype=dtype,
         max_tokens_per_batch=plan_settings.max_tokens_per_batch,
-        # The longest sample decides a micro-batch's, a decode's and a generation's length.
-        max_length=min(settings.MAX_LENGTH.get_int(), max(workload.lengths, default=1)),
+        max_length=longest,
     )
-    return plan_capacity(workload, facts, profile, plan_settings, stages, measured)
+    plan = plan_capacity(workload, facts, profile, plan_settings, stages, measured)
+    nproc = settings.train_nproc_per_node()
+    stated_from = f"{settings.TRAIN_NPROC_PER_NODE.name}={settings.TRAIN_NPROC_PER_NODE.get()}, " + (
+        f"--online-target-devices {online_target_devices}"
+        if online_target_devices is not None
+        else "the target on each rank's device (run config online_target_devices unset)"
+    )
+    try:
+        split = training_split_for(
+            target=facts,
+            drafter=drafter,
+            device=profile,
+            gpu_result=measured,
+            lengths=workload.lengths,
+            tokens_to_train=workload.tokens * plan_settings.epochs,
+            gpus_per_node=gpus_per_node or node_devices,
+            nodes=nodes,
+            max_length=max_length,
+            mfu=plan_settings.mfu,
+            given_drafter_tokens_per_s=train_tokens_per_s,
+            stated=(nproc, online_target_devices or 0) if nproc else None,
+            stated_from=stated_from,
+            longest=longest,
+        )
+    except SplitUnknown as error:
+        plan.figures["training_split"] = None
+        plan.warnings.append(f"no training split: {error}")
+    else:
+        plan.training_split = split
+        plan.figures["training_split"] = split.as_dict()
+        plan.warnings.extend(split.warnings)
+    return plan
+
+
+def planned_drafter(target_model: TargetModelResource):
+    """The drafter the configured target gets (`DFLASH_DRAFTER_SHAPE`, `DFLASH_NUM_DRAFT_LAYERS`); its mask
+    token does not matter to a plan, so no tokenizer is needed."""
+    from dflash_assets.drafter.config import DrafterConfig
+
+    return DrafterConfig.from_target(
+        target_model.model_dir(),
+        num_layers=target_model.draft_layers(),
+        target_layer_ids=target_model.layer_ids(),
+        mask_token_id=0,
+        shape=settings.DRAFTER_SHAPE.get(),
+    )
+
+
+def recommended_online_split(
+    target_model: TargetModelResource,
+    node_devices: int,
+    target_devices_per_rank: int | None = None,
+    *,
+    mean_tokens: float | None = None,
+    max_length: int | None = None,
+    num_anchors: int = 512,
+    log: Callable[[str], None] = lambda message: None,
+) -> tuple[int, int]:
+    """(drafter ranks, target devices per rank) for this node's `node_devices` devices in online training:
+    the plan's recommendation for the configured target and drafter on this node's device (its GPU, the
+    saved `bench --gpu` result's, or its CPU), from samples of `mean_tokens` (unknown: `max_length`)
+    tokens. Nothing is tokenized: the split depends on the lengths, not on how many there are. With
+    `target_devices_per_rank` given, only the number of ranks is chosen."""
+    from dflash_assets.planning.gpu_result import gpu_result_path, load_gpu_result
+    from dflash_assets.planning.inputs import device_profile, target_facts
+    from dflash_assets.planning.training_split import SplitUnknown, training_split_for
+
+    max_length = max_length or settings.MAX_LENGTH.get_int()
+    mean = min(round(mean_tokens or max_length), max_length)
+    layer_ids = target_model.layer_ids()
+    facts = target_facts(target_model.model_dir(), target_model.name, layer_ids, [mean], settings.cache_dir())
+    measured = load_gpu_result(gpu_result_path(settings.cache_dir()))
+    profile = device_profile(
+        device_name=None,
+        device_memory_bytes=None,
+        gpu_result=measured,
+        configured_devices=settings.devices(),
+        stated_peak_flops=settings.peak_flops(),
+    )
+    setting = settings.TRAIN_NPROC_PER_NODE.name
+    try:
+        split = training_split_for(
+            target=facts,
+            drafter=planned_drafter(target_model),
+            device=profile,
+            gpu_result=measured,
+            lengths=[mean],
+            tokens_to_train=0.0,
+            gpus_per_node=node_devices,
+            max_length=max_length,
+            num_anchors=num_anchors,
+            target_devices_per_rank=target_devices_per_rank,
+            longest=max_length,
+        )
+    except SplitUnknown as error:
+        raise settings.SettingError(f"{setting}=auto cannot choose a split: {error}") from None
+    best = split.recommended
+    if best is None:
+        raise settings.SettingError(
+            f"{setting}=auto: no online split of {node_devices} device(s) with {target_devices_per_rank} "
+            "target device(s) per rank: lower online_target_devices or set a number of ranks"
+        )
+    log(
+        f"{setting}=auto: {best.label} on {node_devices} device(s), ~{best.tokens_per_s:,.0f} tokens/s "
+        f"expected (`dflash-assets plan` on {profile.name}, samples of ~{mean:,} tokens; target forward "
+        f"{split.figures.target_tokens_per_s:,.0f} tokens/s a device, drafter step "
+        f"{split.figures.drafter_tokens_per_s:,.0f})"
+    )
+    for warning in split.warnings + ([] if best.fits else [f"{best.label} does not fit {profile.name}"]):
+        log(f"WARNING: {warning}")
+    return best.drafter_ranks, best.target_devices_per_rank
+
+
+def online_split_recommender(
+    target_model: TargetModelResource,
+    tokenized: Sequence[Any],
+    train_settings: Any,
+    log: Callable[[str], None],
+) -> Callable[[int, int | None], tuple[int, int]]:
+    """`recommended_online_split` for a training run: its samples' mean length from the tokenized ranges'
+    manifests, its max length and anchors (what `TrainConfig.launch` calls with `nproc_per_node` auto)."""
+    samples = sum(len(p.manifest.get("sample_indices") or []) for p in tokenized)
+    tokens = sum(int(p.manifest.get("tokens") or 0) for p in tokenized)
+    return lambda node_devices, target_devices_per_rank: recommended_online_split(
+        target_model,
+        node_devices,
+        target_devices_per_rank,
+        mean_tokens=tokens / samples if samples else None,
+        max_length=train_settings.max_length,
+        num_anchors=train_settings.num_anchors,
+        log=log,
+    )
 
 
 def _cuda_count() -> int:
@@ -127,7 +289,9 @@ def format_plan(plan) -> str:
     dtype, other = f["hidden_state_dtype"], "fp8" if f["hidden_state_dtype"] == "bf16" else "bf16"
     error = "" if estimate["exact"] else f"  (±{estimate['relative_error_95']:.1%} at 95 %)"
     how = (
-        "exact: every range tokenized"
+        estimate["given"]
+        if estimate.get("given")
+        else "exact: every range tokenized"
         if estimate["exact"]
         else f"{estimate['estimated_rows']:,} rows extrapolated from a random sample of "
         f"{estimate['sampled_rows']:,}"
@@ -198,6 +362,8 @@ def format_plan(plan) -> str:
         rows.append(
             (f"  {stage}", f"{human_bytes(memory['bytes'])}" + ("" if memory["fits"] else "  DOES NOT FIT"))
         )
+    if plan.training_split is not None:
+        rows += plan.training_split.table_rows()
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     lines += [f"note: {note}" for note in estimate["notes"]]

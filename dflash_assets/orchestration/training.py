@@ -116,15 +116,16 @@ class TrainConfig(Config):
             value = settings.MASK_TOKEN_ID.get_int()
         return value if value is not None and value >= 0 else None
 
-    def launch(self, node_devices: int, mode: str):
-        """How many ranks on how many nodes, and how they meet (`train_launch.Launch`)."""
+    def launch(self, node_devices: int, mode: str, recommend=None):
+        """How many ranks on how many nodes, and how they meet (`train_launch.Launch`); `recommend` gives
+        the online split for `auto` (`capacity_plan.online_split_recommender`)."""
         from dflash_assets.orchestration.execution.train_launch import Launch
 
         nnodes = settings.given_or(self.nnodes, settings.TRAIN_NNODES.get_int)
         nproc = settings.given_or(self.nproc_per_node, settings.train_nproc_per_node)
         targets = self.online_target_devices if self.online_target_devices is not None else 0
         if nproc == AUTO:
-            nproc, targets = auto_split(node_devices, mode, self.online_target_devices)
+            nproc, targets = auto_split(node_devices, mode, self.online_target_devices, recommend)
         if nproc < 1 or nnodes < 1:
             raise settings.SettingError(
                 f"{settings.TRAIN_NPROC_PER_NODE.name}={nproc} and {settings.TRAIN_NNODES.name}={nnodes}: "
@@ -143,15 +144,17 @@ class TrainConfig(Config):
         return launch, targets
 
 
-def auto_split(node_devices: int, mode: str, online_target_devices: int | None) -> tuple[int, int]:
+def auto_split(
+    node_devices: int, mode: str, online_target_devices: int | None, recommend=None
+) -> tuple[int, int]:
     """(drafter ranks, target devices per rank) for this node's devices: offline, every device trains;
-    online, the plan's split (`planning/training_split.py`)."""
+    online, the plan's split, `recommend(node_devices, online_target_devices)`
+    (`planning/training_split.py`)."""
     if mode == "offline":
         return max(1, node_devices), 0
-    from dflash_assets.planning.training_split import default_online_split
-
-    split = default_online_split(node_devices, online_target_devices)
-    return split.drafter_ranks, split.target_devices_per_rank
+    if recommend is None:
+        raise ValueError("online `auto` needs the plan's recommendation (recommend=...)")
+    return recommend(node_devices, online_target_devices)
 
 
 def data_source(tokenized: list[StoredPartition]) -> dict[str, Any]:

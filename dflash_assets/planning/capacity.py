@@ -90,6 +90,7 @@ class CapacityPlan:
 
     figures: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
+    training_split: Any = None  # `training_split.TrainingSplit`, set by whoever plans one
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.figures, "warnings": list(self.warnings)}
@@ -159,6 +160,20 @@ def extraction_rate(
 ) -> tuple[float | None, str]:
     """(tokens/s of one device extracting with writes, where the figure comes from)."""
     variant = "extraction_fp8" if settings.hidden_state_dtype == "fp8" else "extraction"
+    return forward_rate(target, device, gpu_result, variant, settings.mfu)
+
+
+def forward_rate(
+    target: TargetFacts,
+    device: DeviceProfile,
+    gpu_result: dict[str, Any] | None,
+    variant: str,
+    mfu: float = STATED_MFU,
+) -> tuple[float | None, str]:
+    """(tokens/s of one device running the target's `variant` of `bench --gpu`: `extraction` with
+    writes, `forward` alone as online training runs it, ...; where the figure comes from): the saved
+    measurement scaled to this target by FLOPs per token, or its MFU on another device, else FLOPs per
+    token at a stated MFU of the device's peak."""
     entries = list((gpu_result or {}).get("targets") or [])
     entries = [e for e in entries if e.get("model_type") == target.model_type] or entries
     entries = [e for e in entries if (e.get("tokens_per_s") or {}).get(variant)]
@@ -174,10 +189,10 @@ def extraction_rate(
                 f"{measured_on}: {entry['shape']} at {measured:,.0f} tokens/s ({variant}), scaled to this "
                 "target by FLOPs per token"
             )
-        mfu = (entry.get("mfu") or {}).get(variant)
-        if mfu and device.peak_flops:
-            return mfu * device.peak_flops / target.flops_per_token, (
-                f"{measured_on}: {entry['shape']} at {mfu:.1%} MFU ({variant}), applied to "
+        measured_mfu = (entry.get("mfu") or {}).get(variant)
+        if measured_mfu and device.peak_flops:
+            return measured_mfu * device.peak_flops / target.flops_per_token, (
+                f"{measured_on}: {entry['shape']} at {measured_mfu:.1%} MFU ({variant}), applied to "
                 f"{device.name}'s peak"
             )
     peak = device.peak_flops
@@ -186,8 +201,8 @@ def extraction_rate(
             None,
             f"no peak known for {device.name}: set DFLASH_PEAK_TFLOPS or run `dflash-assets bench --gpu`",
         )
-    return settings.mfu * peak / target.flops_per_token, (
-        f"{target.flops_per_token:.3g} FLOPs per token at a stated {settings.mfu:.0%} MFU of {device.name}'s "
+    return mfu * peak / target.flops_per_token, (
+        f"{target.flops_per_token:.3g} FLOPs per token at a stated {mfu:.0%} MFU of {device.name}'s "
         f"{peak / 1e12:,.1f} TFLOP/s ({device.source}); `dflash-assets bench --gpu` measures it"
     )
 
@@ -298,6 +313,7 @@ def plan_capacity(
             "estimated_rows": workload.estimated_rows,
             "relative_error_95": relative_error,
             "notes": workload.notes,
+            "given": workload.given,
         },
         "target": {"name": target.name, "layer_ids": target.layer_ids, "hidden_size": hidden},
         "hidden_state_dtype": dtype,

@@ -10,9 +10,13 @@ The file is `$DFLASH_CACHE_DIR/bench/gpu-bench.json` (one per machine: the last 
         tokens_per_s  {variant: median tokens/s}; mfu {variant: fraction or null};
         flops_per_token  {variant: model FLOPs per real token}; peak_memory_bytes {variant: bytes or null}
 
+    drafter_step    the drafter's training step (or null): shape, backend, batch_size, sequence_length,
+        num_anchors, tokens_per_s, flops_per_token (`planning.training_split.drafter_flops_per_token`), mfu
+
 Variants: `anchors`, `forward`, `capture`, `extraction` (with writes, bf16) and `extraction_fp8`. The
 plan scales a measured extraction rate to the configured target by FLOPs per token (same device, same
-kind of architecture), so the shapes measured need not be the target's own.
+kind of architecture), so the shapes measured need not be the target's own; the training split takes
+`forward` (online training's target side) and `drafter_step` the same way.
 """
 
 from __future__ import annotations

@@ -68,3 +68,14 @@ def stage_memory(
         "training": training.step_bytes,
         "evaluation": evaluation,
     }
+
+
+def online_target_bytes(target: TargetFacts, device: DeviceProfile, tokens: int) -> int:
+    """One target replica of online training on its device: the weights, one micro-batch's no-grad
+    forward over `tokens` tokens (one sequence at the least) and the captured layers it hands over."""
+    config = target_config(target.model_dir)
+    element = 2 if device.kind == "cuda" else 4
+    captured = tokens * len(target.layer_ids) * target.hidden_size * element
+    return (
+        target.weight_bytes_bf16 // 2 * element + forward_activation_bytes(config, tokens, element) + captured
+    )

@@ -59,6 +59,7 @@ class Workload:
     estimated_rows: int = 0  # rows of the estimated ranges
     tokens_error_95: float = 0.0  # half-width of the 95 % interval of the token total (0: exact)
     notes: list[str] = field(default_factory=list)
+    given: str = ""  # a what-if's counts (`plan --samples --mean-tokens`), said in words
 
     @property
     def lengths(self) -> list[int]:
@@ -257,4 +258,44 @@ def _estimate_from_known(workload, ranges, left, rows) -> None:
     workload.notes.append(
         f"{total_left:,} rows not tokenized yet are estimated from the {known_rows:,} rows of the tokenized "
         "ranges (not a random sample: no error bound)"
+    )
+
+
+GIVEN_LENGTHS = 1024  # per-sample lengths a what-if workload carries for its distribution
+
+
+def given_workload(
+    *,
+    samples: int,
+    mean_tokens: float,
+    samples_per_partition: int,
+    max_length: int,
+    lengths: Sequence[int] = (),
+    dataset: str = "given",
+    given: str = "",
+) -> Workload:
+    """A what-if workload (`plan --samples N --mean-tokens T`): `samples` samples of `mean_tokens`
+    tokens on average, in ranges of `samples_per_partition`. Per-sample lengths follow `lengths` (a
+    dataset's, scaled to the mean and truncated at `max_length`), else every sample is at the mean."""
+    if lengths:
+        scale = mean_tokens / (sum(lengths) / len(lengths))
+        shape = [min(max_length, max(1, round(n * scale))) for n in _spread(sorted(lengths), GIVEN_LENGTHS)]
+    else:
+        shape = [min(max_length, max(1, round(mean_tokens)))] * min(samples, GIVEN_LENGTHS)
+    truncated_fraction = sum(n >= max_length for n in shape) / len(shape) if shape else 0.0
+    ranges = []
+    for sample_range in sample_ranges(samples, samples_per_partition):
+        present = _present_rows(sample_range, samples)
+        ranges.append(
+            RangeWorkload(
+                sample_range.key,
+                present,
+                present,
+                present * mean_tokens,
+                "given",
+                truncated=present * truncated_fraction,
+            )
+        )
+    return Workload(
+        dataset, samples, samples_per_partition, max_length, ranges, sample_lengths=shape, given=given
     )

@@ -8,6 +8,7 @@ check before a speculative evaluation need, not an allocator's exact peak.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -54,7 +55,21 @@ def checkpoint_tensors(model_dir: str | Path) -> dict[str, CheckpointTensor]:
 
 
 def parameter_count(model_dir: str | Path) -> int:
+    """Every tensor of the checkpoint; for a directory that holds only a config (planning a run whose
+    weights are elsewhere), the parameters of the architecture transformers builds from it."""
+    directory = Path(model_dir)
+    if not any(directory.glob("*.safetensors")) and (directory / "config.json").is_file():
+        return _config_parameter_count(str(directory.resolve()), (directory / "config.json").read_text())
     return sum(tensor.numel for tensor in checkpoint_tensors(model_dir).values())
+
+
+@functools.lru_cache(maxsize=8)
+def _config_parameter_count(model_dir: str, config_text: str) -> int:
+    """Parameters of the model `model_dir`'s config describes (`config_text`: the cache key), counted on
+    the meta device: no memory, no weights."""
+    from dflash_assets.target.flops import meta_target
+
+    return sum(parameter.numel() for parameter in meta_target(model_dir).parameters())
 
 
 def weight_bytes(model_dir: str | Path, device_type: str) -> int:

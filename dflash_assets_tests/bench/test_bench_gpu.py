@@ -12,6 +12,7 @@ from dflash_assets.bench.gpu import TINY_SHAPES, VARIANTS, build_random_target
 from dflash_assets.planning.capacity import PlanSettings, TargetFacts, extraction_rate
 from dflash_assets.planning.gpu_result import load_gpu_result
 from dflash_assets.planning.inputs import device_profile
+from dflash_assets.planning.training_split import drafter_rate
 from dflash_assets.target.flops import forward_flops
 
 
@@ -47,6 +48,11 @@ def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_
     settings = PlanSettings("bf16", 1024, 2**30, tmp_path, str(tmp_path), devices=1)
     rate, source = extraction_rate(facts, profile, settings, result)
     assert rate == pytest.approx(hybrid["tokens_per_s"]["extraction"]) and "bench --gpu" in source
+    # The drafter step too: the training split's drafter rate, scaled by FLOPs per token.
+    step = result["drafter_step"]
+    assert step["backend"] == "materialised" and step["tokens_per_s"] > 0
+    rate, source = drafter_rate(2 * step["flops_per_token"], profile, result)
+    assert rate == pytest.approx(step["tokens_per_s"] / 2) and "bench --gpu" in source
     assert "gated-delta-net layers" in out  # the hybrid's kernel path
     targets, drafter = out.split("drafter training step")
     table_rows = [line for line in targets.splitlines() if "tokens/s" not in line and "%" in line]

@@ -4,6 +4,7 @@ on one device or data-parallel over every device of one or more nodes."""
 from dagster import AssetExecutionContext, AssetIn, asset
 
 from dflash_assets import settings
+from dflash_assets.orchestration.capacity_plan import online_split_recommender
 from dflash_assets.orchestration.execution.k8s import gpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
@@ -48,7 +49,8 @@ def drafter_checkpoints(
     store.check()
     mode = config.train_settings().mode
     spec = node_spec(store, target_model, devices, run=config.run, holder=f"run {context.run_id}")
-    launch, target_devices = config.launch(len(spec.devices), mode)
+    recommend = online_split_recommender(target_model, tokenized, config.train_settings(), context.log.info)
+    launch, target_devices = config.launch(len(spec.devices), mode, recommend)
     job = training_job(
         config, store, target_model, hidden_states, tokenized,
         online_target_devices=target_devices, log=context.log.info,
