@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("directory", nargs="?", default=None)
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
-    bench.add_argument("--only", choices=["extraction", "training", "generation", "fidelity"], default=None)
+    bench.add_argument(
+        "--only", choices=["extraction", "training", "scaling", "generation", "fidelity"], default=None
+    )
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
     bench.add_argument(
         "--gpu",

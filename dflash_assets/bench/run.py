@@ -14,6 +14,7 @@ import torch
 from dflash_assets.bench.extraction import FP8_WRITES_FIGURE, WITH_WRITES_FIGURE, bench_extraction
 from dflash_assets.bench.fidelity import bench_fidelity
 from dflash_assets.bench.generation import bench_generation
+from dflash_assets.bench.scaling import cpu_scaling
 from dflash_assets.bench.training import bench_training
 
 
@@ -32,6 +33,10 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
         figures.update(bench_extraction(count, rounds))
     if only in (None, "training"):
         figures.update(bench_training(count, steps=4 if quick else 10, rounds=2 if quick else 3))
+    notes: list[str] = []
+    if only in (None, "scaling"):
+        scaling, notes = cpu_scaling(quick)
+        figures.update(scaling)
     if only in (None, "generation"):
         figures.update(
             bench_generation(8, rounds=2, max_new_tokens=32) if quick else bench_generation(64, rounds=3)
@@ -50,4 +55,8 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
         )
     if FP8_WRITES_FIGURE in figures:
         print(f"fp8 / bf16 with-writes ratio: {figures[FP8_WRITES_FIGURE]:.3f} (same rounds)")
+    if notes:
+        print("")
+        for line in notes:
+            print(line)
     return 0

@@ -185,6 +185,7 @@ class TrainMetrics:
             "loss": loss,
             "lr": lr,
             "tokens_per_second": self.window.num_tokens / elapsed if elapsed > 0 else 0.0,
+            "sequences_per_second": self.window.num_samples / elapsed if elapsed > 0 else 0.0,
             "per_position_accuracy": self.window.per_position_accuracy,
             "teacher_forced_tau": self.window.teacher_forced_tau,
             "sequences_per_step": self.window.num_samples / max(1, self.window_steps),

@@ -23,3 +23,28 @@ def test_the_generation_row_compares_the_batched_engine_with_one_conversation_at
     )
     assert ratio and float(ratio.group(1)) > 0
     assert "batched answers equal the one-at-a-time answers: True" in out
+
+
+@pytest.mark.slow  # a torchrun launch of 2 ranks: ~11 s of process starts and teardown on 2 cores
+def test_the_scaling_row_divides_two_launched_ranks_samples_per_second_by_one_ranks(
+    capfd, monkeypatch, tmp_path, demo_model_dir
+):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(demo_model_dir.parent))
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    assert cli.main(["bench", "--quick", "--only", "scaling"]) == 0
+    out = capfd.readouterr().out  # capfd: the launcher writes to this process's stdout descriptor
+
+    def figure(pattern: str) -> float:
+        found = re.search(rf"^\s+([\d.]+)\s+training samples/s, {pattern}", out, re.M)
+        assert found, f"no row {pattern!r} in:\n{out}"
+        return float(found.group(1))
+
+    ratio = figure("2 ranks / 1 rank")
+    one, two = figure("1 rank on 1 core"), figure("2 ranks on 2 cores")
+    assert one > 0 and two > 0 and ratio == pytest.approx(two / one, abs=2e-3)
+    # The two measurements are what rank 0's outcome says they were: one rank here, two launched ranks
+    # (a world of 2 only exists once both joined the process group).
+    runs = {int(m.group(1)): m.group(0) for m in re.finditer(r"^  (\d) rank\(s\): .*$", out, re.M)}
+    assert "in this process" in runs[1] and "world size 1 on cpu:0 (rank 0's outcome)" in runs[1]
+    assert "launched by torch.distributed.run" in runs[2]
+    assert "world size 2 on cpu:0, cpu:1 (rank 0's outcome)" in runs[2]
