@@ -384,6 +384,8 @@ def run_gpu_bench(
     drafter_step: dict[str, Any] = {}
     for line in drafter_step_figures(tiny, target_device, drafter_step):
         print_fn(line)
+    for line in training_scaling_figures(tiny, target_device, print_fn):
+        print_fn(line)
     if result_path is not None:
         saved = save_bench_result(result_path, results, target_device, tokens, drafter_step)
         print_fn(f"\nsaved for `dflash-assets plan`: {saved}")
@@ -438,3 +440,14 @@ def drafter_step_figures(tiny: bool, device: torch.device, record: dict[str, Any
     from dflash_assets.bench.drafter_step import drafter_step_lines
 
     return drafter_step_lines(device, tiny=tiny, peak_flops=stated_or_sheet_peak, record=record)
+
+
+# ----------------------------------------------------------------------------------- training scaling
+
+
+def training_scaling_figures(tiny: bool, device: torch.device, print_fn: Callable[[str], None]) -> list[str]:
+    """Per-GPU training tokens/s at 1 rank and at one rank per visible GPU (see `bench.scaling`); one
+    round, a GPU node running nothing else (the CPU row, on a shared machine, takes the median of 3)."""
+    from dflash_assets.bench.scaling import gpu_scaling_lines
+
+    return gpu_scaling_lines(tiny, device, 1, print_fn)

@@ -16,7 +16,9 @@ first; the median round is reported.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import shutil
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -100,6 +102,23 @@ class _Reports:
 
     def status(self, text: str) -> None:
         pass
+
+
+def _empty_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _remove_run(store_url: str, directory: Path) -> None:
+    """A measured run's checkpoint, export and work files: at a real drafter's size (weights and AdamW
+    state of ~1 B parameters, 12 GB a checkpoint) two runs would fill a GPU node's disk."""
+    from dflash_assets.storage.open_store import open_store
+
+    store = open_store(store_url)
+    for prefix in ("checkpoints", "drafter"):
+        store.delete_prefix(f"{prefix}/scaling-")
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -220,13 +239,15 @@ def measure_run(
     reports = _Reports()
     with _one_thread_per_rank(devices):
         outcome = run_training(job, launch, spec, reports, run_id=run)
+    _empty_cache(devices[0])  # a rank run here leaves its cached blocks to the launched ranks
     world = outcome["world"]
     if world["world_size"] != world_size:  # a figure for the wrong world size means nothing
         raise RuntimeError(f"asked for {world_size} ranks, rank 0 reports world size {world['world_size']}")
     final = [r for r in reports.checkpoints if r.get("step") == outcome["steps"]]
     window = (final[-1].get("train") or {}) if final else {}
     if window.get("step") != outcome["steps"] or not window.get("sequences_per_second"):
-        raise RuntimeError(f"run {run} reported no timed window for its last epoch: {final}")
+        said = " | ".join(reports.lines[-3:])
+        raise RuntimeError(f"run {run} reported no timed window for its last epoch ({final}); last: {said}")
     return ScalingRun(
         world_size=world["world_size"],
         devices=list(world["devices"]),
@@ -243,22 +264,27 @@ def bench_scaling(
 ) -> ScalingFigures:
     """1 rank on `devices[0]` and `len(devices)` ranks on `devices`, in `rounds` alternating rounds."""
     world_size = len(devices)
+    worlds = (1, world_size) if world_size > 1 else (1,)
     figures = ScalingFigures(world_size)
+    ranks = f"1 rank vs {world_size} ({', '.join(devices)})" if world_size > 1 else f"1 rank ({devices[0]})"
     print_fn(
         f"training scaling: {len(workload.samples)} samples, {workload.per_rank_batch} per rank a step, "
-        f"1 rank vs {world_size} ({', '.join(devices)}), {rounds} round(s), 2 epochs a run (the second timed)"
+        f"{ranks}, {rounds} round(s), 2 epochs a run (the second timed)"
     )
     progress = terminal.TaskProgress("bench training scaling", 2 * rounds, "trainings")
     with tempfile.TemporaryDirectory(prefix="dflash-bench-scaling-") as tmp:
         store_url = store_hidden_states(workload, Path(tmp))
+        workload.model = None  # the target's memory goes back before a drafter trains on its device
+        _empty_cache(devices[0])
         for round_index in range(rounds):
-            order = (1, world_size) if round_index % 2 == 0 else (world_size, 1)
+            order = worlds if round_index % 2 == 0 else worlds[::-1]
             runs: dict[int, ScalingRun] = {}
             for ranks in order:
                 progress.set_status(f"round {round_index + 1}/{rounds}: {ranks} rank(s)")
                 directory = Path(tmp) / f"round-{round_index}-{ranks}"
                 directory.mkdir()
                 runs[ranks] = measure_run(workload, store_url, devices[:ranks], ranks, directory)
+                _remove_run(store_url, directory)
                 progress.advance()
             figures.rounds.append((runs[1], runs[world_size]))
     progress.finish()
@@ -269,8 +295,10 @@ def scaling_lines(figures: ScalingFigures) -> list[str]:
     """The notes beside the row: every round's ratio, the median round's runs and where they ran."""
     one, many = figures.median_round()
     ratios = ", ".join(f"{r:.2f}" for r in figures.ratios())
-    lines = [f"training scaling, {many.world_size} ranks / 1 rank, samples/s per round: {ratios}"]
-    for run in (one, many):
+    lines = []
+    if many is not one:
+        lines.append(f"training scaling, {many.world_size} ranks / 1 rank, samples/s per round: {ratios}")
+    for run in (one, many) if many is not one else (one,):
         how = "in this process, as the step runs 1 rank"
         if run.launched:
             how = "launched by torch.distributed.run"
@@ -280,7 +308,7 @@ def scaling_lines(figures: ScalingFigures) -> list[str]:
         lines.append(
             f"  {run.world_size} rank(s): {run.samples_per_s:.2f} samples/s, "
             f"{run.tokens_per_s:,.0f} tokens/s ({per_rank:,.0f} per rank); {run.step_s:.3f} s a step, "
-            f"forward+backward {compute} s per rank; {how}, {where}"
+            f"forward+backward {compute} s per rank (mean of the run); {how}, {where}"
         )
     return lines
 
@@ -321,3 +349,71 @@ def cpu_scaling(quick: bool) -> tuple[dict[str, float], list[str]]:
         ),
     }
     return values, scaling_lines(figures)
+
+
+# ----------------------------------------------------------------------------------- on a GPU node
+
+
+def random_target_workload(
+    shape: Any, device: torch.device, directory: Path, count: int, per_rank_batch: int, num_anchors: int
+) -> ScalingWorkload:
+    """A random-weight target of `shape` (`bench.gpu`) in device memory for the extraction, saved as a
+    model directory of its config, embedding and LM head (all an offline drafter reads of its target),
+    and `count` synthetic samples of up to the shape's length."""
+    from safetensors.torch import save_file
+
+    from dflash_assets.bench.gpu import build_random_target, synthetic_samples
+
+    model = build_random_target(shape, device)
+    model_dir = directory / "random-target"
+    model_dir.mkdir(parents=True)
+    model.config.to_json_file(model_dir / "config.json")
+    shared = {
+        "model.embed_tokens.weight": model.get_input_embeddings().weight,
+        "lm_head.weight": model.get_output_embeddings().weight,
+    }
+    weights = {name: tensor.detach().cpu().contiguous() for name, tensor in shared.items()}
+    save_file(weights, str(model_dir / "model.safetensors"))
+    vocab = shape.config["vocab_size"]
+    return ScalingWorkload(
+        model=model,
+        model_dir=model_dir,
+        samples=synthetic_samples(shape, count * shape.max_length)[:count],  # each is at most max_length
+        layer_ids=shape.layer_ids,
+        per_rank_batch=per_rank_batch,
+        num_anchors=num_anchors,
+        max_length=shape.max_length,
+        mask_token_id=vocab - 1,  # random weights: any row will do
+    )
+
+
+def gpu_scaling_lines(
+    tiny: bool, device: torch.device, rounds: int, print_fn: Callable[[str], None]
+) -> list[str]:
+    """`bench --gpu`'s section: per-GPU tokens/s of 1 rank on the first GPU and of one rank on every
+    visible GPU (NCCL), the dense target shape's drafter trained through the step's own path. Without
+    CUDA (`--gpu --tiny` on a CPU) the 1-rank run alone, on the CPU."""
+    from dflash_assets.bench.gpu import REAL_SHAPES, TINY_SHAPES
+
+    # The dense shape: the Qwen3-8B drafter the drafter-step section times alone (hidden 4096).
+    shape = TINY_SHAPES[0] if tiny else REAL_SHAPES[0]
+    cuda = device.type == "cuda"
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else ["cpu:0"]
+    per_rank, timed_steps = 2, (2 if tiny else 4)  # real: 64 samples at 8 GPUs, ~4.5 GB stored
+    count = len(devices) * per_rank * timed_steps  # whole steps at every world size
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-scaling-target-") as tmp:
+        anchors = 16 if tiny else 512  # the recipe's
+        workload = random_target_workload(shape, device, Path(tmp), count, per_rank, num_anchors=anchors)
+        print_fn(f"\ntraining scaling, {shape.name} target (random weights):")
+        figures = bench_scaling(workload, devices, rounds, print_fn)
+    lines = scaling_lines(figures)
+    one, many = figures.median_round()
+    if len(devices) == 1:
+        lines.append(f"  one device visible ({devices[0]}): no multi-rank figure")
+    else:
+        lines.append(
+            f"  per-GPU tokens/s, {many.world_size} ranks / 1 rank: "
+            f"{many.tokens_per_s / many.world_size / one.tokens_per_s:.2f} (ideal 1.0); samples/s "
+            f"{figures.ratio:.2f} (ideal {many.world_size}.0)"
+        )
+    return lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -60,6 +61,12 @@ def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_
     # The drafter step is measured, not announced: both batch sizes, with an MFU against the peak.
     steps = [line for line in drafter.splitlines() if "s/step" in line]
     assert len(steps) == 2 and all("materialised" in line and "MFU" in line and "%" in line for line in steps)
+    # Training scaling trains through the step's own path on what runs here: one rank, in this process
+    # (the CPU row, `bench --only scaling`, launches two).
+    _, scaling = drafter.split("training scaling, tiny dense (qwen3) target")
+    one_rank = re.search(r"^  1 rank\(s\): ([\d.]+) samples/s, ([\d,]+) tokens/s .*$", scaling, re.M)
+    assert one_rank and float(one_rank.group(1)) > 0 and "world size 1 on cpu:0" in one_rank.group(0)
+    assert "one device visible (cpu:0): no multi-rank figure" in scaling
 
 
 def test_model_flops_grow_with_depth_and_the_lm_head_adds_two_flops_per_weight_per_token():
