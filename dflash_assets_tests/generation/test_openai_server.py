@@ -164,8 +164,8 @@ def test_a_server_that_goes_down_ends_the_run_naming_it_and_keeps_what_finished(
     answered = threading.Event()
     real_request = engine._request
 
-    def request_then_go_down(target_server, request):
-        answer = real_request(target_server, request)
+    def request_then_go_down(target_server, request, *rest):
+        answer = real_request(target_server, request, *rest)
         if not answered.is_set():
             answered.set()
             proxy.go_down()
