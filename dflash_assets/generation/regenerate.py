@@ -3,8 +3,9 @@ arrives, the engine asked again only for turns never answered.
 
 Where an answer lives, in order:
 1. `journal.jsonl` in the range's staging directory: one line per answered turn, appended (and flushed
-   to the page cache) the moment it arrives, so a SIGKILL loses only the requests still in flight; a
-   rerun resumes a half-answered conversation at its next turn, against the answers it already has;
+   to the page cache) the moment it arrives, so a SIGKILL loses only the requests still in flight, and
+   the conversation's whole record once its last turn is in; a rerun resumes a half-answered
+   conversation at its next turn, against the answers it already has;
 2. once a conversation is finished, a chunk of up to `chunk_records` conversations (or `chunk_every_s`
    seconds' worth), written atomically beside the journal and uploaded to `<prefix>/chunks/` through the
    bounded uploader (the journal then keeps only the turns of conversations still under way);
@@ -450,9 +451,11 @@ class _Journal:
             for index, entry in self._read_journal(warn):
                 if index in done or index not in planned:
                     continue
-                if isinstance(entry, DroppedRow):
+                if isinstance(entry, DroppedRow | CompletionRecord):  # a conversation's whole record
                     self._finished.append(entry)
                     done.add(index)
+                    answered.pop(index, None)
+                    self._under_way.pop(index, None)
                     continue
                 turn, answer, engines[index], text = entry
                 answers = answered.setdefault(index, [])
@@ -475,8 +478,8 @@ class _Journal:
         return recovered, answered
 
     def _read_journal(self, warn: Callable[[str], None]) -> Iterator[tuple[int, Any]]:
-        """`(sample, DroppedRow or (turn, Answer, engine, the line))` for every complete line; a last line
-        cut short by a kill was never acknowledged and is left out."""
+        """`(sample, a record (CompletionRecord or DroppedRow) or (turn, Answer, engine, the line))` for
+        every complete line; a last line cut short by a kill was never acknowledged and is left out."""
         data = self.path.read_bytes()
         lines = data.split(b"\n")
         lines.pop()  # after the last newline: b"" for a complete file, else a torn write
@@ -487,8 +490,8 @@ class _Journal:
                 text = raw.decode()
                 body = json.loads(text)
                 index = int(body["sample_index"])
-                if "dropped" in body:
-                    entry: Any = DroppedRow(index, Dropped(body["dropped"], body.get("detail", "")))
+                if "turn" not in body:
+                    entry: Any = parse_line(text, f"{JOURNAL_NAME} line {number}")
                 else:
                     entry = (int(body["turn"]), Answer(**body["answer"]), str(body.get("engine", "")), text)
             except (ValueError, KeyError, TypeError) as error:
@@ -508,10 +511,7 @@ class _Journal:
         return self._close(conversation.sample_index, self._record(conversation, engine))
 
     def dropped(self, conversation: Regeneration, dropped: Dropped) -> Line:
-        line = DroppedRow(conversation.sample_index, dropped)
-        with self._lock:
-            self._append_locked(line.to_json())
-        return self._close(conversation.sample_index, line)
+        return self._close(conversation.sample_index, DroppedRow(conversation.sample_index, dropped))
 
     def _record(self, conversation: Regeneration, engine: str) -> Line:
         line: Line = CompletionRecord.from_regeneration(conversation, engine)
@@ -523,7 +523,9 @@ class _Journal:
         return line
 
     def _close(self, index: int, line: Line) -> Line:
+        """A finished (or dropped) conversation: its whole record journaled, then counted for a chunk."""
         with self._lock:
+            self._append_locked(line.to_json())
             self._under_way.pop(index, None)
             self._finished.append(line)
             if len(self._finished) >= self.chunk_records:

@@ -175,6 +175,11 @@ def run_killed_after(
     return (staging / "journal.jsonl").read_text().splitlines()
 
 
+def turn_lines(journal: list[str]) -> set[tuple[int, int]]:
+    """(sample, turn) of every answered turn in the journal (finished conversations' records aside)."""
+    return {(body["sample_index"], body["turn"]) for body in map(json.loads, journal) if "turn" in body}
+
+
 def fingerprint_of(rows, uri: str = "conversations.jsonl") -> dict:
     return completions_fingerprint("tiny@0123", SETTINGS, dataset=dataset_identity(uri, rows))
 
@@ -189,7 +194,7 @@ def test_a_sigkill_mid_range_asks_again_only_for_turns_never_answered(tmp_path):
     what an uninterrupted run stores."""
     store_dir, staging = tmp_path / "store", tmp_path / "staging"
     journal = run_killed_after(8, store_dir, staging, rows=30)
-    journaled = {(json.loads(line)["sample_index"], json.loads(line)["turn"]) for line in journal}
+    journaled = turn_lines(journal)
     assert len(journaled) == 8
     assert any(turn == 0 and (i, 1) not in journaled for i, turn in journaled if i % 3 == 0), (
         "the kill left no conversation half-answered"
@@ -216,8 +221,8 @@ def test_a_torn_last_journal_line_is_asked_again_and_the_rest_kept(tmp_path):
     lines = run_killed_after(4, store_dir, staging, rows=12)
     # A write cut short by the kill: the last line lost its second half and its newline.
     (staging / "journal.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
-    kept = {(json.loads(t)["sample_index"], json.loads(t)["turn"]) for t in lines[:-1]}
-    torn = (json.loads(lines[-1])["sample_index"], json.loads(lines[-1])["turn"])
+    kept = turn_lines(lines[:-1])
+    torn = (json.loads(lines[-1])["sample_index"], json.loads(lines[-1])["turn"])  # the kill came after it
 
     rows = make_rows(12)
     again = ScriptedEngine()
@@ -231,7 +236,7 @@ def test_answers_staged_for_another_dataset_are_discarded_naming_both(tmp_path):
     another dataset's answers anyway, the fingerprint turns them away and says whose they were."""
     staging = tmp_path / "staging"
     theirs = run_killed_after(5, tmp_path / "their-store", staging, rows=12, words="other")
-    assert len(theirs) == 5
+    assert len(turn_lines(theirs)) == 5
 
     ours = make_rows(12)
     warnings: list[str] = []
