@@ -237,6 +237,44 @@ def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weigh
         assert torch.equal(straight[name], again[name]), name  # bitwise on CPU
 
 
+def test_two_trainings_with_the_default_run_name_on_two_stores_keep_to_their_own(
+    ranges, offline_run, tmp_path
+):
+    """One user (one DFLASH_HOME), two stores, the default run name for both. The first is killed after
+    its checkpoint at step 4; the second, on other data, writes a step 4 of its own; the first then
+    resumes from its own step 4 and ends at the uninterrupted run's weights. Each store holds only its
+    own run."""
+    done, _ = offline_run  # the first's settings and data, never interrupted
+    assert done.returncode == 0, done.stderr[-4000:]
+    other_url = "s3://train-ranges/other"
+    shared, other = open_store(ranges_store_url()), open_store(other_url)
+    for prefix in (f"tokenized-completions/{RANGES[1]}/", f"hidden-states/{RANGES[1]}/"):
+        for info in shared.list(prefix):
+            other.put_bytes(info.key, shared.get_bytes(info.key))
+    user = {
+        **ranges["env"],
+        "DAGSTER_HOME": make_dagster_home(tmp_path / "dagster-home"),
+        "DFLASH_HOME": str(tmp_path / "home"),
+    }
+    first, second = user, {**user, "DFLASH_STORE_URL": other_url}
+    assert "run_name" not in TRAIN  # both take the default name, `drafter`
+
+    killed = _materialize(
+        "drafter_checkpoints", {**first, "DFLASH_FAULT_POINTS": "train_step@5"}, config=TRAIN
+    )
+    assert killed.returncode != 0 and read_manifest(shared, "checkpoints/drafter") is None
+    finished = _materialize("drafter_checkpoints", second, config={**TRAIN, "max_steps": 4})
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    resumed = _materialize("drafter_checkpoints", first, config=TRAIN)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resuming run drafter from" in resumed.stdout + resumed.stderr
+
+    straight, again = _exported("offline-run", tmp_path), _exported("drafter", tmp_path)
+    assert all(torch.equal(straight[name], again[name]) for name in straight)  # its own step 4, not theirs
+    assert read_manifest(shared, "checkpoints/drafter")["trained_partitions"] == RANGES
+    assert read_manifest(other, "checkpoints/drafter")["trained_partitions"] == [RANGES[1]]
+
+
 def test_offline_training_without_materialised_ranges_says_which_asset_to_materialise(ranges, tmp_path):
     env = {
         **ranges["env"],
