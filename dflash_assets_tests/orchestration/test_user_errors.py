@@ -34,6 +34,7 @@ CASES = [
     (["ranges"], {"DFLASH_SAMPLES_PER_PARTITION": "abc"}, "DFLASH_SAMPLES_PER_PARTITION"),
     (["plan"], {"DFLASH_SAMPLES_PER_PARTITION": "abc"}, "DFLASH_SAMPLES_PER_PARTITION"),
     (["ranges"], {"DFLASH_DATASET": "{tmp}/missing.jsonl"}, "DFLASH_DATASET"),
+    (["plan"], {"DFLASH_DATASET": "{tmp}/missing.jsonl"}, "DFLASH_DATASET"),
     (["ranges"], {"DFLASH_HIDDEN_STATE_DTYPE": "fp16"}, "DFLASH_HIDDEN_STATE_DTYPE"),
     (["plan"], {"DFLASH_HIDDEN_STATE_DTYPE": "fp16"}, "DFLASH_HIDDEN_STATE_DTYPE"),
     (["plan", "--device", "V100"], {}, "--device"),
