@@ -23,6 +23,7 @@ from dflash_assets_tests.conftest import (
     open_instance,
 )
 from dflash_assets_tests.support.cli import materialize_args
+from dflash_assets_tests.support.in_process import materialize_here
 from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
 from dflash_assets_tests.support.secrets import SECRET_ENV, assert_no_secret
 
@@ -56,8 +57,12 @@ def _materialize(
     config: dict | None = None,
     in_process: bool = True,
 ):
-    """The training step runs inside the `dagster` process (`IN_PROCESS`), except where a test kills it."""
-    return _cli(materialize_args(asset, partition, config, in_process=in_process), env)
+    """The training step runs in this process under `env` (a run reads its settings when it starts), except
+    where a test kills it: then through the `dagster` command, in a process of its own."""
+    if not in_process:
+        return _cli(materialize_args(asset, partition, config), env)
+    run = materialize_here(asset, partition, env, config={asset: config} if config else None)
+    return subprocess.CompletedProcess([asset], 0 if run.success else 1, stdout=run.output, stderr="")
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,11 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
-from dflash_assets_tests.support.cli import IN_PROCESS, materialize_args
 from dflash_assets_tests.support.cli import dagster as _dagster
 from dflash_assets_tests.support.cli import kill_when as _kill_when
+from dflash_assets_tests.support.cli import materialize_args
 from dflash_assets_tests.support.cli import run_cli as _run_cli
+from dflash_assets_tests.support.in_process import materialize_here
 from dflash_assets_tests.support.secrets import SECRET_ENV, assert_no_secret
 from dflash_assets_tests.support.stores import staging_of
 
@@ -243,17 +244,11 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
 
 
 def _extract(pipeline, url: str, endpoint: str, **store_config) -> tuple[int, str, dict]:
-    """Run the range through the CLI against `endpoint`; returns exit code, output and the run's metadata."""
+    """Run the range against `endpoint`, in this process (what is tested is the store, not processes);
+    returns an exit code as the CLI's, the output and the run's metadata."""
     env = {**pipeline["env"], "DFLASH_STORE_URL": url, "AWS_ENDPOINT_URL_S3": endpoint}
-    args = _materialize_args("hidden_state_partitions")
-    args += ["--config-json", json.dumps({"resources": {"store": {"config": store_config}}, **IN_PROCESS})]
-    code, output = _run_cli(args, env)
-    metadata = {}
-    if code == 0:
-        with open_instance(env["DAGSTER_HOME"]) as instance:
-            event = instance.get_latest_materialization_event(AssetKey("hidden_state_partitions"))
-            metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
-    return code, output, metadata
+    run = materialize_here("hidden_state_partitions", KEY, env, resource_config={"store": store_config})
+    return (0 if run.success else 1), run.output, run.metadata
 
 
 FAST_RETRIES = {"upload_backoff_s": 0.01}

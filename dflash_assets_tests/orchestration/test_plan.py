@@ -1,13 +1,14 @@
-"""`dflash-assets plan` as a user runs it, checked against what materialising through the CLI stores: the
-plan's bytes are the store's, in bf16 and in fp8, and `tokenized_completions` records the same totals."""
+"""`dflash-assets plan` checked against what materialising stores: the plan's bytes are the store's, in bf16
+and in fp8, and `tokenized_completions` records the same totals. Both run in this process, each under the
+environment a user would set (the settings are read when they run)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from dagster import AssetKey
 from dflash_assets.extraction.sample_format import parse_sample_object_name, read_sample
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import make_dagster_home, open_instance, shared_tmp_dir
-from dflash_assets_tests.support.cli import materialize_args
+from dflash_assets_tests.support.in_process import environment, materialize_here
 from dflash_assets_tests.support.shared import build_once
 
 KEY = "00000000-00000023"
@@ -33,21 +34,19 @@ PLAN_KEYS = (
 )
 
 
-def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    completed = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert completed.returncode == 0, (completed.stdout[-2000:], completed.stderr[-4000:])
-    return completed
-
-
 def _plan(env: dict[str, str], *extra: str) -> dict:
-    command = Path(sys.executable).with_name("dflash-assets")
-    return json.loads(_run([str(command), "plan", "--json", *extra], env).stdout)
+    """`dflash-assets plan --json` under `env`, in this process (the plan reads its settings when it runs)."""
+    from dflash_assets import cli
+
+    printed = io.StringIO()
+    with environment(env), contextlib.redirect_stdout(printed):
+        assert cli.main(["plan", "--json", *extra]) == 0
+    return json.loads(printed.getvalue())
 
 
 def _materialize(env: dict[str, str]) -> None:
-    dagster = Path(sys.executable).with_name("dagster")
-    select = "tokenized_completions,hidden_state_partitions"
-    _run([str(dagster), *materialize_args(select, KEY, in_process=True)], env)
+    run = materialize_here("tokenized_completions,hidden_state_partitions", KEY, env)
+    assert run.success, run.output[-4000:]
 
 
 def _stored_objects(store_url: str) -> dict[str, int]:
@@ -62,7 +61,7 @@ def _stored_objects(store_url: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def planned_and_stored(tmp_path_factory, demo_model_dir, demo_ranges):
     """The plan on embedded defaults (24-sample ranges), then one range in each dtype: bf16 is
-    conftest's `demo_ranges` (materialised through the CLI), fp8 is materialised here into a copy of
+    conftest's `demo_ranges`, fp8 is materialised here into a copy of
     its instance, so one instance records both. Built once per test run (`build_once`)."""
 
     def build(root: Path) -> dict:

@@ -25,6 +25,7 @@ from dflash_assets_tests.conftest import (
     shared_tmp_dir,
 )
 from dflash_assets_tests.support.cli import dagster, materialize_args
+from dflash_assets_tests.support.in_process import materialize_here
 from dflash_assets_tests.support.inference_server import TransformersServer
 from dflash_assets_tests.support.secrets import API_KEY, SECRET_ENV, assert_no_secret
 from dflash_assets_tests.support.shared import build_once
@@ -76,10 +77,9 @@ def conversations() -> list[dict]:
     return rows
 
 
-def materialize(
-    env: dict[str, str], select: str = "target_completions,tokenized_completions", in_process: bool = False
-) -> str:
-    process = dagster(materialize_args(select, KEY, in_process=in_process), env)
+def materialize(env: dict[str, str], select: str = "target_completions,tokenized_completions") -> str:
+    """The `dagster` command a user types (for the tests about kills: the others run in this process)."""
+    process = dagster(materialize_args(select, KEY), env)
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     return output
@@ -118,7 +118,8 @@ def in_process(setup, tmp_path_factory):
             "DFLASH_STORE_URL": str(root / "store-in-process"),
             "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
         }
-        materialize(env, in_process=True)  # both steps in the `dagster` process
+        run = materialize_here("target_completions,tokenized_completions", KEY, env)  # in this process
+        assert run.success, run.output[-4000:]
         return env
 
     env = build_once(shared_tmp_dir(tmp_path_factory) / "regenerated-in-process", build)

@@ -17,6 +17,7 @@ from dflash_assets.orchestration.resources import DatasetResource, StoreResource
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import TEST_SECRET_ACCESS_KEY
+from dflash_assets_tests.support.in_process import materialize_here
 
 KEY = "00000000-00000099"
 PREFIX = f"tokenized-completions/{KEY}"
@@ -72,11 +73,11 @@ def test_the_same_run_writes_to_s3_when_pointed_at_a_bucket_and_the_secret_appea
 ):
     env = {**dflash_env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")}}
     env["DFLASH_STORE_URL"] = s3_store_url
-    completed = _materialize_cli(env)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    run = materialize_here("tokenized_completions", KEY, env)  # the setting, read when the run uses it
+    assert run.success, run.output[-3000:]
     store = open_store(s3_store_url)
     assert read_manifest(store, PREFIX)["objects"]["shard.parquet"] > 0
-    assert TEST_SECRET_ACCESS_KEY not in completed.stdout + completed.stderr
+    assert TEST_SECRET_ACCESS_KEY not in run.output
 
     with DagsterInstance.get() as instance:
         run = instance.get_runs()[0]

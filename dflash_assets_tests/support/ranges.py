@@ -1,4 +1,5 @@
-"""The ranges several test files read, materialised once per test run through the CLI a user types.
+"""The ranges several test files read, materialised once per test run, in the process of the xdist worker
+that asks first (the CLI a user types is tested by the files about it).
 
 Two ranges of the bundled conversations (24 rows each) are tokenized and extracted with the demo
 target into a local store under a SQLite instance of their own. Every xdist worker of the run shares
@@ -11,14 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.store import ObjectStore
-from dflash_assets_tests.support.cli import IN_PROCESS
+from dflash_assets_tests.conftest import open_instance
+from dflash_assets_tests.support.in_process import environment, materialize_here
 from dflash_assets_tests.support.shared import exclusive
 
 RANGE_KEYS = ("00000000-00000023", "00000024-00000047")
@@ -50,12 +50,6 @@ class DemoRanges:
                 target.put_bytes(info.key, source.get_bytes(info.key))
 
 
-def _run(args: list[str], env: dict[str, str]) -> str:
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout
-
-
 def materialise_demo_ranges(root: Path, demo_model_dir: Path, dagster_yaml: str) -> DemoRanges:
     """Build the shared ranges under `root` unless another worker already has; return them."""
     with exclusive(root.with_suffix(".lock")):
@@ -81,19 +75,19 @@ def materialise_demo_ranges(root: Path, demo_model_dir: Path, dagster_yaml: str)
             }
             for name in [n for n in list(env) if n.startswith("AWS_")]:
                 env.pop(name)  # a local store: no S3 settings leak in from the test's environment
-            binaries = Path(sys.executable).parent
-            registered = int(_run([str(binaries / "dflash-assets"), "ranges"], env).split()[0])
-            # Both steps inside the `dagster` process (tests about step processes make their own).
-            config = json.dumps(
-                {"ops": {"hidden_state_partitions": {"config": EXTRACT_CONFIG}}, **IN_PROCESS}
-            )
+            with environment(env), open_instance(env["DAGSTER_HOME"]) as instance:
+                from dflash_assets.orchestration.partitions import dataset_range_keys, register_sample_ranges
+
+                registered = len(dataset_range_keys())  # what `dflash-assets ranges` registers
+                register_sample_ranges(instance)
             for key in RANGE_KEYS:
-                _run(
-                    [str(binaries / "dagster"), "asset", "materialize", "-m", "dflash_assets.definitions",
-                     "--select", "tokenized_completions,hidden_state_partitions", "--partition", key,
-                     "--config-json", config],
+                run = materialize_here(
+                    "tokenized_completions,hidden_state_partitions",
+                    key,
                     env,
-                )  # fmt: skip
+                    config={"hidden_state_partitions": EXTRACT_CONFIG},
+                )
+                assert run.success, run.output[-4000:]
             done.write_text(json.dumps({"env": env, "registered": registered}))
         recorded = json.loads(done.read_text())
     env = recorded["env"]
