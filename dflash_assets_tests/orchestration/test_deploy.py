@@ -247,16 +247,13 @@ def test_a_tokenizing_step_job_asks_for_no_gpu(kubeconfig):
     assert GPU_RESOURCE not in ((container.resources and container.resources.limits) or {})
 
 
-def test_with_dflash_executor_k8s_the_code_location_runs_steps_as_kubernetes_jobs(tmp_path):
-    probe = (
-        "from dflash_assets.definitions import defs\n"
-        "job = defs.get_repository_def().get_implicit_global_asset_job_def()\n"
-        "print(job.executor_def.name)\n"
-    )
-    env = {"DFLASH_EXECUTOR": "k8s", "DFLASH_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "k8s"
+def test_with_dflash_executor_k8s_the_code_location_runs_steps_as_kubernetes_jobs(tmp_path, monkeypatch):
+    from dflash_assets.definitions import build_definitions
+
+    monkeypatch.setenv("DFLASH_EXECUTOR", "k8s")  # read when the code location is built
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    job = build_definitions().get_repository_def().get_implicit_global_asset_job_def()
+    assert job.executor_def.name == "k8s"
 
 
 # --- compose and the image -------------------------------------------------------------------------

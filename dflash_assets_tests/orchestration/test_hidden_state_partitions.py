@@ -30,7 +30,7 @@ from dflash_assets_tests.support.cli import dagster as _dagster
 from dflash_assets_tests.support.cli import kill_when as _kill_when
 from dflash_assets_tests.support.cli import materialize_args
 from dflash_assets_tests.support.cli import run_cli as _run_cli
-from dflash_assets_tests.support.in_process import materialize_here
+from dflash_assets_tests.support.in_process import environment, materialize_here
 from dflash_assets_tests.support.secrets import SECRET_ENV, assert_no_secret
 from dflash_assets_tests.support.stores import staging_of
 
@@ -466,35 +466,38 @@ def flip_tensor_bytes(data: bytes, tensor: str = "hidden_states", count: int = 1
     return bytes(flipped)
 
 
-# Runs the range check alone with training after it (as the UI's "Execute" of the check would, then a
-# job that trains), then training alone; prints what each run's steps did.
-_CHECK_THEN_TRAIN = """
-import json, sys
-from dagster import AssetCheckKey, AssetKey, DagsterEventType, DagsterInstance
-from dflash_assets.definitions import defs
+def _check_then_train(env: dict[str, str]) -> dict:
+    """Runs the range check alone with training after it (as the UI's "Execute" of the check would, then a
+    job that trains), then training alone, in this process under `env`; what each run's steps did."""
+    from dagster import DagsterEventType
 
-job = defs.resolve_implicit_global_asset_job_def()
-check = AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")
-training = {AssetKey("drafter_checkpoints")}
-report = {}
-with DagsterInstance.get() as instance:
-    for name, checks, key in [("check_then_training", {check}, sys.argv[1]), ("training", set(), None)]:
-        subset = job.get_subset(asset_selection=training, asset_check_selection=checks)
-        result = subset.execute_in_process(partition_key=key, instance=instance, raise_on_error=False)
-        events = result.all_events
-        report[name] = {
-            "success": result.success,
-            "started": [e.step_key for e in events if e.event_type == DagsterEventType.STEP_START],
-            "checks": [
-                {"passed": e.event_specific_data.passed,
-                 "problems": e.event_specific_data.metadata["problems"].value}
-                for e in events if e.event_type == DagsterEventType.ASSET_CHECK_EVALUATION
-            ],
-            "failures": [e.event_specific_data.error.to_string() for e in events
-                         if e.event_type == DagsterEventType.STEP_FAILURE],
-        }
-print("REPORT " + json.dumps(report))
-"""
+    from dflash_assets.definitions import build_definitions
+
+    check = AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")
+    training = {AssetKey("drafter_checkpoints")}
+    report = {}
+    with environment(env), open_instance(env["DAGSTER_HOME"]) as instance:
+        job = build_definitions().resolve_implicit_global_asset_job_def()
+        for name, checks, key in [("check_then_training", {check}, KEY), ("training", set(), None)]:
+            subset = job.get_subset(asset_selection=training, asset_check_selection=checks)
+            result = subset.execute_in_process(partition_key=key, instance=instance, raise_on_error=False)
+            events = result.all_events
+            report[name] = {
+                "success": result.success,
+                "started": [e.step_key for e in events if e.event_type == DagsterEventType.STEP_START],
+                "checks": [
+                    {"passed": e.event_specific_data.passed,
+                     "problems": e.event_specific_data.metadata["problems"].value}
+                    for e in events if e.event_type == DagsterEventType.ASSET_CHECK_EVALUATION
+                ],  # fmt: skip
+                "failures": [
+                    e.event_specific_data.error.to_string()
+                    for e in events
+                    if e.event_type == DagsterEventType.STEP_FAILURE
+                ],
+                "logs": [record.message for record in instance.all_logs(result.run_id)],
+            }
+    return report
 
 
 def test_an_object_corrupted_after_its_commit_fails_the_check_blocks_training_and_is_redone(pipeline):
@@ -510,11 +513,7 @@ def test_an_object_corrupted_after_its_commit_fails_the_check_blocks_training_an
     assert read_sample(store.get_bytes(key)).hidden_states.isfinite().all()  # it decodes: only bytes differ
 
     env = {**pipeline["env"], "DFLASH_STORE_URL": url}
-    done = subprocess.run(
-        [sys.executable, "-c", _CHECK_THEN_TRAIN, KEY], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert "REPORT " in done.stdout, (done.stdout + done.stderr)[-4000:]
-    report = json.loads(done.stdout.split("REPORT ", 1)[1])
+    report = _check_then_train(env)
     checked = report["check_then_training"]
     # The check fails naming the object, and being blocking, the training after it never starts.
     assert [c["passed"] for c in checked["checks"]] == [False]
@@ -526,8 +525,8 @@ def test_an_object_corrupted_after_its_commit_fails_the_check_blocks_training_an
     assert name in trained["failures"][0]
     assert f"materialise hidden_state_partitions --partition {KEY} again" in trained["failures"][0]
 
-    # The same command as ever repairs the range: the changed object alone is extracted again.
-    code, output = _run_cli(_materialize_args("hidden_state_partitions"), env)
+    # The same materialisation as ever repairs the range: the changed object alone is extracted again.
+    code, output, _ = _extract(pipeline, url, env["AWS_ENDPOINT_URL_S3"])
     assert code == 0, output[-4000:]
     assert name in output  # the warning names it
     with open_instance(env["DAGSTER_HOME"]) as instance:
@@ -544,7 +543,7 @@ def test_an_object_corrupted_after_its_commit_fails_the_check_blocks_training_an
     _assert_matches_reference(pipeline, url)
     # Neither the failing check, the refused training nor the repair wrote a secret anywhere.
     assert assert_no_secret(
-        texts=[done.stdout, done.stderr, output],
+        texts=[json.dumps(report), output],
         dagster_home=env["DAGSTER_HOME"],
         stores=[store],
         directories=[env["DFLASH_HOME"]],

@@ -1,15 +1,14 @@
 """The production instance configuration (deploy/dagster-postgres.yaml) on a real PostgreSQL server:
-a range materialises through the CLI and its history is shared through the database."""
+a range materialises against it and its history is shared through the database."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from dagster import AssetKey
 
 from dflash_assets_tests.conftest import open_instance
+from dflash_assets_tests.support.in_process import materialize_here
 from dflash_assets_tests.support.postgres import postgres_dagster_home
 
 
@@ -22,25 +21,9 @@ def postgres_home(tmp_path, dflash_env):
 def test_a_range_materialises_against_the_postgres_instance_and_its_history_is_in_the_database(
     postgres_home, monkeypatch
 ):
-    dagster = Path(sys.executable).with_name("dagster")
-    done = subprocess.run(
-        [
-            str(dagster),
-            "asset",
-            "materialize",
-            "-m",
-            "dflash_assets.definitions",
-            "--select",
-            "tokenized_completions",
-            "--partition",
-            "00000100-00000199",
-        ],
-        env=postgres_home,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # In this process (the storage is what is tested here; the CLI's own path has tests of its own).
+    run = materialize_here("tokenized_completions", "00000100-00000199", postgres_home)
+    assert run.success, run.output[-3000:]
     for name in (
         "DAGSTER_PG_HOST",
         "DAGSTER_PG_PORT",
