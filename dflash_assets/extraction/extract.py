@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dflash_assets import settings
 from dflash_assets.conversations.samples import TokenizedSample, samples_digest
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.monitor import (
@@ -134,7 +135,7 @@ def extract_range(
     staging_dir: Path,
     uploader: Uploader,
     device: str | torch.device,
-    max_tokens_per_batch: int = 16384,
+    max_tokens_per_batch: int = int(settings.MAX_TOKENS_PER_BATCH.default),
     max_batch_size: int | None = None,
     log: Callable[[str], None] = print,
     progress_every_s: float = 5.0,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from dflash_assets import settings
 from dflash_assets.storage.store import ObjectInfo, ObjectStore, StoreError, source_will_be_deleted
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ class Uploader:
         self,
         store: ObjectStore,
         *,
-        max_in_flight: int = 100,
-        staging_budget_bytes: int = 8 * 2**30,
+        max_in_flight: int = int(settings.UPLOAD_MAX_IN_FLIGHT.default),
+        staging_budget_bytes: int = int(settings.STAGING_MAX_BYTES.default),
         max_attempts: int = 6,
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
