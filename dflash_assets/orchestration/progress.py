@@ -18,6 +18,7 @@ from dataclasses import asdict
 from dagster import AssetExecutionContext, AssetObservation, MetadataValue
 
 from dflash_assets import terminal
+from dflash_assets.orchestration.metadata import dagster_metadata
 from dflash_assets.orchestration.redaction import redact, redacted_tags
 from dflash_assets.storage.range_progress import RangeProgress  # extraction's and regeneration's snapshots
 from dflash_assets.storage.units import human_bytes, human_duration  # torch-free, unlike extraction/
@@ -44,22 +45,12 @@ def progress_line(progress: RangeProgress) -> str:
 def progress_metadata(progress: RangeProgress, run_id: str) -> dict[str, MetadataValue]:
     """Every number of the snapshot (extraction's or regeneration's), plus the summary fields the UI
     shows at a glance: fraction done, staging as text, status, the progress line, the run."""
-    metadata: dict[str, MetadataValue] = {
-        "fraction_done": MetadataValue.float(round(progress.fraction_done, 4))
+    figures = {
+        name: round(value, 3) if isinstance(value, float) else value
+        for name, value in asdict(progress).items()
+        if name != "reason"
     }
-    for name, value in asdict(progress).items():
-        if name == "reason":
-            continue
-        if value is None:
-            metadata[name] = MetadataValue.null()
-        elif isinstance(value, bool):
-            metadata[name] = MetadataValue.bool(value)
-        elif isinstance(value, int):
-            metadata[name] = MetadataValue.int(value)
-        elif isinstance(value, float):
-            metadata[name] = MetadataValue.float(round(value, 3))
-        else:
-            metadata[name] = MetadataValue.text(str(value))
+    metadata = dagster_metadata({"fraction_done": round(progress.fraction_done, 4), **figures})
     metadata |= {
         "staging": MetadataValue.text(
             f"{human_bytes(progress.staging_bytes)} of {human_bytes(progress.staging_budget_bytes)}"
