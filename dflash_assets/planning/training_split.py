@@ -191,6 +191,19 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def _duration(days: float) -> str:
+    if days >= 1 or days != days or days == float("inf"):
+        return f"{days:,.1f} days"
+    return f"{days * 24:.1f} h" if days * 24 >= 1 else f"{days * 1440:.1f} min"
+
+
+def _tokens(count: float) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M")):
+        if count >= size:
+            return f"{count / size:,.2f} {unit}"
+    return f"{count:,.0f}"
+
+
 @dataclass(frozen=True)
 class NodeFigures:
     """What the split is chosen from (made-up figures in tests)."""
@@ -231,13 +244,14 @@ class Split:
         if not self.online:
             return f"{ranks} on stored hidden states"
         if self.co_located:
-            return f"{ranks}, each sharing its device with the target"
+            each = "each sharing its" if self.drafter_ranks > 1 else "sharing its"
+            return f"{ranks}, {each} device with the target"
         return f"{ranks} × {_count(self.target_devices_per_rank, 'target device')} each"
 
-    def summary(self) -> str:
+    def summary(self, device_word: str = "GPU") -> str:
         return (
-            f"{self.label}: {_count(self.gpus_per_node, 'GPU')} a node, "
-            f"{self.tokens_per_s:,.0f} tokens/s, {self.days:,.1f} days"
+            f"{self.label}: {_count(self.gpus_per_node, device_word)} a node, "
+            f"{self.tokens_per_s:,.0f} tokens/s, {_duration(self.days)}"
             + ("" if self.fits else f" — DOES NOT FIT ({human_bytes(self.bytes_per_device)} on a device)")
         )
 
@@ -347,6 +361,7 @@ class TrainingSplit:
     sources: dict[str, str]
     flops_per_token: dict[str, float]
     warnings: list[str] = field(default_factory=list)
+    device_word: str = "GPU"  # what the printed block calls a device ("device" on a CPU)
 
     def as_dict(self) -> dict[str, Any]:
         f = self.figures
@@ -375,12 +390,12 @@ class TrainingSplit:
 
     def table_rows(self) -> list[tuple[str, str]]:
         """The printed plan's "training split" block, (name, value) rows."""
-        f = self.figures
+        f, word = self.figures, self.device_word
         rows = [
             (
                 "training split",
-                f"{_count(f.gpus_per_node, 'GPU')} a node × {_count(f.nodes, 'node')}; "
-                f"{f.tokens_to_train / 1e9:,.2f} B tokens to train; data parallel: {self.strategy}",
+                f"{_count(f.gpus_per_node, word)} a node × {_count(f.nodes, 'node')}; "
+                f"{_tokens(f.tokens_to_train)} tokens to train; data parallel: {self.strategy}",
             ),
             (
                 "  target forward",
@@ -403,7 +418,7 @@ class TrainingSplit:
         ]
         best = self.recommended
         if best is not None:
-            rows.append(("  recommended", best.summary()))
+            rows.append(("  recommended", best.summary(word)))
             if not best.co_located:
                 rows.append(
                     (
@@ -412,10 +427,10 @@ class TrainingSplit:
                         f"{best.no_overlap_tokens_per_s:,.0f} tokens/s",
                     )
                 )
-        rows += [("  alternative", split.summary()) for split in self.alternatives]
+        rows += [("  alternative", split.summary(word)) for split in self.alternatives]
         if self.stated is not None:
-            rows.append(("  stated", f"{self.stated.summary()} ({self.stated_from})"))
-        rows.append(("  offline", self.offline.summary()))
+            rows.append(("  stated", f"{self.stated.summary(word)} ({self.stated_from})"))
+        rows.append(("  offline", self.offline.summary(word)))
         return rows
 
 
@@ -453,6 +468,7 @@ def plan_training_split(
     stated: tuple[int, int] | None = None,
     stated_from: str = "",
     target_devices_per_rank: int | None = None,
+    device_word: str = "GPU",
 ) -> TrainingSplit:
     """The recommended online split, the next `ALTERNATIVES`, the `stated` (drafter ranks, target devices
     per rank) when it is neither, and offline's every-device split. `target_devices_per_rank` fixes k."""
@@ -492,6 +508,7 @@ def plan_training_split(
         sources=dict(sources or {}),
         flops_per_token=dict(flops_per_token or {}),
         warnings=warnings,
+        device_word=device_word,
     )
 
 
@@ -542,6 +559,7 @@ def training_split_for(
         device_name=device.name,
         sources={"target": target_source, "drafter": drafter_source},
         flops_per_token={"target": target.flops_per_token, "drafter": drafter_flops},
+        device_word="GPU" if device.kind == "cuda" else "device",
         stated=stated,
         stated_from=stated_from,
         target_devices_per_rank=target_devices_per_rank,
