@@ -175,7 +175,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr, flush=True)
 
     _check_plan_flags(args)
-    DatasetResource().local_path()  # a missing dataset is one line, before the plan starts talking
+    if not (args.samples and args.mean_tokens):  # a what-if of both counts reads no dataset
+        DatasetResource().local_path()  # a missing dataset is one line, before the plan starts talking
     log(f"planning for {plan_environment_note()}")
     plan = build_plan(
         store=StoreResource(),
