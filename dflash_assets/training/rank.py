@@ -36,6 +36,9 @@ from dflash_assets.training.distributed import ProcessGroup, Timeouts
 from dflash_assets.training.job import NodeResources, TrainingJob, run_job
 
 EVENTS_QUEUE = "dflash/events"
+# Errors a restart cannot mend (settings, data that does not match the drafter, a non-finite run): the
+# step stops the launcher at once instead of letting it restart every rank to meet them again.
+FATAL = (ValueError, FileNotFoundError, FloatingPointError, NotImplementedError)
 
 
 @dataclass
@@ -104,9 +107,13 @@ class StoreEvents:
     def outcome(self, outcome: dict[str, Any]) -> None:
         self._send("outcome", outcome)
 
+    def fatal(self, message: str) -> None:
+        self._send("fatal", message)
 
-class StderrEvents:
-    """Ranks other than 0: their warnings go to their own stderr (the launcher's log)."""
+
+class RankEvents(StoreEvents):
+    """Ranks other than 0: their warnings go to their own stderr (the launcher's log); only an error no
+    restart can mend reaches the step."""
 
     def log(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -166,7 +173,13 @@ def run_rank(job: TrainingJob, spec: NodeSpec) -> int:
     candidates = spec.devices[local_rank:] + spec.devices[:local_rank]
     holder = f"{spec.holder} rank {rank}".strip()
     timeout = spec.collective_timeout_s
-    events: Any = StoreEvents(spec.events) if rank == 0 and spec.events else StderrEvents()
+    events: Any = (StoreEvents if rank == 0 else RankEvents)(spec.events)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and rank == 0:
+        events.log(
+            f"WARNING: a rank died; the launcher started every rank again (restart {restart} of "
+            f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}), from the last committed checkpoint"
+        )
     with contextlib.ExitStack() as stack:
         try:
             device = stack.enter_context(
@@ -180,7 +193,7 @@ def run_rank(job: TrainingJob, spec: NodeSpec) -> int:
             ]
         except DeviceLeaseTimeout as error:
             message = _lease_timeout_message(error, rank, spec.node)
-            events.log(f"ERROR: {message}")
+            events.fatal(message)
             raise SystemExit(message) from None
         torch_target = torch_device(device)
         if torch_target.type == "cuda":
@@ -207,8 +220,11 @@ def run_rank(job: TrainingJob, spec: NodeSpec) -> int:
         )
         try:
             outcome = run_job(job, node, collective=collective, events=events)
-        except BaseException as error:
-            if rank == 0 and not isinstance(error, KeyboardInterrupt):
+        except FATAL as error:
+            events.fatal(f"rank {rank} on node {spec.node}: {type(error).__name__}: {error}")
+            raise
+        except Exception as error:
+            if rank == 0:
                 events.log(f"ERROR: rank 0 failed: {type(error).__name__}: {error}")
                 traceback.print_exc()
             raise

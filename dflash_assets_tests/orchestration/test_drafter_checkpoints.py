@@ -3,8 +3,10 @@ Train offline on the materialised ranges, kill the run, materialise again: it re
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from dflash_assets_tests.conftest import (
     make_dagster_home,
     open_instance,
 )
-from dflash_assets_tests.support.cli import materialize_args
+from dflash_assets_tests.support.cli import dagster, materialize_args
 from dflash_assets_tests.support.in_process import materialize_here
 from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
 from dflash_assets_tests.support.secrets import SECRET_ENV, assert_no_secret
@@ -43,6 +45,8 @@ TRAIN = {
 
 # For the tests of one setting's plumbing (online mode, devices, the mask token): one checkpoint.
 SHORT = {**TRAIN, "max_steps": 2}
+# Data-parallel: two ranks launched with torch.distributed's launcher (gloo on the CPU).
+TWO_RANKS = {"DFLASH_TRAIN_NPROC_PER_NODE": "2", "DFLASH_DEVICES": "cpu:0,cpu:1"}
 
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -293,12 +297,15 @@ def test_offline_training_without_materialised_ranges_says_which_asset_to_materi
 
 
 def test_hidden_states_captured_from_other_layers_are_refused_naming_the_partition(ranges, tmp_path):
-    done, _ = _train(ranges, tmp_path, "mismatch", "mismatch", DFLASH_TARGET_LAYER_IDS="2,4,6,8,10")
+    # Two ranks: the error reaches the step from the rank that met it, and no restart is spent on it.
+    other_layers = {"DFLASH_TARGET_LAYER_IDS": "2,4,6,8,10", **TWO_RANKS}
+    done, _ = _train(ranges, tmp_path, "mismatch", "mismatch", **other_layers)
     assert done.returncode != 0
     output = done.stdout + done.stderr
     # The first object read names its partition (held-out samples are read first, for the baseline).
     assert any(f"(partition {key}," in output for key in RANGES)
     assert "[1, 3, 5, 7, 9]" in output and "[2, 4, 6, 8, 10]" in output
+    assert "the training ranks stopped: rank " in output and "restart 1 of" not in output
 
 
 def test_the_last_decoder_layer_as_a_target_layer_is_refused_naming_the_setting_and_why(ranges, tmp_path):
@@ -377,3 +384,191 @@ def test_an_explicit_mask_token_id_reaches_the_export(online_run):
     store = open_store(ranges_store_url())
     config = json.loads(store.get_bytes("drafter/online-run/config.json"))
     assert config["dflash_config"]["mask_token_id"] == 1530
+
+
+def _losses(run: str, tmp_path: Path) -> dict[int, float]:
+    """Per-step training loss as TensorBoard reads the run's event files in the store."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    store = open_store(ranges_store_url())
+    logdir = tmp_path / f"tensorboard-{run}"
+    for info in store.list(f"checkpoints/{run}/tensorboard/"):
+        store.download(info.key, logdir / info.key.rsplit("/", 1)[-1])
+    curves = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    curves.Reload()
+    return {event.step: event.value for event in curves.Scalars("train/loss")}
+
+
+def _assert_same_weights(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
+    """Equal up to float reduction order: the bf16 export of float32 weights that differ in their last
+    bits rounds a handful of elements one bf16 step apart."""
+    assert one.keys() == other.keys()
+    for name in one:
+        a, b = one[name].float(), other[name].float()
+        assert (a - b).norm() <= 1e-3 * b.norm().clamp_min(1e-12), name
+
+
+def _committed_checkpoints(run: str) -> dict[str, bytes]:
+    """Every object of the run's committed checkpoints, by key."""
+    store = open_store(ranges_store_url())
+    return {
+        info.key: store.get_bytes(info.key)
+        for info in store.list(f"checkpoints/{run}/step_")
+        if store.head(info.key.rsplit("/", 1)[0] + "/_complete.json") is not None
+    }
+
+
+def _training_processes(marker: Path) -> list[str]:
+    """Launchers and ranks whose command line names a path under `marker` (this test's own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(marker) in command and "dflash_assets.training" in command:
+            found.append(f"{entry.name}: {command[:200]}")
+    return found
+
+
+def _rank_pid(marker: Path, rank: int) -> int | None:
+    for line in _training_processes(marker):
+        pid = int(line.split(":", 1)[0])
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if "dflash_assets.training.rank" in line and f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def _wait_until(condition, what: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_run(ranges, tmp_path_factory):
+    """The uninterrupted run's settings, trained by two ranks (world size 2)."""
+    tmp_path = tmp_path_factory.mktemp("ranks")
+    return _train(ranges, tmp_path, "ranks", "two-ranks", **TWO_RANKS)
+
+
+def test_two_ranks_make_one_process_s_steps_and_export_the_same_weights(offline_run, two_ranks_run, tmp_path):
+    one, _ = offline_run
+    two, env = two_ranks_run
+    assert one.returncode == 0, one.stderr[-4000:]
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "launching 2 rank(s) on node" in two.stdout + two.stderr
+
+    steps = list(range(1, TRAIN["max_steps"] + 1))
+    alone, ranks = _losses("offline-run", tmp_path), _losses("two-ranks", tmp_path)
+    assert sorted(alone) == sorted(ranks) == steps
+    assert ranks == pytest.approx(alone, rel=1e-4)  # each global batch's loss, summed over both ranks
+    _assert_same_weights(_exported("offline-run", tmp_path), _exported("two-ranks", tmp_path))
+
+    with open_instance(env["DAGSTER_HOME"]) as instance:
+        event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
+        metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+    assert metadata["world_size"] == 2
+    assert [r["device"] for r in metadata["rank_devices"]] == ["cpu:0", "cpu:1"]
+    assert len(metadata["rank_step_seconds"]) == 2 and metadata["tokens_per_s"] > 0
+    assert [w["world_size"] for w in metadata["trained_world_sizes"]] == [2]
+    card = open_store(ranges_store_url()).get_bytes("drafter/two-ranks/README.md").decode()
+    assert "| trained at world sizes | 2 ranks (steps 1-6 on" in card
+
+
+def _copy_run(source: str, target: str) -> None:
+    store = open_store(ranges_store_url())
+    for info in store.list(f"checkpoints/{source}/"):
+        if "/step_" in info.key or "/tensorboard/" in info.key:
+            store.put_bytes(info.key.replace(f"/{source}/", f"/{target}/", 1), store.get_bytes(info.key))
+
+
+def test_a_checkpoint_written_at_one_world_size_continues_the_same_trajectory_at_another(
+    ranges, offline_run, two_ranks_run, tmp_path
+):
+    assert offline_run[0].returncode == 0 and two_ranks_run[0].returncode == 0
+    _copy_run("offline-run", "one-then-two")  # copies: the uninterrupted runs stay as they are
+    _copy_run("two-ranks", "two-then-one")
+    committed = {run: _committed_checkpoints(run) for run in ("one-then-two", "two-then-one")}
+    longer = {**TRAIN, "max_steps": TRAIN["max_steps"] + 2}
+
+    to_two, _ = _train(ranges, tmp_path, "to-two", "one-then-two", train=longer, **TWO_RANKS)
+    to_one, _ = _train(ranges, tmp_path, "to-one", "two-then-one", train=longer)
+    assert to_two.returncode == 0, to_two.stderr[-4000:]
+    assert to_one.returncode == 0, to_one.stderr[-4000:]
+    assert "trained so far at world size 1, now 2" in to_two.stdout + to_two.stderr
+    assert "trained so far at world size 2, now 1" in to_one.stdout + to_one.stderr
+
+    continued = {run: _losses(run, tmp_path) for run in ("one-then-two", "two-then-one")}
+    assert sorted(continued["one-then-two"]) == list(range(1, longer["max_steps"] + 1))
+    assert continued["one-then-two"] == pytest.approx(continued["two-then-one"], rel=1e-4)
+    _assert_same_weights(_exported("one-then-two", tmp_path), _exported("two-then-one", tmp_path))
+    for run, objects in committed.items():
+        after = _committed_checkpoints(run)
+        assert {key: after[key] for key in objects} == objects, run  # not one committed object rewritten
+        assert len(after) > len(objects)  # the continuation committed its own
+    card = open_store(ranges_store_url()).get_bytes("drafter/one-then-two/README.md").decode()
+    assert "1 rank (steps 1-6 on" in card and "2 ranks (steps 7-8 on" in card
+
+
+def test_a_rank_killed_mid_run_is_restarted_from_the_last_checkpoint_and_leaves_nothing_running(
+    ranges, tmp_path
+):
+    env = {**ranges["env"], "DAGSTER_HOME": make_dagster_home(tmp_path / "instance"),
+           "DFLASH_HOME": str(tmp_path / "home"), **TWO_RANKS}  # fmt: skip
+    config = {**TRAIN, "max_steps": 24, "run_name": "rank-killed"}
+    process = dagster(materialize_args("drafter_checkpoints", None, config, in_process=True), env)
+    store = open_store(ranges_store_url())
+    _wait_until(lambda: store.head("checkpoints/rank-killed/step_00000004/_complete.json") is not None,
+                "the second committed checkpoint")  # fmt: skip
+    pid = _rank_pid(tmp_path, 1)
+    assert pid is not None, _training_processes(tmp_path)
+    os.kill(pid, signal.SIGKILL)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    assert "resuming run rank-killed from" in output  # the restarted ranks took up the last checkpoint
+    assert read_manifest(store, "checkpoints/rank-killed")["steps"] == 24
+    _wait_until(lambda: not _training_processes(tmp_path), "every launcher and rank to end", 10)
+
+
+def test_the_dagster_process_killed_alone_stops_every_rank_and_the_same_command_resumes(ranges, tmp_path):
+    env = {**ranges["env"], "DAGSTER_HOME": make_dagster_home(tmp_path / "instance"),
+           "DFLASH_HOME": str(tmp_path / "home"), **TWO_RANKS}  # fmt: skip
+    config = {**TRAIN, "max_steps": 24, "run_name": "parent-killed"}
+    args = materialize_args("drafter_checkpoints", None, config)
+    process = dagster(args, env)
+    store = open_store(ranges_store_url())
+    _wait_until(lambda: store.head("checkpoints/parent-killed/step_00000002/_complete.json") is not None,
+                "the first committed checkpoint")  # fmt: skip
+    assert _rank_pid(tmp_path, 1) is not None
+    process.kill()  # the parent alone, not its process group: the launcher and ranks must follow it
+    process.wait()
+    _wait_until(lambda: not _training_processes(tmp_path), "the launcher and both ranks to die with it", 15)
+    from dflash_assets.target.devices import describe_holder, try_lease_device
+
+    lock_dir = Path(env["DFLASH_CACHE_DIR"]) / "device-leases"
+
+    def leases_free() -> bool:  # a dying process unmaps its memory before it closes its files
+        for device in ("cpu:0", "cpu:1"):
+            with try_lease_device([device], lock_dir=lock_dir) as free:
+                if free != device:
+                    return False
+        return True
+
+    _wait_until(leases_free, f"the ranks' leases to be released ({describe_holder(lock_dir, 'cpu:0')})", 15)
+
+    committed = _committed_checkpoints("parent-killed")
+    again = subprocess.run([str(Path(sys.executable).with_name("dagster")), *args], env=env,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "resuming run parent-killed from" in again.stdout + again.stderr
+    after = _committed_checkpoints("parent-killed")
+    assert {key: after[key] for key in committed} == committed

@@ -278,44 +278,57 @@ def train_launched(
         "events": events.endpoint,
     }
     watch = joins(published) if joins is not None else None
-    outcome: dict[str, Any] | None = None
-    last_error: str | None = None
+    heard = _Heard()
     try:
-        while True:
+        while heard.fatal is None:
             for event in events.drain():
-                outcome, last_error = _dispatch(event, reports, outcome, last_error)
+                heard.dispatch(event, reports)
             if watch is not None:
                 watch.check()
             if process.poll() is not None:
                 break
             time.sleep(POLL_S)
+        if heard.fatal is not None:  # no restart would mend it: stop every rank now
+            _stop(process)
         tail.join()
         for event in events.drain():
-            outcome, last_error = _dispatch(event, reports, outcome, last_error)
+            heard.dispatch(event, reports)
     finally:
         _stop(process)
         if watch is not None:
             watch.stop()
-    if process.returncode != 0 or outcome is None:
-        raise TrainingFailed(failure_message(process.returncode, list(tail.lines), last_error))
-    return outcome
+    if heard.fatal is not None:
+        raise TrainingFailed(f"the training ranks stopped: {heard.fatal}")
+    if process.returncode != 0 or heard.outcome is None:
+        raise TrainingFailed(failure_message(process.returncode, list(tail.lines), heard.last_error))
+    return heard.outcome
 
 
-def _dispatch(event: dict[str, Any], reports: Reports, outcome, last_error):
-    from dflash_assets.terminal import ProgressSnapshot
+class _Heard:
+    """What the ranks have said so far."""
 
-    kind, body = event.get("kind"), event.get("body")
-    if kind == "log":
-        reports.log(body)
-        if isinstance(body, str) and body.startswith("ERROR:"):
-            last_error = body.removeprefix("ERROR:").strip()
-    elif kind == "progress":
-        reports.progress(ProgressSnapshot(**body))
-    elif kind == "checkpoint":
-        reports.checkpoint(body)
-    elif kind == "outcome":
-        outcome = body
-    return outcome, last_error
+    def __init__(self) -> None:
+        self.outcome: dict[str, Any] | None = None
+        self.last_error: str | None = None
+        self.fatal: str | None = None
+
+    def dispatch(self, event: dict[str, Any], reports: Reports) -> None:
+        from dflash_assets.terminal import ProgressSnapshot
+
+        kind, body = event.get("kind"), event.get("body")
+        if kind == "log":
+            reports.log(body)
+            if isinstance(body, str) and body.startswith("ERROR:"):
+                self.last_error = body.removeprefix("ERROR:").strip()
+        elif kind == "progress":
+            reports.progress(ProgressSnapshot(**body))
+        elif kind == "checkpoint":
+            reports.checkpoint(body)
+        elif kind == "outcome":
+            self.outcome = body
+        elif kind == "fatal" and self.fatal is None:
+            self.fatal = body
+            reports.log(f"ERROR: {body}")
 
 
 # ------------------------------------------------------------------------------------------ the step's entry
