@@ -301,6 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         "reap", help="mark runs whose worker on this host died as failed (and free any pool slots they hold)"
     )
     sub.add_parser("ranges", help="register the sample ranges covering DFLASH_DATASET with the instance")
+    join = sub.add_parser(
+        "train-join",
+        help="run this node's ranks of a multi-node training run started on another node (without Celery)",
+    )
+    join.add_argument("--run", default=None, help="the training run to join (default: DFLASH_RUN_NAME)")
+    join.add_argument(
+        "--wait-s", type=float, default=900.0, help="seconds to wait for the run's launch to be published"
+    )
     worker = sub.add_parser(
         "worker", help="run steps queued by DFLASH_EXECUTOR=celery on this node (DFLASH_CELERY_BROKER_URL)"
     )
@@ -360,6 +368,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "train-join":
+        from dflash_assets import settings
+        from dflash_assets.orchestration.execution.train_launch import join_published
+
+        def log(message: str) -> None:
+            print(message, file=sys.stderr, flush=True)
+
+        return join_published(args.run or settings.RUN_NAME.get(), wait_s=args.wait_s, log=log)
     if args.command == "worker":
         from dflash_assets.orchestration.execution.celery_worker import run_worker
 

@@ -426,6 +426,29 @@ def samples_per_partition() -> int:
     return value
 
 
+# Settings that shape a training run rather than a node: what the shell (or the UI's daemon) that launches
+# a run sets for them travels with the run (`orchestration/execution/executor.py`), so a step on another
+# node (Celery) trains as the run was launched, with the node's own devices, directories and credentials.
+RUN_SETTINGS = (
+    TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_GLOBAL_BATCH_SIZE, TRAIN_NPROC_PER_NODE, TRAIN_NNODES, TRAIN_RDZV_PORT,
+    TRAIN_RDZV_TIMEOUT_S, TRAIN_COLLECTIVE_TIMEOUT_S, TRAIN_EVAL_TIMEOUT_S, TRAIN_MAX_RESTARTS, RUN_NAME,
+    CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES, MASK_TOKEN_ID, DRAFTER_SHAPE,
+)  # fmt: skip
+
+
+def given_run_settings() -> dict[str, str]:
+    """The run-shaping settings this process's environment gives (unset ones are left to each node)."""
+    return {setting.name: setting.get() for setting in RUN_SETTINGS if setting.is_set()}
+
+
+def apply_run_settings(values: dict[str, str]) -> None:
+    """Take a run's settings (`given_run_settings` of the process that launched it) in this process."""
+    known = {setting.name: setting for setting in RUN_SETTINGS}
+    for name, value in values.items():
+        if name in known:
+            known[name].export(value)
+
+
 def train_nproc_per_node() -> int:
     """`DFLASH_TRAIN_NPROC_PER_NODE` as a number; 0 stands for `auto`."""
     raw = TRAIN_NPROC_PER_NODE.get()

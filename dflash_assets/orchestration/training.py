@@ -6,8 +6,9 @@ outcome turned into metadata and the run's manifest."""
 from __future__ import annotations
 
 import math
+import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dagster import AssetExecutionContext, AssetObservation, Config, MetadataValue
 from pydantic import Field
@@ -15,8 +16,13 @@ from pydantic import Field
 from dflash_assets import settings, terminal
 from dflash_assets.orchestration.progress import PROGRESS_TAG
 from dflash_assets.orchestration.redaction import redacted_tags
-from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.orchestration.resources import StoreResource, TargetModelResource
 from dflash_assets.storage.manifest import StoredPartition
+
+if TYPE_CHECKING:
+    from dflash_assets.orchestration.execution.train_launch import Launch, Reports
+    from dflash_assets.training.job import TrainingJob
+    from dflash_assets.training.rank import NodeSpec
 
 AUTO = 0  # `nproc_per_node: 0` in run config, `DFLASH_TRAIN_NPROC_PER_NODE=auto`: the plan's split
 
@@ -219,30 +225,33 @@ def training_job(
     )
 
 
-def node_spec(
-    store: StoreResource,
-    target_model: TargetModelResource,
-    devices: DeviceLeaseResource,
-    *,
-    run: str,
-    holder: str,
-):
-    """What this node offers the run's ranks: its devices and their lock files, its copy of the target,
-    its local directories."""
-    from dflash_assets.training.rank import NodeSpec
+def run_training(
+    job: TrainingJob, launch: Launch, spec: NodeSpec, reports: Reports, *, run_id: str
+) -> dict[str, Any]:
+    """Train `job` as `launch` says: one rank in this process, or this node's ranks launched (and, over
+    several nodes, the others joining: Celery worker nodes with DFLASH_EXECUTOR=celery, else each
+    node's `dflash-assets train-join`). Returns rank 0's outcome."""
+    from dflash_assets.orchestration.execution.train_launch import published_joins, train_here, train_launched
 
-    return NodeSpec(
-        node=settings.node_name(),
-        devices=devices.candidates(),
-        lock_dir=str(devices.lock_directory()),
-        target_model_dir=str(target_model.model_dir()),
-        target_model_name=target_model.name,
-        work_dir=str(store.training_dir(run)),
-        train_cache_dir=str(store.train_cache_dir(run)),
-        read_cache_dir=str(store.read_cache_dir()),
-        collective_timeout_s=settings.TRAIN_COLLECTIVE_TIMEOUT_S.get_float(),
-        eval_timeout_s=settings.TRAIN_EVAL_TIMEOUT_S.get_float(),
-        holder=holder,
+    if launch.in_process:
+        return train_here(job, spec, reports)
+    host = launch.rdzv_host or ("127.0.0.1" if launch.nnodes == 1 else socket.getfqdn())
+    joins = None
+    if launch.nnodes > 1:
+        if settings.EXECUTOR.get() == "celery":
+            from dflash_assets.orchestration.execution.celery_training import celery_joins
+
+            joins = celery_joins(job, launch, spec, reports, run_id=run_id)
+        else:
+            joins = published_joins(job, reports)
+    return train_launched(
+        job,
+        launch,
+        spec,
+        reports,
+        rendezvous_host=host,
+        setting=settings.TRAIN_NPROC_PER_NODE.name,
+        joins=joins,
     )
 
 

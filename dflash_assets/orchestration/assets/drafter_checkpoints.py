@@ -7,6 +7,7 @@ from dflash_assets import settings
 from dflash_assets.orchestration.capacity_plan import online_split_recommender
 from dflash_assets.orchestration.execution.k8s import gpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
+from dflash_assets.orchestration.execution.train_launch import node_spec
 from dflash_assets.orchestration.io_manager import PartitionOutput
 from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
@@ -14,8 +15,8 @@ from dflash_assets.orchestration.training import (
     StepReports,
     TrainConfig,
     manifest_fields,
-    node_spec,
     outcome_metadata,
+    run_training,
     training_job,
 )
 from dflash_assets.storage.manifest import StoredPartition
@@ -43,8 +44,6 @@ def drafter_checkpoints(
     target_model: TargetModelResource,
     devices: DeviceLeaseResource,
 ) -> PartitionOutput:
-    from dflash_assets.orchestration.execution.train_launch import run_training
-
     node = step_node(context)
     store.check()
     mode = config.train_settings().mode

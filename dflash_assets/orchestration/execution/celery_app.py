@@ -80,6 +80,8 @@ def celery_settings(broker: str) -> dict:
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
+        # A queue of each worker's own, so a multi-node training run can send a join to a chosen node.
+        "worker_direct": True,
     }
 
 

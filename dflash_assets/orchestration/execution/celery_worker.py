@@ -16,6 +16,7 @@ the run was terminated): nothing is left computing for a run nobody waits for.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -25,6 +26,7 @@ import threading
 from collections.abc import Sequence
 
 from dflash_assets import settings
+from dflash_assets.orchestration.execution.executor import RUN_SETTINGS_TAG
 
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -68,6 +70,9 @@ def execute_step(task, execute_step_args_packed: dict, executable_dict: dict) ->
             status = run.status.value if run else "unknown"
             print(f"node {node}: skipping step {step_keys} of run {args.run_id} ({status})", file=sys.stderr)
             raise Ignore()
+        # How the run was launched shapes its training, whatever this node's environment says (this
+        # process runs this one step and exits).
+        settings.apply_run_settings(json.loads(run.tags.get(RUN_SETTINGS_TAG, "{}")))
         job = ReconstructableJob.from_dict(executable_dict)
         plan = create_execution_plan(
             job, run.run_config, step_keys_to_execute=args.step_keys_to_execute, known_state=args.known_state
@@ -184,6 +189,9 @@ def run_worker(queues: Sequence[str], name: str, concurrency: int | None = None)
     settings.NODE.export(name)  # the step processes' node name
     app = node_app(queues)
     app.task(bind=True, name=TASK_NAME)(execute_step)
+    from dflash_assets.orchestration.execution.celery_training import JOIN_TASK_NAME, join_training
+
+    app.task(bind=True, name=JOIN_TASK_NAME)(join_training)
     import dflash_assets.definitions  # noqa: F401  a code location that does not load fails here, once
     import dflash_assets.orchestration.execution.step_imports  # noqa: F401  once for every step process (no CUDA initialised)
 

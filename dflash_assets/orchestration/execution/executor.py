@@ -23,6 +23,7 @@ the steps forked from it re-arm against it).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 
 from dagster import DagsterEvent, ExecutorDefinition, InitExecutorContext, multi_or_in_process_executor
@@ -40,6 +41,10 @@ from dflash_assets.orchestration.execution.orphans import (
 from dflash_assets.orchestration.execution.recovery import reap_dead_runs, record_run_worker
 
 arm_if_started_by_a_run_worker()
+
+# The run-shaping settings of the process that launched the run (`settings.RUN_SETTINGS`), for steps that
+# run on other nodes (`celery_worker.py` applies them before the step).
+RUN_SETTINGS_TAG = "dflash/run_settings"
 
 # What the forkserver of the local engine imports before forking step processes.
 STEP_PRELOAD = ("dflash_assets.definitions", "dflash_assets.orchestration.execution.step_imports")
@@ -74,6 +79,9 @@ class RunWorkerRecordingExecutor(Executor):
     ) -> Iterator[DagsterEvent]:
         instance, run = plan_context.instance, plan_context.dagster_run
         worker = record_run_worker(instance, run.run_id)
+        given = settings.given_run_settings()
+        if given and RUN_SETTINGS_TAG not in run.tags:  # a re-execution keeps the first launch's
+            instance.add_run_tags(run.run_id, {RUN_SETTINGS_TAG: json.dumps(given, sort_keys=True)})
         plan_context.log.debug(f"run worker {worker.tag}")
         reap_dead_runs(instance, plan_context.log.warning, rerun=run)
         with run_worker_environment():

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,10 +26,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from dflash_assets.training.job import TrainingJob
-from dflash_assets.training.rank import EVENTS_QUEUE, NodeSpec
+from dflash_assets import settings
+from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+
+if TYPE_CHECKING:  # the code location loads this module; torch comes only with a run
+    from dflash_assets.training.job import TrainingJob
+    from dflash_assets.training.rank import NodeSpec
 
 POLL_S = 0.2
 STOP_GRACE_S = 30.0
@@ -126,6 +130,8 @@ class EventStore:
         self.endpoint = f"{host_for_ranks}:{self._store.port}"
 
     def drain(self) -> Iterator[dict[str, Any]]:
+        from dflash_assets.training.rank import EVENTS_QUEUE
+
         while self._store.queue_len(EVENTS_QUEUE) > 0:
             yield json.loads(self._store.queue_pop(EVENTS_QUEUE, block=False))
 
@@ -219,6 +225,10 @@ def failure_message(returncode: int, tail: list[str], last_error: str | None) ->
     )
 
 
+class NodeLost(Exception):
+    """Another node of a multi-node launch left it (died, or its launcher failed)."""
+
+
 def train_launched(
     job: TrainingJob,
     launch: Launch,
@@ -230,16 +240,41 @@ def train_launched(
     joins: Callable[[dict[str, Any]], Any] | None = None,
 ) -> dict[str, Any]:
     """Launch this node's ranks (and, with `joins`, have the other nodes join), follow them, return rank
-    0's outcome. `joins(rendezvous)` starts the other nodes' launchers and returns a watch with
-    `check()` and `stop()` (`celery_training.py`)."""
-    from dflash_assets.training.launcher import Rendezvous, free_port, launcher_command, torchrun_arguments
+    0's outcome. `joins(published)` places the other nodes' launchers and returns a watch with `check()`
+    (raising `NodeLost`) and `stop()` (`celery_training.py`).
 
+    On one node, torch.distributed's agent restarts the ranks itself after one dies. Over several nodes
+    the step does: when a node is lost or any launcher fails, every node is launched again (a fresh
+    rendezvous, the other nodes placed again), up to `max_restarts` times; each launch resumes from the
+    last committed checkpoint. A fresh launch never depends on a dead node's agent leaving the old
+    rendezvous cleanly."""
     needed = launch.nproc_per_node * (1 + (job.online_target_devices if job.mode == "online" else 0))
     wait_for_devices(spec, needed, reports, setting)
     events = EventStore(rendezvous_host)
+    spec = dataclasses.replace(spec, events=events.endpoint)
+    attempt = 0
+    while True:
+        try:
+            return _launch_once(job, launch, spec, reports, events, rendezvous_host, joins)
+        except NodeLost as lost:
+            if launch.nnodes == 1 or attempt >= launch.max_restarts:
+                raise TrainingFailed(
+                    f"{lost}; the run was launched again as often as {settings.TRAIN_MAX_RESTARTS.name} "
+                    "allows. Materialise drafter_checkpoints again to resume from the last committed "
+                    "checkpoint."
+                ) from None
+            attempt += 1
+            reports.log(
+                f"WARNING: {lost}; launching every node again ({attempt} of {launch.max_restarts}), from the "
+                "last committed checkpoint"
+            )
+
+
+def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, rendezvous_host, joins):
+    from dflash_assets.training.launcher import Rendezvous, free_port, launcher_command, torchrun_arguments
+
     launch_dir = Path(spec.work_dir) / "launch" / uuid.uuid4().hex[:12]
     launch_dir.mkdir(parents=True, exist_ok=True)
-    spec = NodeSpec(**{**spec.__dict__, "events": events.endpoint})
     (launch_dir / "job.json").write_text(job.to_json())
     (launch_dir / "node.json").write_text(spec.to_json())
     rendezvous = Rendezvous(
@@ -248,7 +283,8 @@ def train_launched(
         run_id=launch_dir.name,
         nnodes=launch.nnodes,
         join_timeout_s=launch.rdzv_timeout_s,
-        max_restarts=launch.max_restarts,
+        # Over several nodes the step restarts whole launches (`train_launched`).
+        max_restarts=launch.max_restarts if launch.nnodes == 1 else 0,
     )
     entry = ["-m", "dflash_assets.training.rank", str(launch_dir / "job.json"), str(launch_dir / "node.json")]
     arguments = torchrun_arguments(rendezvous, launch.nproc_per_node, is_host=True, entry=entry)
@@ -260,10 +296,6 @@ def train_launched(
         f"(world size {launch.world_size}; rendezvous {rendezvous.host}:{rendezvous.port}, "
         f"id {rendezvous.run_id})"
     )
-    process = subprocess.Popen(
-        launcher_command(arguments), env=env, stdout=sys.stdout, stderr=subprocess.PIPE, text=True
-    )
-    tail = _Tail(process.stderr)
     published = {
         "job": job.to_json(),
         "host": rendezvous.host,
@@ -272,12 +304,21 @@ def train_launched(
         "nnodes": launch.nnodes,
         "nproc_per_node": launch.nproc_per_node,
         "join_timeout_s": launch.rdzv_timeout_s,
-        "max_restarts": launch.max_restarts,
+        "max_restarts": rendezvous.max_restarts,
         "collective_timeout_s": launch.collective_timeout_s,
         "eval_timeout_s": launch.eval_timeout_s,
         "events": events.endpoint,
     }
+    # The other nodes are placed first (waiting for free ones): this node's rendezvous then only waits
+    # for them to start.
     watch = joins(published) if joins is not None else None
+    try:
+        process = subprocess.Popen(launcher_command(arguments), env=env, stderr=subprocess.PIPE, text=True)
+    except BaseException:
+        if watch is not None:
+            watch.stop(grace_s=0)
+        raise
+    tail = _Tail(process.stderr)
     heard = _Heard()
     try:
         while heard.fatal is None:
@@ -296,11 +337,14 @@ def train_launched(
     finally:
         _stop(process)
         if watch is not None:
-            watch.stop()
+            watch.stop(grace_s=30.0 if process.returncode == 0 else 0)
     if heard.fatal is not None:
         raise TrainingFailed(f"the training ranks stopped: {heard.fatal}")
     if process.returncode != 0 or heard.outcome is None:
-        raise TrainingFailed(failure_message(process.returncode, list(tail.lines), heard.last_error))
+        message = failure_message(process.returncode, list(tail.lines), heard.last_error)
+        if launch.nnodes > 1:
+            raise NodeLost(message)
+        raise TrainingFailed(message)
     return heard.outcome
 
 
@@ -331,7 +375,37 @@ class _Heard:
             reports.log(f"ERROR: {body}")
 
 
-# ------------------------------------------------------------------------------------------ the step's entry
+# ------------------------------------------------------------------------------------------ this node
+
+
+def node_spec(
+    store: StoreResource,
+    target_model: TargetModelResource,
+    devices: DeviceLeaseResource,
+    *,
+    run: str,
+    holder: str,
+):
+    """What this node offers the run's ranks: its devices and their lock files, its copy of the target,
+    its local directories."""
+    from dflash_assets.training.rank import NodeSpec
+
+    return NodeSpec(
+        node=settings.node_name(),
+        devices=devices.candidates(),
+        lock_dir=str(devices.lock_directory()),
+        target_model_dir=str(target_model.model_dir()),
+        target_model_name=target_model.name,
+        work_dir=str(store.training_dir(run)),
+        train_cache_dir=str(store.train_cache_dir(run)),
+        read_cache_dir=str(store.read_cache_dir()),
+        collective_timeout_s=settings.TRAIN_COLLECTIVE_TIMEOUT_S.get_float(),
+        eval_timeout_s=settings.TRAIN_EVAL_TIMEOUT_S.get_float(),
+        holder=holder,
+    )
+
+
+# ------------------------------------------------------------------------------------------ other nodes
 
 
 LAUNCH_PREFIX = "config/training-launch"
@@ -340,36 +414,6 @@ LAUNCH_PREFIX = "config/training-launch"
 def launch_key(run: str) -> str:
     """Where a multi-node launch is published for the nodes that join it (`dflash-assets train-join`)."""
     return f"{LAUNCH_PREFIX}/{run}.json"
-
-
-def run_training(
-    job: TrainingJob, launch: Launch, spec: NodeSpec, reports: Reports, *, run_id: str
-) -> dict[str, Any]:
-    """Train `job` as `launch` says: one rank in this process, or this node's ranks launched (and, over
-    several nodes, the others joining: Celery worker nodes with DFLASH_EXECUTOR=celery, else each
-    node's `dflash-assets train-join`). Returns rank 0's outcome."""
-    from dflash_assets import settings
-
-    if launch.in_process:
-        return train_here(job, spec, reports)
-    host = launch.rdzv_host or ("127.0.0.1" if launch.nnodes == 1 else socket.getfqdn())
-    joins = None
-    if launch.nnodes > 1:
-        if settings.EXECUTOR.get() == "celery":
-            from dflash_assets.orchestration.execution.celery_training import celery_joins
-
-            joins = celery_joins(job, launch, spec, reports, run_id=run_id)
-        else:
-            joins = published_joins(job, reports)
-    return train_launched(
-        job,
-        launch,
-        spec,
-        reports,
-        rendezvous_host=host,
-        setting=settings.TRAIN_NPROC_PER_NODE.name,
-        joins=joins,
-    )
 
 
 class _Published:
@@ -388,7 +432,7 @@ class _Published:
     def check(self) -> None:
         pass
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0) -> None:
         with contextlib.suppress(Exception):
             self.store.delete(self.key)
 
@@ -400,16 +444,15 @@ def published_joins(job: TrainingJob, reports: Reports) -> Callable[[dict[str, A
 def join_launch(launch: dict[str, Any], spec: NodeSpec, log: Callable[[str], None]) -> int:
     """Run this node's ranks of a launch started on another node (the `train-join` command, a Celery join
     task); returns the launcher's exit code."""
+    from dflash_assets.training.job import TrainingJob
     from dflash_assets.training.launcher import Rendezvous, launcher_command, torchrun_arguments
 
     job = TrainingJob.from_json(launch["job"])
-    spec = NodeSpec(
-        **{
-            **spec.__dict__,
-            "events": launch["events"],
-            "collective_timeout_s": launch["collective_timeout_s"],
-            "eval_timeout_s": launch["eval_timeout_s"],
-        }
+    spec = dataclasses.replace(
+        spec,
+        events=launch["events"],
+        collective_timeout_s=launch["collective_timeout_s"],
+        eval_timeout_s=launch["eval_timeout_s"],
     )
     launch_dir = Path(spec.work_dir) / "launch" / launch["run_id"]
     launch_dir.mkdir(parents=True, exist_ok=True)
@@ -436,3 +479,30 @@ def join_launch(launch: dict[str, Any], spec: NodeSpec, log: Callable[[str], Non
         return process.wait()
     finally:
         _stop(process)
+
+
+def join_published(run: str, *, wait_s: float, log: Callable[[str], None]) -> int:
+    """`dflash-assets train-join`: wait for `run`'s multi-node launch to be published in this node's
+    store, then run this node's ranks of it."""
+    store = StoreResource()
+    key = launch_key(run)
+    deadline = time.monotonic() + wait_s
+    log(f"waiting for training run {run!r} to publish its launch at {store.open().uri(key)}")
+    while (launch := _read_launch(store.open(), key)) is None:
+        if time.monotonic() > deadline:
+            raise TrainingFailed(
+                f"no launch of training run {run!r} was published at {store.open().uri(key)} within "
+                f"{wait_s:.0f} s: materialise drafter_checkpoints with DFLASH_TRAIN_NNODES > 1 on the "
+                "first node (the same DFLASH_STORE_URL and DFLASH_RUN_NAME), then run this again"
+            )
+        time.sleep(2.0)
+    spec = node_spec(
+        StoreResource(), TargetModelResource(), DeviceLeaseResource(), run=run, holder=f"{run} (joined)"
+    )
+    return join_launch(launch, spec, log)
+
+
+def _read_launch(store, key: str) -> dict[str, Any] | None:
+    if store.head(key) is None:
+        return None
+    return json.loads(store.get_bytes(key))
