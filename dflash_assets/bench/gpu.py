@@ -448,6 +448,7 @@ def drafter_step_figures(tiny: bool, device: torch.device, record: dict[str, Any
 def training_scaling_figures(tiny: bool, device: torch.device, print_fn: Callable[[str], None]) -> list[str]:
     """Per-GPU training tokens/s at 1 rank and at one rank per visible GPU (see `bench.scaling`); one
     round, a GPU node running nothing else (the CPU row, on a shared machine, takes the median of 3)."""
-    from dflash_assets.bench.scaling import gpu_scaling_lines
+    from dflash_assets.bench.scaling import RandomTargets, gpu_scaling_lines
 
-    return gpu_scaling_lines(tiny, device, 1, print_fn)
+    targets = RandomTargets(REAL_SHAPES, TINY_SHAPES, build_random_target, synthetic_samples)
+    return gpu_scaling_lines(targets, tiny, device, 1, print_fn)

@@ -178,7 +178,8 @@ def measure_run(
     """Train two epochs at `world_size` ranks (`per_rank_batch` sequences each a step) and time the
     second on rank 0's clock."""
     from dflash_assets.drafter.config import DrafterConfig
-    from dflash_assets.orchestration.execution.train_launch import Launch, run_training
+    from dflash_assets.orchestration.execution.train_launch import Launch
+    from dflash_assets.orchestration.training import run_training
     from dflash_assets.training.job import TrainingJob
     from dflash_assets.training.rank import NodeSpec
     from dflash_assets.training.settings import TrainSettings
@@ -354,17 +355,32 @@ def cpu_scaling(quick: bool) -> tuple[dict[str, float], list[str]]:
 # ----------------------------------------------------------------------------------- on a GPU node
 
 
+@dataclass(frozen=True)
+class RandomTargets:
+    """What `bench.gpu` lends this module: its target shapes, how it builds a random-weight target of
+    one and synthetic samples for it (passed in, so the two modules do not import each other)."""
+
+    real_shapes: Sequence[Any]
+    tiny_shapes: Sequence[Any]
+    build: Callable[[Any, torch.device], Any]
+    samples: Callable[[Any, int], list]
+
+
 def random_target_workload(
-    shape: Any, device: torch.device, directory: Path, count: int, per_rank_batch: int, num_anchors: int
+    targets: RandomTargets,
+    shape: Any,
+    device: torch.device,
+    directory: Path,
+    count: int,
+    per_rank_batch: int,
+    num_anchors: int,
 ) -> ScalingWorkload:
-    """A random-weight target of `shape` (`bench.gpu`) in device memory for the extraction, saved as a
-    model directory of its config, embedding and LM head (all an offline drafter reads of its target),
-    and `count` synthetic samples of up to the shape's length."""
+    """A random-weight target of `shape` in device memory for the extraction, saved as a model
+    directory of its config, embedding and LM head (all an offline drafter reads of its target), and
+    `count` synthetic samples of up to the shape's length."""
     from safetensors.torch import save_file
 
-    from dflash_assets.bench.gpu import build_random_target, synthetic_samples
-
-    model = build_random_target(shape, device)
+    model = targets.build(shape, device)
     model_dir = directory / "random-target"
     model_dir.mkdir(parents=True)
     model.config.to_json_file(model_dir / "config.json")
@@ -378,7 +394,7 @@ def random_target_workload(
     return ScalingWorkload(
         model=model,
         model_dir=model_dir,
-        samples=synthetic_samples(shape, count * shape.max_length)[:count],  # each is at most max_length
+        samples=targets.samples(shape, count * shape.max_length)[:count],  # each is at most max_length
         layer_ids=shape.layer_ids,
         per_rank_batch=per_rank_batch,
         num_anchors=num_anchors,
@@ -388,22 +404,22 @@ def random_target_workload(
 
 
 def gpu_scaling_lines(
-    tiny: bool, device: torch.device, rounds: int, print_fn: Callable[[str], None]
+    targets: RandomTargets, tiny: bool, device: torch.device, rounds: int, print_fn: Callable[[str], None]
 ) -> list[str]:
     """`bench --gpu`'s section: per-GPU tokens/s of 1 rank on the first GPU and of one rank on every
     visible GPU (NCCL), the dense target shape's drafter trained through the step's own path. Without
     CUDA (`--gpu --tiny` on a CPU) the 1-rank run alone, on the CPU."""
-    from dflash_assets.bench.gpu import REAL_SHAPES, TINY_SHAPES
-
     # The dense shape: the Qwen3-8B drafter the drafter-step section times alone (hidden 4096).
-    shape = TINY_SHAPES[0] if tiny else REAL_SHAPES[0]
+    shape = targets.tiny_shapes[0] if tiny else targets.real_shapes[0]
     cuda = device.type == "cuda"
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if cuda else ["cpu:0"]
     per_rank, timed_steps = 2, (2 if tiny else 4)  # real: 64 samples at 8 GPUs, ~4.5 GB stored
     count = len(devices) * per_rank * timed_steps  # whole steps at every world size
     with tempfile.TemporaryDirectory(prefix="dflash-bench-scaling-target-") as tmp:
         anchors = 16 if tiny else 512  # the recipe's
-        workload = random_target_workload(shape, device, Path(tmp), count, per_rank, num_anchors=anchors)
+        workload = random_target_workload(
+            targets, shape, device, Path(tmp), count, per_rank, num_anchors=anchors
+        )
         print_fn(f"\ntraining scaling, {shape.name} target (random weights):")
         figures = bench_scaling(workload, devices, rounds, print_fn)
     lines = scaling_lines(figures)
