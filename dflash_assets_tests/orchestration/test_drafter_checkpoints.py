@@ -268,8 +268,9 @@ def test_two_trainings_with_the_default_run_name_on_two_stores_keep_to_their_own
     first, second = user, {**user, "DFLASH_STORE_URL": other_url}
     assert "run_name" not in TRAIN  # both take the default name, `drafter`
 
+    # The fault point kills the process the step runs in: the `dagster` command's, not this one.
     killed = _materialize(
-        "drafter_checkpoints", {**first, "DFLASH_FAULT_POINTS": "train_step@5"}, config=TRAIN
+        "drafter_checkpoints", {**first, "DFLASH_FAULT_POINTS": "train_step@5"}, config=TRAIN, in_process=False
     )
     assert killed.returncode != 0 and read_manifest(shared, "checkpoints/drafter") is None
     finished = _materialize("drafter_checkpoints", second, config={**TRAIN, "max_steps": 4})
