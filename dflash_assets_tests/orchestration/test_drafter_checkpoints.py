@@ -269,9 +269,8 @@ def test_two_trainings_with_the_default_run_name_on_two_stores_keep_to_their_own
     assert "run_name" not in TRAIN  # both take the default name, `drafter`
 
     # The fault point kills the process the step runs in: the `dagster` command's, not this one.
-    killed = _materialize(
-        "drafter_checkpoints", {**first, "DFLASH_FAULT_POINTS": "train_step@5"}, config=TRAIN, in_process=False
-    )
+    dies = {**first, "DFLASH_FAULT_POINTS": "train_step@5"}
+    killed = _materialize("drafter_checkpoints", dies, config=TRAIN, in_process=False)
     assert killed.returncode != 0 and read_manifest(shared, "checkpoints/drafter") is None
     finished = _materialize("drafter_checkpoints", second, config={**TRAIN, "max_steps": 4})
     assert finished.returncode == 0, finished.stderr[-4000:]
