@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dflash_assets import settings
 from dflash_assets.settings import Setting, SettingError
 
-# Values of settings whose meaning lives in a module that imports torch (so not read at load); tests
-# hold them equal to the core's (`drafter.config.DRAFTER_SHAPES`, `training.settings`, the executor).
+# Values of settings whose meaning lives in a module that imports torch (so not imported at load); a
+# test holds the shapes equal to `drafter.config.DRAFTER_SHAPES` and builds each executor named.
 DRAFTER_SHAPES = ("auto", "dflash", "dflash-swa", "target")
 TRAIN_MODES = ("offline", "online")
 EXECUTORS = ("local", "k8s", "celery")
