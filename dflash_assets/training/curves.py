@@ -124,8 +124,17 @@ def scalars_event(wall_time: float, step: int, scalars: Mapping[str, float]) -> 
     return _event(wall_time, step, _field_bytes(5, values))
 
 
+def text_event(wall_time: float, step: int, tag: str, text: str) -> bytes:
+    """A `Summary` with one `Value{tag, metadata: text plugin, tensor: DT_STRING scalar}`: TensorBoard's
+    text dashboard shows it (e.g. which node and device each rank ran on)."""
+    plugin = _field_bytes(1, _field_bytes(1, b"text"))  # SummaryMetadata.plugin_data.plugin_name
+    tensor = _varint(1 << 3) + _varint(7) + _field_bytes(2, b"") + _field_bytes(8, text.encode())
+    value = _field_bytes(1, tag.encode()) + _field_bytes(9, plugin) + _field_bytes(8, tensor)
+    return _event(wall_time, step, _field_bytes(5, _field_bytes(1, value)))
+
+
 class EventFileWriter:
-    """Appends scalar events to one TensorBoard event file."""
+    """Appends scalar (and text) events to one TensorBoard event file."""
 
     def __init__(self, path: Path, *, purge_from_step: int | None = None) -> None:
         self.path = path
@@ -142,6 +151,9 @@ class EventFileWriter:
     def add_scalars(self, step: int, scalars: Mapping[str, float], wall_time: float | None = None) -> None:
         if scalars:
             self._write(scalars_event(time.time() if wall_time is None else wall_time, step, scalars))
+
+    def add_text(self, step: int, tag: str, text: str) -> None:
+        self._write(text_event(time.time(), step, tag, text))
 
     def flush(self) -> None:
         if not self._file.closed:
@@ -217,14 +229,21 @@ class TrainingCurves:
         """Scalars under the tags given (e.g. `ranks/step_s_rank_1`)."""
         self._log(step, scalars)
 
-    def _log(self, step: int, scalars: Mapping[str, Any]) -> None:
-        numbers = _finite(scalars)
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A text entry (TensorBoard's text dashboard), e.g. the ranks' nodes and devices."""
+        self._writer_for_event().add_text(step, tag, text)
+
+    def _writer_for_event(self) -> EventFileWriter:
         if self.writer is None:
             name = event_file_name(self._keys)
             self.writer = EventFileWriter(self.local_dir / name, purge_from_step=self._purge_from)
             self.key, self._purge_from = f"{self.prefix}/{name}", None
             self._keys.append(self.key)
-        self.writer.add_scalars(step, numbers)
+        return self.writer
+
+    def _log(self, step: int, scalars: Mapping[str, Any]) -> None:
+        numbers = _finite(scalars)
+        self._writer_for_event().add_scalars(step, numbers)
         for tracker in list(self.trackers):
             try:
                 tracker.log(step, {tag: value for tag, value in numbers.items() if math.isfinite(value)})

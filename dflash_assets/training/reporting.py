@@ -45,9 +45,17 @@ class RunReporter:
         return f"training {self.run}"
 
     def start(self, step: int) -> None:
-        """Open the curves at the run's first step (0, or the step it resumed at)."""
+        """Open the curves at the run's first step (0, or the step it resumed at); they say first where
+        each rank runs."""
         self.metrics = TrainMetrics(self.block_size, step, self.total_steps, self.world["world_size"])
         self.curves = self._open_curves(step)
+        self.curves.log_text(step, "ranks/placement", self.placement())
+
+    def placement(self) -> str:
+        """`world size 2: rank 0 node-a cuda:0, rank 1 node-b cuda:0`."""
+        places = zip(self.world["nodes"], self.world["devices"], strict=True)
+        ranks = ", ".join(f"rank {r} {node} {device}" for r, (node, device) in enumerate(places))
+        return f"world size {self.world['world_size']}: {ranks}"
 
     def start_clock(self) -> None:
         self.metrics.start_clock()
@@ -68,10 +76,8 @@ class RunReporter:
         self.step_scalars = scalars
         if self.curves is not None:
             self.curves.log_step(step, scalars)
-            if len(stats.rank_seconds) > 1:
-                self.curves.log_scalars(
-                    step, {f"ranks/step_s_rank_{r}": s for r, s in enumerate(stats.rank_seconds)}
-                )
+            ranks = {f"ranks/step_s_rank_{r}": s for r, s in enumerate(stats.rank_seconds)}
+            self.curves.log_scalars(step, {"ranks/world_size": len(stats.rank_seconds), **ranks})
         if step % self.log_every_steps == 0 or step == self.total_steps:
             self.log(self.metrics.report(step, epoch, epochs, lr))
         loss_text = f" · loss {loss:.3f}" if isinstance(loss, float) and math.isfinite(loss) else ""
@@ -81,9 +87,10 @@ class RunReporter:
         if len(rank_seconds) < 2:
             return ""
         slowest = max(range(len(rank_seconds)), key=lambda r: rank_seconds[r])
+        nodes = ", ".join(dict.fromkeys(self.world["nodes"]))
         return (
-            f" · {len(rank_seconds)} ranks, {self.metrics.tokens_per_second:,.0f} tok/s · slowest rank "
-            f"{slowest} {rank_seconds[slowest]:.2f} s"
+            f" · {len(rank_seconds)} ranks on {nodes}, {self.metrics.tokens_per_second:,.0f} tok/s · slowest "
+            f"rank {slowest} {rank_seconds[slowest]:.2f} s"
         )
 
     def status(self, text: str, step: int) -> None:

@@ -357,24 +357,28 @@ def test_online_training_runs_the_target_beside_the_trainer_on_the_tokenized_ran
     assert metadata["loss"] > 0
 
 
-def test_online_training_with_the_target_on_other_devices_than_the_drafter(ranges, tmp_path):
+def test_online_ranks_each_own_their_target_replicas_on_devices_of_their_own(ranges, tmp_path):
+    # Two drafter ranks, each with two target replicas on devices it leases for itself: six devices.
     env = {
         **ranges["env"],
         "DAGSTER_HOME": make_dagster_home(tmp_path / "multi"),
         "DFLASH_HOME": str(tmp_path / "m"),
         "DFLASH_TRAIN_MODE": "online",
-        "DFLASH_DEVICES": "cpu:0,cpu:1,cpu:2",
+        "DFLASH_TRAIN_NPROC_PER_NODE": "2",
+        "DFLASH_DEVICES": ",".join(f"cpu:{i}" for i in range(6)),
     }
     done = _materialize(
         "drafter_checkpoints", env, config={**SHORT, "run_name": "multi-device", "online_target_devices": 2}
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "target replicas on cpu:1, cpu:2; drafter on cpu:0" in done.stdout + done.stderr
     with open_instance(env["DAGSTER_HOME"]) as instance:
         event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
-    assert metadata["target_devices"] == "cpu:1, cpu:2" and metadata["device"] == "cpu:0"
-    assert metadata["steps"] == SHORT["max_steps"]
+    assert metadata["world_size"] == 2 and metadata["steps"] == SHORT["max_steps"]
+    drafters = [r["device"] for r in metadata["rank_devices"]]
+    targets = metadata["target_devices"].split(", ")  # rank 0's replicas
+    assert len(targets) == 2 and not set(targets) & set(drafters)
+    assert f"target replicas on {metadata['target_devices']}; drafter on {drafters[0]}" in done.stdout
 
 
 def test_an_explicit_mask_token_id_reaches_the_export(online_run):
@@ -386,17 +390,22 @@ def test_an_explicit_mask_token_id_reaches_the_export(online_run):
     assert config["dflash_config"]["mask_token_id"] == 1530
 
 
-def _losses(run: str, tmp_path: Path) -> dict[int, float]:
-    """Per-step training loss as TensorBoard reads the run's event files in the store."""
+def _curves(run: str, tmp_path: Path):
+    """The run's event files in the store, as TensorBoard reads them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     store = open_store(ranges_store_url())
     logdir = tmp_path / f"tensorboard-{run}"
     for info in store.list(f"checkpoints/{run}/tensorboard/"):
         store.download(info.key, logdir / info.key.rsplit("/", 1)[-1])
-    curves = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    curves = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
     curves.Reload()
-    return {event.step: event.value for event in curves.Scalars("train/loss")}
+    return curves
+
+
+def _losses(run: str, tmp_path: Path) -> dict[int, float]:
+    """Per-step training loss as TensorBoard reads the run's event files in the store."""
+    return {event.step: event.value for event in _curves(run, tmp_path).Scalars("train/loss")}
 
 
 def _assert_same_weights(one: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
@@ -480,6 +489,12 @@ def test_two_ranks_make_one_process_s_steps_and_export_the_same_weights(offline_
     assert [r["device"] for r in metadata["rank_devices"]] == ["cpu:0", "cpu:1"]
     assert len(metadata["rank_step_seconds"]) == 2 and metadata["tokens_per_s"] > 0
     assert [w["world_size"] for w in metadata["trained_world_sizes"]] == [2]
+    # TensorBoard: every rank's step time at every step (stragglers), and where each rank ran.
+    curves = _curves("two-ranks", tmp_path)
+    for rank in (0, 1):
+        assert [e.step for e in curves.Scalars(f"ranks/step_s_rank_{rank}")] == steps
+    placement = curves.Tensors("ranks/placement")[0].tensor_proto.string_val[0].decode()
+    assert placement.startswith("world size 2: rank 0 ") and "cpu:0" in placement and "cpu:1" in placement
     card = open_store(ranges_store_url()).get_bytes("drafter/two-ranks/README.md").decode()
     assert "| trained at world sizes | 2 ranks (steps 1-6 on" in card
 
