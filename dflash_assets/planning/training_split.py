@@ -14,11 +14,10 @@ The shapes training runs, on each of N nodes of G devices (`training/job.py`, `t
 t is one device's target forward through the last captured layer (tokens/s), d one device's drafter
 training step; both count a sequence's tokens, as the trainer's tokens/s does. N nodes train N times as
 fast (the same split on each). The dedicated formula assumes the target's forward overlaps the drafter's
-step, so each split also carries its rate without any overlap, `D / (1/(k·t) + 1/d)`. Today's trainer
-runs a micro-batch's target forward when it collates the micro-batch, on the rank's own thread, before
-that micro-batch's step: only what the device still has queued (about the drafter's backward) overlaps
-the next forward, so a dedicated split lands between the two figures. Co-location has no overlap to
-lose.
+step, so each split also carries its rate without any overlap, `D / (1/(k·t) + 1/d)`. The trainer
+overlaps them: with target devices of its own, a rank runs the target on its next micro-batch (the next
+step's first, after a step's last) on a thread of its own while the drafter trains on this one
+(`training/data.py`, `OnlineSource.prepare`). Co-location has no overlap to lose.
 
 Ranking: the feasible splits (they fit the device's memory, with the trainer's own headroom of 10 % +
 256 MiB) by tokens/s; splits within `TIE_FRACTION` of the fastest count as equal (the figures are

@@ -7,6 +7,7 @@ same loss either way."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -52,6 +53,9 @@ class OnlineData:
     samples: Sequence[TokenizedSample]
     target_hidden_states: HiddenStatesFn
     partitions: Sequence[str] = ()  # reported in the result
+    # The target runs on devices of its own: run it on the next micro-batch while the drafter trains on
+    # this one (on the drafter's own device it would only queue behind the drafter's work).
+    overlap: bool = False
     mode: ClassVar[str] = "online"
 
 
@@ -172,9 +176,17 @@ class OfflineSource:
     def collate(self, samples: Sequence[HiddenStateSample]) -> DrafterBatch:
         return collate_hidden_state_samples(samples, self.settings.max_length)
 
+    def prepare(self, ids: Sequence[int]) -> None:
+        """Nothing to start ahead: the stream already downloads ahead."""
+
+    def settle(self) -> None:
+        pass
+
 
 class OnlineSource:
-    """Tokenized samples; collating a micro-batch runs the target on it."""
+    """Tokenized samples; collating a micro-batch runs the target on it. With `overlap`, `prepare(ids)`
+    starts that on a background thread (the target's devices work while the drafter's do), and
+    `collate` of the same samples takes its result; the target never runs twice at once."""
 
     def __init__(self, data: OnlineData, config: DrafterConfig, settings: TrainSettings) -> None:
         self.data, self.config, self.settings = data, config, settings
@@ -182,6 +194,8 @@ class OnlineSource:
         self.lengths = [min(s.num_tokens, settings.max_length) for s in self.samples]
         self.sample_indices = [s.sample_index for s in self.samples]
         self.partitions = list(data.partitions)
+        self._ahead: ThreadPoolExecutor | None = None
+        self._pending: tuple[tuple[int, ...], Future[DrafterBatch]] | None = None
 
     def setup_streams(self, eval_ids: Sequence[int]) -> None:
         pass
@@ -189,7 +203,34 @@ class OnlineSource:
     def iterate(self, ids: Sequence[int], stream: str = "train") -> Iterator[TokenizedSample]:
         return (self.samples[i] for i in ids)
 
-    def collate(self, samples: Sequence[TokenizedSample]) -> DrafterBatch:
+    def _collate_now(self, samples: Sequence[TokenizedSample]) -> DrafterBatch:
         return collate_tokenized_samples(
             samples, self.settings.max_length, self.data.target_hidden_states, self.config
         )
+
+    def prepare(self, ids: Sequence[int]) -> None:
+        """Start running the target on the samples `ids` (the next micro-batch), with `overlap`."""
+        if not self.data.overlap or not ids:
+            return
+        self.settle()
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="target-ahead")
+        samples = [self.samples[i] for i in ids]
+        key = tuple(s.sample_index for s in samples)
+        self._pending = (key, self._ahead.submit(self._collate_now, samples))
+
+    def settle(self) -> None:
+        """Wait for the target's work started ahead (before anything else uses the target)."""
+        if self._pending is not None:
+            self._pending[1].exception()  # waits; an error surfaces where the batch is collated
+
+    def collate(self, samples: Sequence[TokenizedSample]) -> DrafterBatch:
+        if self._pending is not None:
+            key, future = self._pending
+            if key == tuple(s.sample_index for s in samples):
+                self._pending = None
+                return future.result()
+            # Prepared for other samples (held-out ones are evaluated in between, or a step is redone
+            # in smaller micro-batches): it finishes first and stays for its own turn.
+            future.exception()
+        return self._collate_now(samples)

@@ -232,6 +232,7 @@ def online_data(
         samples=samples,
         target_hidden_states=ReplicatedCapture(captures, device),
         partitions=[prefix.rsplit("/", 1)[-1] for prefix in job.tokenized_partitions],
+        overlap=bool(node.target_devices),  # devices of its own: its forward runs during the drafter's
     )
     return data, captures
 

@@ -311,12 +311,23 @@ class DrafterTrainer:
         generators = [anchor_generator(self.settings.seed, epoch, index) for index in batch.sample_indices]
         return sample_anchors(batch.loss_mask, self.settings.num_anchors, generators)
 
-    def _accumulate(self, samples: Sequence[Any], plan: Sequence[Sequence[int]], epoch: int) -> list[tuple]:
-        """Forward and backward over the micro-batches `plan` of `samples`, gradients summed (not
-        averaged)."""
+    def _accumulate(
+        self,
+        share: Sequence[int],
+        samples: Sequence[Any],
+        plan: Sequence[Sequence[int]],
+        epoch: int,
+        ahead: Sequence[int],
+    ) -> list[tuple]:
+        """Forward and backward over the micro-batches `plan` of `samples` (source ids `share`),
+        gradients summed (not averaged). Once a micro-batch is collated the next one is prepared (online
+        with the target on devices of its own: its forward runs while the drafter trains), after the
+        last one `ahead`, the next step's first micro-batch."""
         outputs = []
-        for micro in plan:
+        for number, micro in enumerate(plan):
             batch = self.source.collate([samples[i] for i in micro])
+            following = [share[i] for i in plan[number + 1]] if number + 1 < len(plan) else ahead
+            self.source.prepare(following)
             with self._autocast():
                 output = dflash_loss(self.model, batch, self._anchors(batch, epoch), self.settings.gamma)
             if torch.isfinite(output.loss) and output.weight_sum > 0:
@@ -324,14 +335,17 @@ class DrafterTrainer:
             outputs.append((output, batch))
         return outputs
 
-    def _local_step(self, samples: Sequence[Any], lengths: Sequence[int], epoch: int) -> list[tuple]:
+    def _local_step(
+        self, share: Sequence[int], samples: Sequence[Any], epoch: int, ahead: Sequence[int]
+    ) -> list[tuple]:
         """This rank's share of the step, split into micro-batches that fit (smaller after running out of
         memory: the gradients are sums, so any split gives the same update)."""
+        lengths = [self.source.lengths[i] for i in share]
         ids = list(range(len(samples)))
         while True:
             plan = micro_batches(ids, lengths, self.config, self.settings, self.micro_batch_bytes)
             try:
-                return self._accumulate(samples, plan, epoch)
+                return self._accumulate(share, samples, plan, epoch, ahead)
             except torch.OutOfMemoryError as error:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.device.type == "cuda":
@@ -347,13 +361,16 @@ class DrafterTrainer:
                     f"{self.micro_batch_bytes / GIB:.2f} GiB and the step redone"
                 )
 
-    def train_step(self, epoch: int, samples: Sequence[Any], lengths: Sequence[int]) -> tuple[StepStats, Any]:
-        """One optimiser step over one global batch, of which `samples` is this rank's share. The loss is
-        normalised by the label weight of the whole global batch, so any split over ranks and
-        micro-batches gives the same update. Returns the step's global figures and gradient norm."""
+    def train_step(
+        self, epoch: int, share: Sequence[int], samples: Sequence[Any], ahead: Sequence[int] = ()
+    ) -> tuple[StepStats, Any]:
+        """One optimiser step over one global batch, of which `samples` (source ids `share`) is this
+        rank's share; `ahead` is the next step's first micro-batch, prepared once this step's last is.
+        The loss is normalised by the label weight of the whole global batch, so any split over ranks
+        and micro-batches gives the same update. Returns the step's global figures and gradient norm."""
         fault_point("train_step")  # crash tests: die between steps, checkpoints possibly mid-upload
         started = time.monotonic()
-        outputs = self._local_step(samples, lengths, epoch)
+        outputs = self._local_step(share, samples, epoch, ahead)
         due = (
             self.checkpoints is not None
             and self.step + 1 < self.total_steps
@@ -402,6 +419,7 @@ class DrafterTrainer:
 
     def evaluate(self) -> dict[str, Any] | None:
         """Rank 0 evaluates; every other rank waits for it outside the training collectives."""
+        self.source.settle()  # the target's work started ahead ends before the evaluation uses it
         result = self.evaluator.evaluate(self.model, self.optimizer) if self.rank0 else None
         self.collective.wait_for_rank0()
         self._evaluated = True
@@ -470,6 +488,7 @@ class DrafterTrainer:
             failed = False
         finally:
             try:
+                self.source.settle()
                 self.reporter.close(failed=failed)
             finally:
                 if self.checkpoints is not None:
@@ -491,8 +510,9 @@ class DrafterTrainer:
             with contextlib.closing(samples):
                 for index, share in enumerate(shares, start=start):
                     started = time.monotonic()
+                    following = shares[index - start + 1] if index - start + 1 < len(shares) else []
                     stats, grad_norm = self.train_step(
-                        epoch, [next(samples) for _ in share], [lengths[i] for i in share]
+                        epoch, share, [next(samples) for _ in share], self._first_micro_batch(following)
                     )
                     lr = self.optimizer.param_groups[0]["lr"]
                     self.scheduler.step()
@@ -508,6 +528,14 @@ class DrafterTrainer:
                         self.save_checkpoint()
                     self.report_committed(block=False)
             epoch, start = epoch + 1, 0
+
+    def _first_micro_batch(self, share: Sequence[int]) -> list[int]:
+        """The source ids of the first micro-batch a step over `share` will make (as planned now)."""
+        if not share:
+            return []
+        lengths = [self.source.lengths[i] for i in share]
+        plan = micro_batches(range(len(share)), lengths, self.config, self.settings, self.micro_batch_bytes)
+        return [share[i] for i in plan[0]]
 
     def _open_curves(self, start_step: int) -> TrainingCurves:
         return TrainingCurves(

@@ -153,6 +153,39 @@ def test_offline_and_online_training_see_the_same_batches_and_losses(
         torch.testing.assert_close(offline.model.state_dict()[name], weight, rtol=1e-3, atol=1e-5)
 
 
+def test_online_with_the_target_on_devices_of_its_own_runs_it_ahead_and_makes_the_same_steps(
+    config: DrafterConfig, capture: HiddenStateCapture, samples: list[TokenizedSample], tmp_path: Path
+) -> None:
+    import threading
+
+    calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def recorded(input_ids, attention_mask):
+        calls.append((threading.current_thread().name, tuple(input_ids.shape)))
+        return capture(input_ids, attention_mask)
+
+    # One sequence per micro-batch: the next one within a step, then the next step's first, run ahead.
+    settings = quick_settings(max_steps=3, eval_samples=2, micro_batch_bytes=1)
+    results = {}
+    for overlap in (False, True):
+        calls.clear()
+        results[overlap] = train_drafter(
+            config,
+            settings,
+            OnlineData(samples, recorded, overlap=overlap),
+            store=open_store(str(tmp_path / "store")),
+            run=f"overlap-{overlap}",
+            work_dir=tmp_path / f"overlap-{overlap}",
+        )
+        ahead = [shape for thread, shape in calls if thread.startswith("target-ahead")]
+        assert bool(ahead) == overlap, calls
+    # 12 samples, 2 held out: one epoch of 3 steps (4 + 4 + 2 sequences), each sequence its own
+    # micro-batch; every one but the very first ran ahead.
+    assert len(ahead) == 10 - 1
+    for name, weight in results[False].model.state_dict().items():
+        assert torch.equal(results[True].model.state_dict()[name], weight), name
+
+
 class Killed(Exception):
     pass
 
