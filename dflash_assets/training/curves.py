@@ -219,15 +219,14 @@ class TrainingCurves:
         self._uploads = 0
         self.trackers = optional_trackers(run, dict(config or {}), self.log)
 
-    def log_step(self, step: int, scalars: Mapping[str, Any]) -> None:
-        self._log(step, {f"train/{tag}": value for tag, value in scalars.items()})
+    def log_step(
+        self, step: int, scalars: Mapping[str, Any], tagged: Mapping[str, Any] | None = None
+    ) -> None:
+        """One step's `train/*` scalars, with `tagged` ones under their own tags (e.g. `ranks/...`)."""
+        self._log(step, {**{f"train/{tag}": value for tag, value in scalars.items()}, **(tagged or {})})
 
     def log_eval(self, step: int, scalars: Mapping[str, Any]) -> None:
         self._log(step, {f"eval/{tag}": value for tag, value in scalars.items()})
-
-    def log_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-        """Scalars under the tags given (e.g. `ranks/step_s_rank_1`)."""
-        self._log(step, scalars)
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         """A text entry (TensorBoard's text dashboard), e.g. the ranks' nodes and devices."""

@@ -75,9 +75,8 @@ class RunReporter:
         }
         self.step_scalars = scalars
         if self.curves is not None:
-            self.curves.log_step(step, scalars)
             ranks = {f"ranks/step_s_rank_{r}": s for r, s in enumerate(stats.rank_seconds)}
-            self.curves.log_scalars(step, {"ranks/world_size": len(stats.rank_seconds), **ranks})
+            self.curves.log_step(step, scalars, {"ranks/world_size": len(stats.rank_seconds), **ranks})
         if step % self.log_every_steps == 0 or step == self.total_steps:
             self.log(self.metrics.report(step, epoch, epochs, lr))
         loss_text = f" · loss {loss:.3f}" if isinstance(loss, float) and math.isfinite(loss) else ""
