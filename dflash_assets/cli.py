@@ -37,13 +37,6 @@ def _instance():
     return DagsterInstance.ephemeral()
 
 
-# The recipe's global batch of 32 sequences gives the 484 training conversations 16 steps an epoch: far
-# too few updates to show a drafter learning. The demo takes 4 sequences a step instead: 240 steps are
-# two epochs, a few minutes on a CPU (DFLASH_TRAIN_MAX_STEPS or --steps for more or fewer).
-DEMO_TRAIN_STEPS = 240
-DEMO_GLOBAL_BATCH_SIZE = 4
-
-
 def run_demo(steps: int | None = None) -> int:
     """Materialise every asset end to end on the current settings and print where results are.
 
@@ -57,13 +50,10 @@ def run_demo(steps: int | None = None) -> int:
     from dflash_assets.orchestration.partitions import dataset_range_keys, register_sample_ranges
 
     defs = build_definitions(completions=None if settings.COMPLETIONS.is_set() else "target")
-    if steps is None and not settings.TRAIN_MAX_STEPS.is_set():
-        steps = DEMO_TRAIN_STEPS
-    train_config: dict = {}
-    if not settings.TRAIN_GLOBAL_BATCH_SIZE.is_set():
-        train_config["global_batch_size"] = DEMO_GLOBAL_BATCH_SIZE
-    if steps is not None:
-        train_config |= {"max_steps": steps, "checkpoint_every_steps": max(1, steps // 3)}
+    # Training takes the settings a shell or the UI would (settings.train_max_steps: 240 steps of 4
+    # sequences on the bundled data), so each continues the other's run; `--steps` is this command's own.
+    train_config: dict = {"max_steps": steps} if steps is not None else {}
+    steps = steps or settings.train_max_steps()
     quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
     from transformers.utils import logging as transformers_logging
 
@@ -106,7 +96,8 @@ def run_demo(steps: int | None = None) -> int:
                 return 1
     if "drafter_checkpoints" in by_name:
         t0 = time.monotonic()
-        print(f"  training the drafter ({steps or 'DFLASH_TRAIN_MAX_STEPS'} steps) ...", flush=True)
+        length = f"{steps} steps" if steps else "the recipe's epochs"
+        print(f"  training the drafter ({length}) ...", flush=True)
         result = materialize(
             assets,
             selection=["drafter_checkpoints"],

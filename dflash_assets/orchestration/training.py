@@ -95,13 +95,13 @@ class TrainConfig(Config):
         from dflash_assets.training.settings import TrainSettings
 
         chosen = settings.given_or
-        max_steps = chosen(self.max_steps, settings.TRAIN_MAX_STEPS.get_optional_int)
+        max_steps = chosen(self.max_steps, settings.train_max_steps)
         every_steps = chosen(self.checkpoint_every_steps, settings.CHECKPOINT_EVERY_STEPS.get_int)
         every_minutes = chosen(self.checkpoint_every_minutes, settings.CHECKPOINT_EVERY_MINUTES.get_float)
         values = {
             "mode": chosen(self.mode, settings.TRAIN_MODE.get),
             "max_steps": max_steps or None,
-            "global_batch_size": chosen(self.global_batch_size, settings.TRAIN_GLOBAL_BATCH_SIZE.get_int),
+            "global_batch_size": chosen(self.global_batch_size, settings.train_global_batch_size),
             "max_length": chosen(self.max_length, settings.MAX_LENGTH.get_int),
             "checkpoint_every_steps": every_steps or None,
             "checkpoint_every_minutes": every_minutes or None,
