@@ -54,6 +54,11 @@ def materialize_here(
     from dflash_assets.definitions import build_definitions
     from dflash_assets.orchestration.io_manager import StoreIOManager
 
+    if env.get("DFLASH_FAULT_POINTS"):
+        raise ValueError(
+            "DFLASH_FAULT_POINTS kills the process a step runs in: a test that kills runs the `dagster` "
+            "command (support/cli.py), not materialize_here, which would kill the test's own process"
+        )
     names = [name.strip() for name in selection.split(",")]
     with environment(env), open_instance(env["DAGSTER_HOME"]) as instance:
         defs = build_definitions()
