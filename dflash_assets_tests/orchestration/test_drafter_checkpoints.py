@@ -534,38 +534,32 @@ def test_a_checkpoint_written_at_one_world_size_continues_the_same_trajectory_at
     assert "1 rank (steps 1-6 on" in card and "2 ranks (steps 7-8 on" in card
 
 
-def test_a_rank_killed_mid_run_is_restarted_from_the_last_checkpoint_and_leaves_nothing_running(
+def test_a_killed_rank_is_restarted_and_a_dagster_process_killed_alone_takes_every_rank_with_it(
     ranges, tmp_path
 ):
+    """From the shell, as a user meets them: a rank killed mid-run, then the `dagster` process killed
+    alone (not its group). The first costs a restart from the last checkpoint, the second the whole job:
+    no launcher, rank or lease is left, and the same command resumes without rewriting a checkpoint."""
     env = {**ranges["env"], "DAGSTER_HOME": make_dagster_home(tmp_path / "instance"),
            "DFLASH_HOME": str(tmp_path / "home"), **TWO_RANKS}  # fmt: skip
-    config = {**TRAIN, "max_steps": 24, "run_name": "rank-killed"}
-    process = dagster(materialize_args("drafter_checkpoints", None, config, in_process=True), env)
-    store = open_store(ranges_store_url())
-    _wait_until(lambda: store.head("checkpoints/rank-killed/step_00000004/_complete.json") is not None,
-                "the second committed checkpoint")  # fmt: skip
-    pid = _rank_pid(tmp_path, 1)
-    assert pid is not None, _training_processes(tmp_path)
-    os.kill(pid, signal.SIGKILL)
-    output, _ = process.communicate(timeout=600)
-    assert process.returncode == 0, output[-4000:]
-    assert "resuming run rank-killed from" in output  # the restarted ranks took up the last checkpoint
-    assert read_manifest(store, "checkpoints/rank-killed")["steps"] == 24
-    _wait_until(lambda: not _training_processes(tmp_path), "every launcher and rank to end", 10)
-
-
-def test_the_dagster_process_killed_alone_stops_every_rank_and_the_same_command_resumes(ranges, tmp_path):
-    env = {**ranges["env"], "DAGSTER_HOME": make_dagster_home(tmp_path / "instance"),
-           "DFLASH_HOME": str(tmp_path / "home"), **TWO_RANKS}  # fmt: skip
-    config = {**TRAIN, "max_steps": 24, "run_name": "parent-killed"}
-    args = materialize_args("drafter_checkpoints", None, config)
+    faults = {**TRAIN, "eval_samples": 0, "spec_eval_prompts": 0, "max_steps": 16, "run_name": "killed"}
+    args = materialize_args("drafter_checkpoints", None, faults)  # the user's command: a step process
     process = dagster(args, env)
     store = open_store(ranges_store_url())
-    _wait_until(lambda: store.head("checkpoints/parent-killed/step_00000002/_complete.json") is not None,
-                "the first committed checkpoint")  # fmt: skip
-    assert _rank_pid(tmp_path, 1) is not None
-    process.kill()  # the parent alone, not its process group: the launcher and ranks must follow it
-    process.wait()
+
+    def committed_step(step: int) -> bool:
+        return store.head(f"checkpoints/killed/step_{step:08d}/_complete.json") is not None
+
+    _wait_until(lambda: committed_step(2), "the first committed checkpoint")
+    rank_1 = _rank_pid(tmp_path, 1)
+    assert rank_1 is not None, _training_processes(tmp_path)
+    os.kill(rank_1, signal.SIGKILL)
+    _wait_until(lambda: committed_step(6), "a checkpoint after the ranks' restart")
+    assert _rank_pid(tmp_path, 1) not in (None, rank_1)  # a new rank 1, started by the launcher
+
+    process.kill()  # the parent alone: its step, the launcher and both ranks must follow it
+    output, _ = process.communicate()
+    assert "a rank died; the launcher started every rank again (restart 1 of 3)" in output
     _wait_until(lambda: not _training_processes(tmp_path), "the launcher and both ranks to die with it", 15)
     from dflash_assets.target.devices import describe_holder, try_lease_device
 
@@ -580,10 +574,12 @@ def test_the_dagster_process_killed_alone_stops_every_rank_and_the_same_command_
 
     _wait_until(leases_free, f"the ranks' leases to be released ({describe_holder(lock_dir, 'cpu:0')})", 15)
 
-    committed = _committed_checkpoints("parent-killed")
+    committed = _committed_checkpoints("killed")
     again = subprocess.run([str(Path(sys.executable).with_name("dagster")), *args], env=env,
                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert again.returncode == 0, again.stderr[-4000:]
-    assert "resuming run parent-killed from" in again.stdout + again.stderr
-    after = _committed_checkpoints("parent-killed")
+    assert "resuming run killed from" in again.stdout + again.stderr
+    assert read_manifest(store, "checkpoints/killed")["steps"] == faults["max_steps"]
+    after = _committed_checkpoints("killed")
     assert {key: after[key] for key in committed} == committed
+    _wait_until(lambda: not _training_processes(tmp_path), "every launcher and rank to end", 10)
