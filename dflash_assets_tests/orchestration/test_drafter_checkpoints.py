@@ -45,6 +45,9 @@ TRAIN = {
 
 # For the tests of one setting's plumbing (online mode, devices, the mask token): one checkpoint.
 SHORT = {**TRAIN, "max_steps": 2}
+# The uninterrupted run's trajectory without its speculative decoding (minutes of the suite, and no part
+# of the weights): for the runs whose weights or losses are compared with it.
+SAME_STEPS = {**TRAIN, "spec_eval_prompts": 0}
 # Data-parallel: two ranks launched with torch.distributed's launcher (gloo on the CPU).
 TWO_RANKS = {"DFLASH_TRAIN_NPROC_PER_NODE": "2", "DFLASH_DEVICES": "cpu:0,cpu:1"}
 
@@ -230,12 +233,13 @@ def test_a_killed_training_run_resumes_from_the_store_and_ends_at_the_same_weigh
 
     # The user's default command: the fault point SIGKILLs the step's own process.
     killed, env = _train(
-        ranges, tmp_path, "killed", "resumed", in_process=False, DFLASH_FAULT_POINTS="train_step@5"
-    )
+        ranges, tmp_path, "killed", "resumed", in_process=False, train=SAME_STEPS,
+        DFLASH_FAULT_POINTS="train_step@5",
+    )  # fmt: skip
     assert killed.returncode != 0
     assert read_manifest(open_store(ranges_store_url()), "checkpoints/resumed") is None
     resumed = _materialize(
-        "drafter_checkpoints", env, config={**TRAIN, "run_name": "resumed"}, in_process=False
+        "drafter_checkpoints", env, config={**SAME_STEPS, "run_name": "resumed"}, in_process=False
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resuming run resumed from" in resumed.stdout + resumed.stderr
@@ -270,11 +274,11 @@ def test_two_trainings_with_the_default_run_name_on_two_stores_keep_to_their_own
 
     # The fault point kills the process the step runs in: the `dagster` command's, not this one.
     dies = {**first, "DFLASH_FAULT_POINTS": "train_step@5"}
-    killed = _materialize("drafter_checkpoints", dies, config=TRAIN, in_process=False)
+    killed = _materialize("drafter_checkpoints", dies, config=SAME_STEPS, in_process=False)
     assert killed.returncode != 0 and read_manifest(shared, "checkpoints/drafter") is None
-    finished = _materialize("drafter_checkpoints", second, config={**TRAIN, "max_steps": 4})
+    finished = _materialize("drafter_checkpoints", second, config={**SAME_STEPS, "max_steps": 4})
     assert finished.returncode == 0, finished.stderr[-4000:]
-    resumed = _materialize("drafter_checkpoints", first, config=TRAIN)
+    resumed = _materialize("drafter_checkpoints", first, config=SAME_STEPS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resuming run drafter from" in resumed.stdout + resumed.stderr
 
@@ -368,7 +372,9 @@ def test_online_ranks_each_own_their_target_replicas_on_devices_of_their_own(ran
         "DFLASH_DEVICES": ",".join(f"cpu:{i}" for i in range(6)),
     }
     done = _materialize(
-        "drafter_checkpoints", env, config={**SHORT, "run_name": "multi-device", "online_target_devices": 2}
+        "drafter_checkpoints",
+        env,
+        config={**SHORT, "spec_eval_prompts": 0, "run_name": "multi-device", "online_target_devices": 2},
     )
     assert done.returncode == 0, done.stderr[-4000:]
     with open_instance(env["DAGSTER_HOME"]) as instance:
@@ -466,7 +472,7 @@ def _wait_until(condition, what: str, timeout_s: float = 300.0) -> None:
 def two_ranks_run(ranges, tmp_path_factory):
     """The uninterrupted run's settings, trained by two ranks (world size 2)."""
     tmp_path = tmp_path_factory.mktemp("ranks")
-    return _train(ranges, tmp_path, "ranks", "two-ranks", **TWO_RANKS)
+    return _train(ranges, tmp_path, "ranks", "two-ranks", train=SAME_STEPS, **TWO_RANKS)
 
 
 def test_two_ranks_make_one_process_s_steps_and_export_the_same_weights(offline_run, two_ranks_run, tmp_path):
@@ -513,7 +519,7 @@ def test_a_checkpoint_written_at_one_world_size_continues_the_same_trajectory_at
     _copy_run("offline-run", "one-then-two")  # copies: the uninterrupted runs stay as they are
     _copy_run("two-ranks", "two-then-one")
     committed = {run: _committed_checkpoints(run) for run in ("one-then-two", "two-then-one")}
-    longer = {**TRAIN, "max_steps": TRAIN["max_steps"] + 2}
+    longer = {**SAME_STEPS, "max_steps": TRAIN["max_steps"] + 2}
 
     to_two, _ = _train(ranges, tmp_path, "to-two", "one-then-two", train=longer, **TWO_RANKS)
     to_one, _ = _train(ranges, tmp_path, "to-one", "two-then-one", train=longer)
