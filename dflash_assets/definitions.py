@@ -17,7 +17,7 @@ check_settings()
 from dagster import Definitions
 
 from dflash_assets import settings
-from dflash_assets.orchestration.assets.drafter_checkpoints import drafter_checkpoints
+from dflash_assets.orchestration.assets.drafter_checkpoints import drafter_checkpoints_asset
 from dflash_assets.orchestration.assets.hidden_states import hidden_state_partitions_asset, range_complete
 from dflash_assets.orchestration.assets.target_completions import target_completions_asset
 from dflash_assets.orchestration.assets.tokenized_completions import tokenized_completions_asset
@@ -40,7 +40,7 @@ def build_definitions(completions: str | None = None) -> Definitions:
     range_assets = [*regenerated, tokenized_completions_asset(completions), hidden_state_partitions_asset()]
     store = StoreResource()
     return Definitions(
-        assets=[*range_assets, drafter_checkpoints],
+        assets=[*range_assets, drafter_checkpoints_asset()],
         asset_checks=[range_complete],
         sensors=[failed_range_sensor(range_assets), sample_range_sensor],
         executor=code_location_executor(),

@@ -330,9 +330,6 @@ class CheckpointManager:
 
     def _upload(self, directory: Path, ref: CheckpointRef) -> None:
         try:
-            for name in ref.files:
-                self.uploader.submit(directory / name, ref.key(name), delete_after=False)
-            self.uploader.flush()
             marker = {
                 "format": CHECKPOINT_FORMAT,
                 "run": ref.run,
@@ -340,7 +337,13 @@ class CheckpointManager:
                 "files": ref.files,
                 "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
-            self.store.put_bytes(ref.key(MARKER_NAME), json.dumps(marker, indent=1).encode())
+            body = json.dumps(marker, indent=1).encode()
+            self.uploader.upload_then_commit(
+                {name: directory / name for name in ref.files},
+                ref.prefix,
+                lambda sizes: self.store.put_bytes(ref.key(MARKER_NAME), body),
+                delete_after=False,
+            )
             self.written.append(ref)
             for old in self.local_dir.glob("step_*"):
                 if old != directory:

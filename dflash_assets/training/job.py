@@ -93,12 +93,6 @@ class JobEvents(Protocol):
     def checkpoint(self, report: dict[str, Any]) -> None: ...
 
 
-def _torch_device(leased: str) -> str:
-    from dflash_assets.target.devices import torch_device
-
-    return str(torch_device(leased))
-
-
 def offline_data(job: TrainingJob, store: ObjectStore, cache_dir: Path, local_world_size: int):
     """The committed hidden-state objects of the job's ranges, streamed through this rank's own share of
     the node's cache budget."""
@@ -151,6 +145,7 @@ def run_job(job: TrainingJob, node: NodeResources, *, collective: Any, events: J
     """Train this rank's part of `job`; rank 0 then exports the drafter to `drafter/<run>/` (config.json
     last) and returns the outcome (`outcome()`), the other ranks an empty dict."""
     from dflash_assets.drafter.speculative import TargetVerifier
+    from dflash_assets.target.devices import torch_device
     from dflash_assets.training.train import train_drafter
 
     store = job.open_store()
@@ -161,7 +156,7 @@ def run_job(job: TrainingJob, node: NodeResources, *, collective: Any, events: J
             f"node {node.node}'s target model {node.target_model_name!r} ({node.target_model_dir}) is not "
             f"the job's {job.target_model_name!r}: set DFLASH_TARGET_MODEL on that node to the same model"
         )
-    settings = job.train_settings(_torch_device(node.device))
+    settings = job.train_settings(str(torch_device(node.device)))
     world = world_of(collective, node)
     verifier = None
     if job.mode == "offline":
@@ -213,6 +208,7 @@ def online_data(
     """Tokenized samples and this rank's target replicas: on its own leased devices, or beside the
     drafter when it has none."""
     from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture
+    from dflash_assets.target.devices import torch_device
     from dflash_assets.target.kernels import report_kernel_paths
     from dflash_assets.target.model import load_target_model
     from dflash_assets.training.data import OnlineData
@@ -223,7 +219,7 @@ def online_data(
     target_devices = node.target_devices or [node.device]
     layers = config.target_layer_ids
     captures = [
-        HiddenStateCapture(load_target_model(node.target_model_dir, _torch_device(d)), layers)
+        HiddenStateCapture(load_target_model(node.target_model_dir, torch_device(d)), layers)
         for d in target_devices
     ]
     for capture, target_device in zip(captures, target_devices, strict=True):
@@ -240,6 +236,7 @@ def online_data(
 def export_and_upload(job: TrainingJob, result, config: DrafterConfig, directory: Path, uploader: Uploader):
     """The drafter exported (`drafter/<run>/`), `config.json` uploaded last: readers take a directory
     with a config as complete. Returns the metrics its card shows."""
+    from dflash_assets.drafter.config import CONFIG_NAME
     from dflash_assets.training.export import export_trained_drafter
 
     export_dir, metrics = export_trained_drafter(
@@ -250,9 +247,13 @@ def export_and_upload(job: TrainingJob, result, config: DrafterConfig, directory
         target_model_name=job.target_model_name,
         data_source=job.data_source,
     )
-    for path in sorted(export_dir.iterdir(), key=lambda p: (p.name == "config.json", p.name)):
-        uploader.submit(path, f"{job.export_prefix}/{path.name}")
+    files = {path.name: path for path in export_dir.iterdir() if path.name != CONFIG_NAME}
+
+    def commit(sizes: dict[str, int]) -> None:
+        uploader.submit(export_dir / CONFIG_NAME, f"{job.export_prefix}/{CONFIG_NAME}")
         uploader.flush()
+
+    uploader.upload_then_commit(files, job.export_prefix, commit)
     return metrics
 
 

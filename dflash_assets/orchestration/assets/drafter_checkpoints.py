@@ -1,7 +1,7 @@
 """`drafter_checkpoints`: train the DFlash drafter from the store (offline) or beside the target (online),
 on one device or data-parallel over every device of one or more nodes."""
 
-from dagster import AssetExecutionContext, AssetIn, asset
+from dagster import AssetExecutionContext, AssetIn, AssetsDefinition, asset
 
 from dflash_assets import settings
 from dflash_assets.orchestration.capacity_plan import online_split_recommender
@@ -22,42 +22,48 @@ from dflash_assets.orchestration.training import (
 from dflash_assets.storage.manifest import StoredPartition
 
 
-@asset(
-    ins={
-        "hidden_states": AssetIn("hidden_state_partitions"),
-        "tokenized": AssetIn("tokenized_completions"),
-    },
-    io_manager_key="store_io_manager",
-    group_name="dflash",
-    pool="gpu",
-    op_tags=gpu_step_tags(gpus=settings.K8S_TRAIN_GPUS.get_int()),
-    kinds={"pytorch", "s3"},
-    description="DFlash drafter trained on the materialised ranges; resumable checkpoints; exported model.",
-)
-@redacted  # every event, log line, tag and error of the step masks secrets (orchestration/redaction.py)
-def drafter_checkpoints(
-    context: AssetExecutionContext,
-    config: TrainConfig,
-    hidden_states: list[StoredPartition],
-    tokenized: list[StoredPartition],
-    store: StoreResource,
-    target_model: TargetModelResource,
-    devices: DeviceLeaseResource,
-) -> PartitionOutput:
-    node = step_node(context)
-    store.check()
-    mode = config.train_settings().mode
-    spec = node_spec(store, target_model, devices, run=config.run, holder=f"run {context.run_id}")
-    recommend = online_split_recommender(target_model, tokenized, config.train_settings(), context.log.info)
-    launch, target_devices = config.launch(len(spec.devices), mode, recommend)
-    job = training_job(
-        config, store, target_model, hidden_states, tokenized,
-        online_target_devices=target_devices, log=context.log.info,
-    )  # fmt: skip
-    context.log.info(
-        f"training run {job.run!r} in {job.mode} mode: {launch.nproc_per_node} rank(s) per node on "
-        f"{launch.nnodes} node(s), world size {launch.world_size}"
+def drafter_checkpoints_asset() -> AssetsDefinition:
+    """The asset, with its GPU step tags as the settings say when the code location is built."""
+
+    @asset(
+        ins={
+            "hidden_states": AssetIn("hidden_state_partitions"),
+            "tokenized": AssetIn("tokenized_completions"),
+        },
+        io_manager_key="store_io_manager",
+        group_name="dflash",
+        pool="gpu",
+        op_tags=gpu_step_tags(gpus=settings.K8S_TRAIN_GPUS.get_int()),
+        kinds={"pytorch", "s3"},
+        description="DFlash drafter trained on the materialised ranges, data-parallel over the GPUs of one "
+        "or more nodes; resumable checkpoints; exported model.",
     )
-    outcome = run_training(job, launch, spec, StepReports(context), run_id=context.run_id)
-    context.add_output_metadata(outcome_metadata(outcome, job, node))
-    return PartitionOutput(prefix=f"checkpoints/{job.run}", manifest_fields=manifest_fields(outcome, job))
+    @redacted  # every event, log line, tag and error of the step masks secrets
+    def drafter_checkpoints(
+        context: AssetExecutionContext,
+        config: TrainConfig,
+        hidden_states: list[StoredPartition],
+        tokenized: list[StoredPartition],
+        store: StoreResource,
+        target_model: TargetModelResource,
+        devices: DeviceLeaseResource,
+    ) -> PartitionOutput:
+        node = step_node(context)
+        store.check()
+        train = config.train_settings()
+        spec = node_spec(store, target_model, devices, run=config.run, holder=f"run {context.run_id}")
+        recommend = online_split_recommender(target_model, tokenized, train, context.log.info)
+        launch, target_devices = config.launch(len(spec.devices), train.mode, recommend)
+        job = training_job(
+            config, store, target_model, hidden_states, tokenized,
+            online_target_devices=target_devices, log=context.log.info,
+        )  # fmt: skip
+        context.log.info(
+            f"training run {job.run!r} in {job.mode} mode: {launch.nproc_per_node} rank(s) per node on "
+            f"{launch.nnodes} node(s), world size {launch.world_size}"
+        )
+        outcome = run_training(job, launch, spec, StepReports(context), run_id=context.run_id)
+        context.add_output_metadata(outcome_metadata(outcome, job, node))
+        return PartitionOutput(prefix=f"checkpoints/{job.run}", manifest_fields=manifest_fields(outcome, job))
+
+    return drafter_checkpoints
