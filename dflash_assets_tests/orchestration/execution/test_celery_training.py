@@ -6,6 +6,8 @@ rejoins, and the run finishes from that checkpoint. The cluster is `support/cele
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -43,6 +45,19 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _ranks_of(node) -> list[int]:
+    """The training ranks running under this node's worker."""
+    found = []
+    for pid in _descendants(node.pid):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"dflash_assets.training.rank" in command and b"dflash_assets.training.launcher" not in command:
+            found.append(pid)
+    return found
+
+
 def _launcher_of(node) -> str | None:
     """`host` or `join` for the launcher running under this node's worker, None without one."""
     for pid in _descendants(node.pid):
@@ -65,20 +80,33 @@ def test_two_nodes_train_one_rank_each_and_a_node_killed_after_a_checkpoint_rejo
     run = dagster(materialize_args("drafter_checkpoints", None, TRAIN), {**cluster.env, **TWO_NODES})
     store = open_store(cluster.store_url)
     deadline = time.monotonic() + 400
-    while store.head("checkpoints/two-nodes/step_00000004/_complete.json") is None:
+    while store.head("checkpoints/two-nodes/step_00000002/_complete.json") is None:
         assert run.poll() is None, run.stdout.read()[-5000:]
         assert time.monotonic() < deadline, "no checkpoint was committed"
-        time.sleep(0.2)
-    joined = node_a if _launcher_of(node_a) == "join" else node_b
-    assert _launcher_of(joined) == "join" and _launcher_of(node_a if joined is node_b else node_b) == "host"
-    ranks_before = _descendants(joined.pid)
+        time.sleep(0.1)
+    launchers = {node: _launcher_of(node) for node in (node_a, node_b)}
+    joined = node_a if launchers[node_a] == "join" else node_b
+    host = node_b if joined is node_a else node_a
+    # The host's ranks are held still while the other node goes, so the run cannot finish in between
+    # however fast this machine is; they meet the lost peer at their next collective.
+    held = _ranks_of(host)
+    assert held, "no training rank runs under the host node"
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        assert sorted(launchers.values(), key=str) == ["host", "join"], launchers
+        ended = store.head("checkpoints/two-nodes/_manifest.json") is not None
+        assert not ended, "the run ended before the node was lost"
+        ranks_before = _descendants(joined.pid)
+        joined.kill_group()  # the joined node lost: its worker, join task, launcher and rank at once
+        time.sleep(2)
+        assert not [pid for pid in ranks_before if process_alive(pid)]
+    finally:
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
     committed = {
-        info.key: store.get_bytes(info.key) for info in store.list("checkpoints/two-nodes/step_00000004/")
+        info.key: store.get_bytes(info.key) for info in store.list("checkpoints/two-nodes/step_00000002/")
     }
-
-    joined.kill_group()  # the joined node lost: its worker, join task, launcher and rank at once
-    time.sleep(2)
-    assert not [pid for pid in ranks_before if process_alive(pid)]
     joined.start()  # back, under the same name
 
     output, _ = run.communicate(timeout=600)
@@ -88,14 +116,14 @@ def test_two_nodes_train_one_rank_each_and_a_node_killed_after_a_checkpoint_rejo
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
         messages = "\n".join(message_of(e) or "" for e in instance.all_logs(event.run_id))
         no_run_left_in_progress(instance)
-    assert f"node {joined.name} left the training" in messages
+    assert f"node {joined.name} left the training" in messages, messages[-4000:]
     assert "launching every node again (1 of" in messages
     assert "resuming run two-nodes from" in messages
     assert metadata["world_size"] == 2 and metadata["steps"] == TRAIN["max_steps"]
     assert sorted(r["node"] for r in metadata["rank_devices"]) == ["node-a", "node-b"]
     assert {r["device"] for r in metadata["rank_devices"]} == {"cpu:0"}
     after = {
-        info.key: store.get_bytes(info.key) for info in store.list("checkpoints/two-nodes/step_00000004/")
+        info.key: store.get_bytes(info.key) for info in store.list("checkpoints/two-nodes/step_00000002/")
     }
     assert after == committed  # the committed checkpoint the run resumed from was not rewritten
     manifest = json.loads(store.get_bytes("checkpoints/two-nodes/_manifest.json"))
