@@ -92,7 +92,7 @@ class RangeProgressReporter:
     def set_status(self, text: str) -> None:
         """The run's progress tag, for states before any snapshot (loading, waiting for a device)."""
         tags = redacted_tags({PROGRESS_TAG: text[:200]})
-        self._context.instance.add_run_tags(self._context.run_id, tags)
+        self._context.instance.add_run_tags(self._context.run.run_id, tags)
         terminal.report(terminal.ProgressSnapshot(self._task, status=text))
 
     def note(self, message: str) -> None:
@@ -117,6 +117,6 @@ class RangeProgressReporter:
                 AssetObservation(
                     asset_key=self._context.asset_key,
                     partition=self._partition_key,
-                    metadata=progress_metadata(progress, self._context.run_id),
+                    metadata=progress_metadata(progress, self._context.run.run_id),
                 )
             )

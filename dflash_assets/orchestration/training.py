@@ -294,7 +294,7 @@ class StepReports:
     def _tag(self, text: str, force: bool = False) -> None:
         if force or time.monotonic() - self._tagged_at >= self.TAG_EVERY_S:
             self._tagged_at = time.monotonic()
-            self.context.instance.add_run_tags(self.context.run_id, redacted_tags({PROGRESS_TAG: text}))
+            self.context.instance.add_run_tags(self.context.run.run_id, redacted_tags({PROGRESS_TAG: text}))
 
     def progress(self, snapshot: terminal.ProgressSnapshot) -> None:
         terminal.report(snapshot)

@@ -51,7 +51,7 @@ def drafter_checkpoints_asset() -> AssetsDefinition:
         node = step_node(context)
         store.check()
         train = config.train_settings()
-        spec = node_spec(store, target_model, devices, run=config.run, holder=f"run {context.run_id}")
+        spec = node_spec(store, target_model, devices, run=config.run, holder=f"run {context.run.run_id}")
         recommend = online_split_recommender(target_model, tokenized, train, context.log.info)
         launch, target_devices = config.launch(len(spec.devices), train.mode, recommend)
         job = training_job(
@@ -62,7 +62,7 @@ def drafter_checkpoints_asset() -> AssetsDefinition:
             f"training run {job.run!r} in {job.mode} mode: {launch.nproc_per_node} rank(s) per node on "
             f"{launch.nnodes} node(s), world size {launch.world_size}"
         )
-        outcome = run_training(job, launch, spec, StepReports(context), run_id=context.run_id)
+        outcome = run_training(job, launch, spec, StepReports(context), run_id=context.run.run_id)
         context.add_output_metadata(outcome_metadata(outcome, job, node))
         return PartitionOutput(prefix=f"checkpoints/{job.run}", manifest_fields=manifest_fields(outcome, job))
 

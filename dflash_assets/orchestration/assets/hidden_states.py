@@ -93,7 +93,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         prefix = partition_prefix("hidden_state_partitions", sample_range.key)
         progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
         progress.set_status("waiting for a device")
-        with devices.lease(holder=f"run {context.run_id}", log=progress.note) as device:
+        with devices.lease(holder=f"run {context.run.run_id}", log=progress.note) as device:
             progress.note(f"leased device {device}; loading the target, layers {layer_ids}")
             with store.uploader() as uploader:
                 result = extract_range(

@@ -140,7 +140,7 @@ def target_completions_asset() -> AssetsDefinition:
             generation_settings,
             target_model=target_model,
             devices=devices,
-            holder=f"run {context.run_id}",
+            holder=f"run {context.run.run_id}",
             log=lambda message: context.log.info(f"{sample_range.key}: {message}"),
             warn=context.log.warning,
             max_tokens_per_batch=config.max_tokens_per_batch,
