@@ -13,7 +13,8 @@ if ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 . .venv/bin/activate
-ruff check dflash_assets dflash_assets_tests
+ruff check .
+ruff format --check .
 # The manual: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails here.
 site="$(mktemp -d)"
 mkdocs build --strict --quiet --site-dir "$site"

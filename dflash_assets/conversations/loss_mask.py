@@ -73,9 +73,7 @@ def _content_candidates(content: str) -> list[str]:
     return unique
 
 
-def locate_assistant_spans(
-    text: str, messages: Messages, header: str | None
-) -> list[tuple[int, int]] | None:
+def locate_assistant_spans(text: str, messages: Messages, header: str | None) -> list[tuple[int, int]] | None:
     """Character spans of each assistant content in `text`, searched forward in message order."""
     spans: list[tuple[int, int]] = []
     cursor = 0

@@ -86,4 +86,3 @@ class UploadRecord:
     def sizes(self) -> dict[str, int]:
         with self._lock:
             return dict(self._sizes)
-

@@ -133,4 +133,3 @@ def register_sample_ranges(instance: DagsterInstance, keys: Sequence[str] | None
     if new:
         instance.add_dynamic_partitions(PARTITIONS_NAME, new)
     return new
-

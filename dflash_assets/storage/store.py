@@ -123,8 +123,6 @@ def source_is_deletable() -> bool:
     return _SOURCE_WILL_BE_DELETED.get()
 
 
-
-
 def atomic_write(path: Path, write: Any) -> int:
     """Write through `write(file)` into a temp file beside `path`, fsync, then rename over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,5 +213,3 @@ class ObjectStore(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.description!r})"
-
-

@@ -163,9 +163,7 @@ def lease_device(
 
 
 @contextlib.contextmanager
-def try_lease_device(
-    devices: Sequence[str], lock_dir: str | Path, holder: str = ""
-) -> Iterator[str | None]:
+def try_lease_device(devices: Sequence[str], lock_dir: str | Path, holder: str = "") -> Iterator[str | None]:
     """Hold one of `devices` if one is free right now, else yield None: never waits (e.g. a spare
     device for a speculative evaluation that does not fit beside the drafter)."""
     with contextlib.ExitStack() as stack:

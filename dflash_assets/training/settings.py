@@ -16,6 +16,7 @@ TRAJECTORY_SETTINGS = (
     "eval_samples",
 )  # fmt: skip
 
+
 @dataclass
 class TrainSettings:
     """SpecForge's DFlash recipe by default: AdamW at 6e-4 with betas (0.9, 0.999) and no weight decay,

@@ -69,8 +69,10 @@ def test_an_export_holds_every_reference_weight_in_bf16_with_a_config_the_engine
     assert (hf.num_hidden_layers, hf.head_dim, hf.layer_types) == (2, config.head_dim, config.layer_types)
 
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
-        stored = {name: (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
-                  for name in handle.keys()}  # noqa: SIM118 (not a dict)
+        stored = {
+            name: (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
+            for name in handle.keys()  # noqa: SIM118 (not a dict)
+        }
     expected = reference_names_and_shapes(raw)
     assert {name: shape for name, (shape, _) in stored.items()} == expected
     assert {dtype for _, dtype in stored.values()} == {"BF16"}

@@ -292,8 +292,9 @@ def test_the_worker_compose_file_runs_one_worker_node_on_the_gpus_with_its_own_s
     env = worker["environment"]
     for secret in ("DFLASH_CELERY_BROKER_URL", "DAGSTER_PG_PASSWORD", "AWS_SECRET_ACCESS_KEY"):
         assert env[secret] is None  # passed through from the node's environment, never written here
-    assert env["DFLASH_STAGING_DIR"].startswith("/var/lib/dflash/") and "dflash-data:/var/lib/dflash" in (
-        worker["volumes"]
+    assert (
+        env["DFLASH_STAGING_DIR"].startswith("/var/lib/dflash/")
+        and "dflash-data:/var/lib/dflash" in (worker["volumes"])
     )
     assert env["DFLASH_STORE_URL"].startswith("${DFLASH_STORE_URL:?")  # one store for every node
     # The broker, on the one node that hosts it: its password in no process argument.

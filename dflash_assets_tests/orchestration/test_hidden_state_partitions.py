@@ -486,9 +486,12 @@ def _check_then_train(env: dict[str, str]) -> dict:
                 "success": result.success,
                 "started": [e.step_key for e in events if e.event_type == DagsterEventType.STEP_START],
                 "checks": [
-                    {"passed": e.event_specific_data.passed,
-                     "problems": e.event_specific_data.metadata["problems"].value}
-                    for e in events if e.event_type == DagsterEventType.ASSET_CHECK_EVALUATION
+                    {
+                        "passed": e.event_specific_data.passed,
+                        "problems": e.event_specific_data.metadata["problems"].value,
+                    }
+                    for e in events
+                    if e.event_type == DagsterEventType.ASSET_CHECK_EVALUATION
                 ],  # fmt: skip
                 "failures": [
                     e.event_specific_data.error.to_string()

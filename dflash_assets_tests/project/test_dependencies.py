@@ -28,7 +28,7 @@ def test_the_core_is_the_release_line_the_project_pins():
 
 
 def test_the_k8s_extra_pins_dagster_k8s_on_the_release_line_and_is_what_is_installed():
-    extra = [Requirement(r) for r in requires("dflash-assets") or [] if "extra == \"k8s\"" in r]
+    extra = [Requirement(r) for r in requires("dflash-assets") or [] if 'extra == "k8s"' in r]
     assert [str(r.specifier) for r in extra if r.name == "dagster-k8s"] == ["==0.29.27"]
     assert version("dagster-k8s") == "0.29.27"
     import dagster_k8s  # the extra resolves to an importable package on this core

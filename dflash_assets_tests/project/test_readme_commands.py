@@ -3,8 +3,9 @@ each succeeds, and none rewrites what the demo stored (the demo, a shell and the
 defaults, so a shell continues the demo's ranges). `dg`, `dagster` and the UI see one asset graph.
 
 The demo runs here on the bundled data's first 101 rows (the README's two ranges, the second of one
-row) and 2 training steps of 4 sequences, so it costs a minute, not the demo's four. The README's training command
-(`dg launch --assets drafter_checkpoints`) is not run: the demo's training here is not the demo's.
+row) and 2 training steps of 4 sequences, so it costs a minute, not the demo's four. The README's
+training command (`dg launch --assets drafter_checkpoints`) is not run: the demo's training here is not
+the demo's.
 """
 
 from __future__ import annotations

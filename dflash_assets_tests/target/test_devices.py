@@ -165,4 +165,3 @@ def test_a_spare_device_is_leased_only_when_one_is_free_now_and_never_waited_for
             assert released == "cpu:1"  # the spare was given back
     with try_lease_device([], lock_dir=tmp_path) as nothing:
         assert nothing is None
-

@@ -35,9 +35,7 @@ FORWARD = textwrap.dedent(
 
 
 def _forward(mode: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-c", FORWARD, mode], capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run([sys.executable, "-c", FORWARD, mode], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "forward done" in done.stdout
     return done

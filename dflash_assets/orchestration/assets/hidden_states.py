@@ -1,6 +1,5 @@
 """`hidden_state_partitions`: the target's chosen decoder-layer outputs, one object per sample."""
 
-
 from dagster import (
     AssetCheckExecutionContext,
     AssetCheckResult,

@@ -85,9 +85,11 @@ class GenerateConfig(Config):
             top_k=self.top_k,
             max_new_tokens=settings.given_or(
                 self.max_new_tokens,
-                lambda: settings.GENERATE_MAX_NEW_TOKENS.get_optional_int()
-                or target_max_new_tokens(target_dir)
-                or DEFAULT_MAX_NEW_TOKENS,
+                lambda: (
+                    settings.GENERATE_MAX_NEW_TOKENS.get_optional_int()
+                    or target_max_new_tokens(target_dir)
+                    or DEFAULT_MAX_NEW_TOKENS
+                ),
             ),
             chat_template_kwargs=kwargs,
             seed=self.seed,

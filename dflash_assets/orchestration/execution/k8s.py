@@ -66,5 +66,5 @@ def gpu_step_tags(gpus: int = 1) -> dict[str, Any]:
                 "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
                 "volumes": [{"name": STAGING_VOLUME, "empty_dir": {"size_limit": staging_size}}],
             },
-        }
+        },
     }

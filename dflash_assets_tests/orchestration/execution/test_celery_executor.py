@@ -111,7 +111,9 @@ def _worker_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_the_worker_command_refuses_to_start_without_a_broker_or_a_usable_name():
     done = _worker_cli("--queue", "gpu", "--name", "node-a", DFLASH_CELERY_BROKER_URL="")
     assert done.returncode == 2 and "DFLASH_CELERY_BROKER_URL" in done.stderr
-    done = _worker_cli("--queue", "gpu", "--name", "node a", DFLASH_CELERY_BROKER_URL="redis://127.0.0.1:6379/5")
+    done = _worker_cli(
+        "--queue", "gpu", "--name", "node a", DFLASH_CELERY_BROKER_URL="redis://127.0.0.1:6379/5"
+    )
     assert done.returncode == 2 and "--name" in done.stderr
     done = _worker_cli("--name", "node-a")
     assert done.returncode == 2 and "--queue" in done.stderr
