@@ -68,7 +68,7 @@ def _unreachable_environment(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def test_loading_imports_no_torch_and_reads_neither_store_nor_dataset(tmp_path):
+def test_loading_imports_no_torch_reads_neither_store_nor_dataset_and_warns_of_nothing(tmp_path):
     env = _unreachable_environment(tmp_path)
     probe = (
         "import json, sys\n"
@@ -81,6 +81,7 @@ def test_loading_imports_no_torch_and_reads_neither_store_nor_dataset(tmp_path):
     imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert imported == {"torch": False, "transformers": False, "boto3": False}, imported
     assert not (tmp_path / "home").exists()  # not even a cache directory was created
+    assert "Warning" not in done.stderr, done.stderr[-3000:]  # above every command, it reads as breakage
 
 
 def test_the_code_location_loads_through_dagster_with_the_store_unreachable(tmp_path):
