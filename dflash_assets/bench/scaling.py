@@ -232,9 +232,10 @@ def measure_run(
     # No restarts: a restarted rank would put a second warm-up inside the timed epoch.
     launch = Launch(
         nproc_per_node=world_size,
+        nnodes=1,
+        rdzv_host="",  # this host, a free port
+        rdzv_port=0,
         rdzv_timeout_s=120.0,
-        collective_timeout_s=120.0,
-        eval_timeout_s=120.0,
         max_restarts=0,
     )
     reports = _Reports()

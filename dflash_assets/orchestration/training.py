@@ -143,8 +143,6 @@ class TrainConfig(Config):
             rdzv_host=settings.TRAIN_RDZV_HOST.get(),
             rdzv_port=settings.TRAIN_RDZV_PORT.get_int(),
             rdzv_timeout_s=settings.TRAIN_RDZV_TIMEOUT_S.get_float(),
-            collective_timeout_s=settings.TRAIN_COLLECTIVE_TIMEOUT_S.get_float(),
-            eval_timeout_s=settings.TRAIN_EVAL_TIMEOUT_S.get_float(),
             max_restarts=settings.TRAIN_MAX_RESTARTS.get_int(),
         )
         return launch, targets

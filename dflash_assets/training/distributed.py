@@ -38,8 +38,8 @@ BUCKET_ELEMENTS = 2**26  # 256 MB of float32 gradients per all-reduce
 
 @dataclass(frozen=True)
 class Timeouts:
-    collective_s: float = 600.0  # any collective: a peer that stops answering ends the job
-    rank0_work_s: float = 3600.0  # other ranks waiting for rank 0's evaluation at a checkpoint
+    collective_s: float  # any collective: a peer that stops answering ends the job
+    rank0_work_s: float  # other ranks waiting for rank 0's evaluation at a checkpoint
 
 
 class SingleProcess:
@@ -73,7 +73,7 @@ class SingleProcess:
 class ProcessGroup:
     """This process as one rank of a torch.distributed job (NCCL on CUDA, gloo on the CPU)."""
 
-    def __init__(self, device: torch.device, timeouts: Timeouts = Timeouts()) -> None:
+    def __init__(self, device: torch.device, timeouts: Timeouts) -> None:
         import torch.distributed as dist
 
         self.device = device

@@ -53,9 +53,9 @@ class NodeSpec:
     work_dir: str  # rank 0's checkpoints, curves and export on their way; other ranks use subfolders
     train_cache_dir: str  # offline: streamed hidden states (each local rank in a folder of its own)
     read_cache_dir: str  # tokenized shards read from the store
+    collective_timeout_s: float  # any collective (DFLASH_TRAIN_COLLECTIVE_TIMEOUT_S)
+    eval_timeout_s: float  # the other ranks waiting on rank 0's evaluation (DFLASH_TRAIN_EVAL_TIMEOUT_S)
     events: str = ""  # host:port of the step's event store (rank 0 reports there)
-    collective_timeout_s: float = 600.0
-    eval_timeout_s: float = 3600.0
     holder: str = ""  # who leases, for the lock files (e.g. "run <id>")
 
     def to_json(self) -> str:

@@ -46,16 +46,16 @@ class TrainingFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Launch:
-    """How many ranks, where they meet, and how long anyone waits."""
+    """How many ranks, where they meet, how long they wait to meet and how often they restart (the
+    collective timeouts travel with the node's `NodeSpec`). No defaults here: the step takes them from
+    the settings (`TrainConfig.launch`), the bench states its own."""
 
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    rdzv_host: str = ""  # empty: this host's name
-    rdzv_port: int = 0  # 0: a free port, chosen at launch
-    rdzv_timeout_s: float = 900.0
-    collective_timeout_s: float = 600.0
-    eval_timeout_s: float = 3600.0
-    max_restarts: int = 3
+    nproc_per_node: int
+    nnodes: int
+    rdzv_host: str  # empty: this host's name
+    rdzv_port: int  # 0: a free port, chosen at launch
+    rdzv_timeout_s: float
+    max_restarts: int
 
     @property
     def world_size(self) -> int:
@@ -305,8 +305,8 @@ def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, 
         "nproc_per_node": launch.nproc_per_node,
         "join_timeout_s": launch.rdzv_timeout_s,
         "max_restarts": rendezvous.max_restarts,
-        "collective_timeout_s": launch.collective_timeout_s,
-        "eval_timeout_s": launch.eval_timeout_s,
+        "collective_timeout_s": spec.collective_timeout_s,  # every node's ranks wait alike
+        "eval_timeout_s": spec.eval_timeout_s,
         "events": events.endpoint,
     }
     # The other nodes are placed first (waiting for free ones): this node's rendezvous then only waits
