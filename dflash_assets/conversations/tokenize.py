@@ -74,10 +74,6 @@ class TokenizeResult:
     def max_length(self) -> int:
         return max((s.num_tokens for s in self.samples), default=0)
 
-    @property
-    def bad_fraction(self) -> float:
-        return len(self.dropped) / self.rows if self.rows else 0.0
-
     def metadata(self) -> dict[str, Any]:
         """What tokenizing the range reports: numbers a UI plots across ranges."""
         return {

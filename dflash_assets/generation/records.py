@@ -64,10 +64,6 @@ class CompletionRecord:
         )
 
     @property
-    def last_answer(self) -> dict[str, Any]:
-        return self.messages[self.turns[-1]["message"]]
-
-    @property
     def truncated(self) -> bool:
         return any(turn["finish_reason"] == "length" for turn in self.turns)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -252,15 +252,6 @@ class DeviceLeaseResource(ConfigurableResource):
 
         lock_dir = self.lock_directory()
         with lease_device(self.candidates(), lock_dir=lock_dir, holder=holder, log=log) as device:
-            yield device
-
-    @contextlib.contextmanager
-    def try_lease(self, holder: str = "", exclude: Sequence[str] = ()) -> Iterator[str | None]:
-        """A device other than `exclude` if one is free now, else None (never waits)."""
-        from dflash_assets.target.devices import try_lease_device
-
-        others = [d for d in self.candidates() if d not in set(exclude)]
-        with try_lease_device(others, lock_dir=self.lock_directory(), holder=holder) as device:
             yield device
 
 
