@@ -58,6 +58,36 @@ class NodeSpec:
     events: str = ""  # host:port of the step's event store (rank 0 reports there)
     holder: str = ""  # who leases, for the lock files (e.g. "run <id>")
 
+    def resources(
+        self,
+        device: str,
+        target_devices: list[str],
+        holder: str,
+        rank: int | None = None,
+        local_rank: int = 0,
+    ) -> NodeResources:
+        """The node as one process trains on it with its leased devices: a launched rank (`rank`) in
+        folders of its own beside rank 0's, or the step's own process alone (`rank` None) in the node's.
+        A spare device for an evaluation is leased, when one is free, from those nobody here holds."""
+        from dflash_assets.target.devices import try_lease_device
+
+        ranked = (lambda path: Path(path) / f"rank-{local_rank}") if rank is not None else Path
+        return NodeResources(
+            node=self.node,
+            device=device,
+            target_model_dir=Path(self.target_model_dir),
+            target_model_name=self.target_model_name,
+            work_dir=Path(self.work_dir) / f"rank-{rank}" if rank else Path(self.work_dir),
+            train_cache_dir=ranked(self.train_cache_dir),
+            read_cache_dir=ranked(self.read_cache_dir),
+            target_devices=target_devices,
+            spare_device=lambda: try_lease_device(
+                [d for d in self.devices if d not in {device, *target_devices}],
+                lock_dir=self.lock_dir,
+                holder=holder,
+            ),
+        )
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
@@ -162,7 +192,7 @@ def _lease_timeout_message(error: Exception, rank: int, node: str) -> str:
 
 
 def run_rank(job: TrainingJob, spec: NodeSpec) -> int:
-    from dflash_assets.target.devices import DeviceLeaseTimeout, lease_device, torch_device, try_lease_device
+    from dflash_assets.target.devices import DeviceLeaseTimeout, lease_device, torch_device
     from dflash_assets.training.distributed import launched_by_torchrun
 
     if not launched_by_torchrun():
@@ -202,22 +232,7 @@ def run_rank(job: TrainingJob, spec: NodeSpec) -> int:
             torch.cuda.set_device(torch_target)
         collective = ProcessGroup(torch_target, Timeouts(spec.collective_timeout_s, spec.eval_timeout_s))
         stack.callback(collective.close)
-        work_dir = Path(spec.work_dir) if rank == 0 else Path(spec.work_dir) / f"rank-{rank}"
-        node = NodeResources(
-            node=spec.node,
-            device=device,
-            target_model_dir=Path(spec.target_model_dir),
-            target_model_name=spec.target_model_name,
-            work_dir=work_dir,
-            train_cache_dir=Path(spec.train_cache_dir) / f"rank-{local_rank}",
-            read_cache_dir=Path(spec.read_cache_dir) / f"rank-{local_rank}",
-            target_devices=target_devices,
-            spare_device=lambda: try_lease_device(
-                [d for d in spec.devices if d not in {device, *target_devices}],
-                lock_dir=spec.lock_dir,
-                holder=holder,
-            ),
-        )
+        node = spec.resources(device, target_devices, holder, rank=rank, local_rank=local_rank)
         try:
             outcome = run_job(job, node, collective=collective, events=events)
         except FATAL as error:

@@ -83,9 +83,9 @@ class Reports(Protocol):
 
 def train_here(job: TrainingJob, spec: NodeSpec, reports: Reports) -> dict[str, Any]:
     """One rank, in this process: the device leased like any run's, no process group."""
-    from dflash_assets.target.devices import lease_device, try_lease_device
+    from dflash_assets.target.devices import lease_device
     from dflash_assets.training.distributed import SingleProcess
-    from dflash_assets.training.job import NodeResources, run_job
+    from dflash_assets.training.job import run_job
 
     with contextlib.ExitStack() as stack:
         lease = lambda: stack.enter_context(  # noqa: E731
@@ -93,21 +93,7 @@ def train_here(job: TrainingJob, spec: NodeSpec, reports: Reports) -> dict[str, 
         )
         device = lease()
         target_devices = [lease() for _ in range(job.online_target_devices if job.mode == "online" else 0)]
-        node = NodeResources(
-            node=spec.node,
-            device=device,
-            target_model_dir=Path(spec.target_model_dir),
-            target_model_name=spec.target_model_name,
-            work_dir=Path(spec.work_dir),
-            train_cache_dir=Path(spec.train_cache_dir),
-            read_cache_dir=Path(spec.read_cache_dir),
-            target_devices=target_devices,
-            spare_device=lambda: try_lease_device(
-                [d for d in spec.devices if d not in {device, *target_devices}],
-                lock_dir=spec.lock_dir,
-                holder=spec.holder,
-            ),
-        )
+        node = spec.resources(device, target_devices, spec.holder)
         return run_job(job, node, collective=SingleProcess(), events=reports)
 
 
