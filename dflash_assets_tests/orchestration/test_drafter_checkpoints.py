@@ -589,3 +589,54 @@ def test_a_killed_rank_is_restarted_and_a_dagster_process_killed_alone_takes_eve
     after = _committed_checkpoints("killed")
     assert {key: after[key] for key in committed} == committed
     _wait_until(lambda: not _training_processes(tmp_path), "every launcher and rank to end", 10)
+
+
+def test_a_node_joins_with_train_join_and_the_two_nodes_make_one_process_s_steps(
+    ranges, offline_run, tmp_path
+):
+    """Without Celery: the step's node publishes its launch in the store (`DFLASH_TRAIN_NNODES=2`), and a
+    second node, with a home, devices and name of its own, joins it with `dflash-assets train-join`."""
+    assert offline_run[0].returncode == 0
+    run = "joined-nodes"
+    first = {
+        **ranges["env"],
+        "DAGSTER_HOME": make_dagster_home(tmp_path / "first"),
+        "DFLASH_HOME": str(tmp_path / "first"),
+        "DFLASH_NODE": "node-a",
+        "DFLASH_DEVICES": "cpu:0",
+        "DFLASH_TRAIN_NNODES": "2",
+    }
+    # One host plays both nodes: each leases a device of its own (they share the host's lease files).
+    second = {
+        **ranges["env"],
+        "DFLASH_HOME": str(tmp_path / "second"),
+        "DFLASH_NODE": "node-b",
+        "DFLASH_DEVICES": "cpu:1",
+    }
+    joiner = subprocess.Popen(
+        [str(Path(sys.executable).with_name("dflash-assets")), "train-join", "--run", run, "--wait-s", "300"],
+        env=second,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        done = _materialize(
+            "drafter_checkpoints", first, config={**SAME_STEPS, "run_name": run}, in_process=False
+        )
+        joined, _ = joiner.communicate(timeout=120)
+    finally:
+        if joiner.poll() is None:
+            joiner.kill()
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert joiner.returncode == 0, joined[-4000:]
+    assert f"node node-b joins run {run}" in joined
+    alone, nodes = _losses("offline-run", tmp_path), _losses(run, tmp_path)
+    assert nodes == pytest.approx(alone, rel=1e-4) and sorted(nodes) == list(range(1, TRAIN["max_steps"] + 1))
+    with open_instance(first["DAGSTER_HOME"]) as instance:
+        event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
+        metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+    assert metadata["world_size"] == 2
+    assert sorted(r["node"] for r in metadata["rank_devices"]) == ["node-a", "node-b"]
+    # The published launch is gone once the run is over: a later train-join waits for a new one.
+    assert open_store(ranges_store_url()).head(f"config/training-launch/{run}.json") is None
