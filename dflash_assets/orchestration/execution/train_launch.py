@@ -256,27 +256,39 @@ def train_launched(
             )
 
 
-def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, rendezvous_host, joins):
-    from dflash_assets.training.launcher import Rendezvous, free_port, launcher_command, torchrun_arguments
-
-    launch_dir = Path(spec.work_dir) / "launch" / uuid.uuid4().hex[:12]
+def _rank_entry(job: TrainingJob, spec: NodeSpec, run_id: str) -> list[str]:
+    """The ranks' entry for torchrun, with the job and node files it reads written under the launch's
+    own folder (`<work_dir>/launch/<run_id>/`)."""
+    launch_dir = Path(spec.work_dir) / "launch" / run_id
     launch_dir.mkdir(parents=True, exist_ok=True)
     (launch_dir / "job.json").write_text(job.to_json())
     (launch_dir / "node.json").write_text(spec.to_json())
+    return ["-m", "dflash_assets.training.rank", str(launch_dir / "job.json"), str(launch_dir / "node.json")]
+
+
+def _launcher_env(nproc_per_node: int) -> dict[str, str]:
+    # torchrun would set 1 with a warning; a rank gets its share of the cores instead.
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    return env
+
+
+def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, rendezvous_host, joins):
+    from dflash_assets.training.launcher import Rendezvous, free_port, launcher_command, torchrun_arguments
+
+    run_id = uuid.uuid4().hex[:12]
+    entry = _rank_entry(job, spec, run_id)
     rendezvous = Rendezvous(
         host=rendezvous_host,
         port=launch.rdzv_port or free_port(),
-        run_id=launch_dir.name,
+        run_id=run_id,
         nnodes=launch.nnodes,
         join_timeout_s=launch.rdzv_timeout_s,
         # Over several nodes the step restarts whole launches (`train_launched`).
         max_restarts=launch.max_restarts if launch.nnodes == 1 else 0,
     )
-    entry = ["-m", "dflash_assets.training.rank", str(launch_dir / "job.json"), str(launch_dir / "node.json")]
     arguments = torchrun_arguments(rendezvous, launch.nproc_per_node, is_host=True, entry=entry)
-    env = dict(os.environ)
-    # torchrun would set 1 with a warning; a rank gets its share of the cores instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
+    env = _launcher_env(launch.nproc_per_node)
     reports.log(
         f"launching {launch.nproc_per_node} rank(s) on node {spec.node} of {launch.nnodes} node(s) "
         f"(world size {launch.world_size}; rendezvous {rendezvous.host}:{rendezvous.port}, "
@@ -440,10 +452,7 @@ def join_launch(launch: dict[str, Any], spec: NodeSpec, log: Callable[[str], Non
         collective_timeout_s=launch["collective_timeout_s"],
         eval_timeout_s=launch["eval_timeout_s"],
     )
-    launch_dir = Path(spec.work_dir) / "launch" / launch["run_id"]
-    launch_dir.mkdir(parents=True, exist_ok=True)
-    (launch_dir / "job.json").write_text(job.to_json())
-    (launch_dir / "node.json").write_text(spec.to_json())
+    entry = _rank_entry(job, spec, launch["run_id"])
     rendezvous = Rendezvous(
         host=launch["host"],
         port=int(launch["port"]),
@@ -452,10 +461,8 @@ def join_launch(launch: dict[str, Any], spec: NodeSpec, log: Callable[[str], Non
         join_timeout_s=float(launch["join_timeout_s"]),
         max_restarts=int(launch["max_restarts"]),
     )
-    entry = ["-m", "dflash_assets.training.rank", str(launch_dir / "job.json"), str(launch_dir / "node.json")]
     arguments = torchrun_arguments(rendezvous, int(launch["nproc_per_node"]), is_host=False, entry=entry)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(launch["nproc_per_node"]))))
+    env = _launcher_env(int(launch["nproc_per_node"]))
     log(
         f"node {spec.node} joins run {job.run} at {rendezvous.host}:{rendezvous.port} with "
         f"{launch['nproc_per_node']} rank(s)"
