@@ -212,14 +212,15 @@ def run_rank(job: TrainingJob, spec: NodeSpec) -> int:
         )
     with contextlib.ExitStack() as stack:
         try:
-            device = stack.enter_context(
-                lease_device(candidates, lock_dir=spec.lock_dir, timeout_s=timeout, holder=holder)
-            )
-            target_devices = [
-                stack.enter_context(
-                    lease_device(candidates, lock_dir=spec.lock_dir, timeout_s=timeout, holder=holder)
+            # A wait is said (whom for) in the step's log, not only when it times out.
+            lease = lambda: stack.enter_context(  # noqa: E731
+                lease_device(
+                    candidates, lock_dir=spec.lock_dir, timeout_s=timeout, holder=holder, log=events.log
                 )
-                for _ in range(job.online_target_devices if job.mode == "online" else 0)
+            )
+            device = lease()
+            target_devices = [
+                lease() for _ in range(job.online_target_devices if job.mode == "online" else 0)
             ]
         except DeviceLeaseTimeout as error:
             message = _lease_timeout_message(error, rank, spec.node)
