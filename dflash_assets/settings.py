@@ -247,6 +247,14 @@ TRAIN_RDZV_HOST = Setting(
 TRAIN_RDZV_PORT = Setting(
     "DFLASH_TRAIN_RDZV_PORT", "0", "Port of the rendezvous on the step's node; 0: a free one at launch."
 )
+TRAIN_NETWORK_INTERFACE = Setting(
+    "DFLASH_TRAIN_NETWORK_INTERFACE",
+    "",
+    "Network interface the training ranks talk over (e.g. `eth0`, `ib0`; `ip -br addr` lists them): gloo "
+    "and NCCL bind to it (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) and the rendezvous advertises its "
+    "address. Empty: the address this host's name resolves to, which a multi-node run refuses when it is "
+    "loopback (127.0.1.1 on many hosts). Set on each node: interface names differ between machines.",
+)
 TRAIN_RDZV_TIMEOUT_S = Setting(
     "DFLASH_TRAIN_RDZV_TIMEOUT_S",
     "900",
@@ -262,8 +270,9 @@ TRAIN_COLLECTIVE_TIMEOUT_S = Setting(
 TRAIN_EVAL_TIMEOUT_S = Setting(
     "DFLASH_TRAIN_EVAL_TIMEOUT_S",
     "3600",
-    "Seconds the other ranks wait for rank 0's evaluation at a checkpoint (speculative decoding with the "
-    "target takes minutes), outside the collectives.",
+    "Seconds the ranks wait for each other after long work between collectives: an evaluation at a "
+    "checkpoint (speculative decoding with the target takes minutes), a resumed checkpoint's download, the "
+    "first compilation.",
 )
 TRAIN_MAX_RESTARTS = Setting(
     "DFLASH_TRAIN_MAX_RESTARTS",

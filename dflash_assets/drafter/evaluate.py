@@ -84,6 +84,29 @@ class BlockMetrics:
     def teacher_forced_tau(self) -> float | None:
         return 1.0 + self.accepted_sum / self.num_blocks if self.num_blocks else None
 
+    def totals(self) -> dict[str, Any]:
+        """The sums, plain values (to send to other ranks and add there with `add_totals`)."""
+        return {
+            "weighted_ce_sum": self.weighted_ce_sum,
+            "weight_sum": self.weight_sum,
+            "correct": self.correct.tolist(),
+            "counted": self.counted.tolist(),
+            "accepted_sum": self.accepted_sum,
+            "num_blocks": self.num_blocks,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+        }
+
+    @classmethod
+    def summed(cls, block_size: int, parts: Iterable[dict[str, Any]]) -> BlockMetrics:
+        """The metrics of several parts' `totals()` (e.g. each rank's share of the held-out samples)."""
+        metrics = cls(block_size)
+        for part in parts:
+            metrics.add_totals(
+                **{**part, "correct": torch.tensor(part["correct"]), "counted": torch.tensor(part["counted"])}
+            )
+        return metrics
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "loss": self.loss,
@@ -105,9 +128,21 @@ def evaluate_drafter(
 ) -> dict[str, Any]:
     """`{loss, per_position_accuracy, acceptance_length_tau, num_blocks, num_samples, num_tokens}`.
 
-    Anchors come from a generator fixed by `seed` and the batch's position, so successive evaluations
-    of one run score the same blocks and are comparable.
+    Anchors come from a generator fixed by `seed` and the sample's index, so successive evaluations
+    of one run score the same blocks and are comparable, however the samples are batched or shared.
     """
+    return block_metrics(model, batches, gamma=gamma, num_anchors=num_anchors, seed=seed).as_dict()
+
+
+def block_metrics(
+    model: DFlashDrafter,
+    batches: Iterable[DrafterBatch],
+    *,
+    gamma: float = 7.0,
+    num_anchors: int = 512,
+    seed: int = 0,
+) -> BlockMetrics:
+    """`evaluate_drafter`'s sums, before they are turned into averages."""
     metrics = BlockMetrics(model.config.block_size)
     was_training = model.training
     model.eval()
@@ -119,4 +154,4 @@ def evaluate_drafter(
                 metrics.add(dflash_loss(model, batch, anchors, gamma), batch)
     finally:
         model.train(was_training)
-    return metrics.as_dict()
+    return metrics

@@ -161,6 +161,27 @@ class SpeculativeEvaluator:
         }
 
 
+def combine_results(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One `SpeculativeEvaluator.evaluate` result from several evaluators' over disjoint prompts (each
+    rank's share; None where a rank had none or skipped): tau is the mean over every round of every
+    prompt, as one evaluator would measure it. `mismatched_prompts` must already be in one numbering."""
+    parts = [part for part in parts if part and part.get("rounds")]
+    if not parts:
+        return None
+    rounds = sum(int(part["rounds"]) for part in parts)
+    mismatched = sorted(i for part in parts for i in part["mismatched_prompts"])
+    accepted = sum(part["acceptance_length_tau"] * part["rounds"] for part in parts)
+    return {
+        "acceptance_length_tau": accepted / rounds,
+        "rounds": rounds,
+        "tokens": sum(int(part["tokens"]) for part in parts),
+        "prompts": sum(int(part["prompts"]) for part in parts),
+        "matches_target_greedy": not mismatched,
+        "mismatched_prompts": mismatched,
+        "seconds": max(float(part["seconds"]) for part in parts),
+    }
+
+
 def held_out_prompts(
     input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]], max_prompt_tokens: int
 ) -> list[list[int]]:

@@ -148,6 +148,21 @@ class TrainConfig(Config):
         return launch, targets
 
 
+def launch_warnings(global_batch_size: int, launch: Launch) -> list[str]:
+    """What the step says before launching about a launch that works but wastes devices."""
+    warnings = []
+    if global_batch_size < launch.world_size:
+        idle = launch.world_size - global_batch_size
+        warnings.append(
+            f"WARNING: the global batch of {global_batch_size} sequence(s) a step "
+            f"({settings.TRAIN_GLOBAL_BATCH_SIZE.name}, run config `global_batch_size`) is smaller than the "
+            f"world size {launch.world_size}: {idle} of the {launch.world_size} ranks get no sample in any "
+            f"step and only wait. Set the global batch to at least {launch.world_size}, or train on fewer "
+            f"ranks ({settings.TRAIN_NPROC_PER_NODE.name}, {settings.TRAIN_NNODES.name})"
+        )
+    return warnings
+
+
 def auto_split(
     node_devices: int, mode: str, online_target_devices: int | None, recommend=None
 ) -> tuple[int, int]:
@@ -229,11 +244,19 @@ def run_training(
     """Train `job` as `launch` says: one rank in this process, or this node's ranks launched (and, over
     several nodes, the others joining: Celery worker nodes with DFLASH_EXECUTOR=celery, else each
     node's `dflash-assets train-join`). Returns rank 0's outcome."""
-    from dflash_assets.orchestration.execution.train_launch import published_joins, train_here, train_launched
+    from dflash_assets.orchestration.execution.train_launch import (
+        network_address,
+        published_joins,
+        train_here,
+        train_launched,
+    )
 
     if launch.in_process:
         return train_here(job, spec, reports)
-    host = launch.rdzv_host or ("127.0.0.1" if launch.nnodes == 1 else socket.getfqdn())
+    if launch.nnodes == 1:
+        host = launch.rdzv_host or "127.0.0.1"
+    else:  # before any node is placed: a host the others cannot reach is refused here
+        host = launch.rdzv_host or network_address(launch.nnodes) or socket.getfqdn()
     joins = None
     if launch.nnodes > 1:
         if settings.EXECUTOR.get() == "celery":
@@ -348,6 +371,8 @@ def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
         "trained_partitions": MetadataValue.json(outcome["partitions"]),
         "training_data": MetadataValue.json(job.data_source),
         "checkpoints_written": len(outcome["checkpoints"]),
+        # Steps whose loss or summed gradient was not finite: skipped on every rank, over the whole run.
+        "skipped_nonfinite_steps": int(outcome.get("skipped_nonfinite_steps") or 0),
         "spec_matches_target_greedy": bool(speculative.get("matches_target_greedy", False)),
         **_block_metadata(
             "",

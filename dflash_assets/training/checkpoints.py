@@ -109,17 +109,32 @@ def checkpoint_prefix(run: str, step: int) -> str:
 
 
 def capture_rng_state() -> dict[str, Any]:
+    """The host generators, and the CUDA generator of this process's own device (one rank trains on one
+    device): not every visible device's, which a resume where fewer devices are visible could not set."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], cuda: Any = None) -> None:
+    """Set the generators a checkpoint saved. A CUDA state goes to this process's current device. Older
+    checkpoints saved a list, one state per device visible then: the entry of the current device's index
+    is used when the list has one, else the first, so a run resumed on a node with fewer visible devices
+    (a lost node, a smaller pod) continues instead of failing on an index. `cuda` is `torch.cuda` (a test
+    passes a stand-in to cover the GPU path on a CPU)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = torch.cuda if cuda is None else cuda
+    saved = state.get("cuda")
+    if saved is None or not cuda.is_available() or cuda.device_count() == 0:
+        return
+    if isinstance(saved, list | tuple):
+        if not saved:
+            return
+        index = cuda.current_device()
+        saved = saved[index] if index < len(saved) else saved[0]
+    cuda.set_rng_state(saved)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,12 +189,36 @@ def latest(store: ObjectStore, run: str) -> CheckpointRef | None:
     return next(complete_checkpoints(store, run), None)
 
 
-def load_checkpoint(store: ObjectStore, ref: CheckpointRef, local_dir: str | Path) -> Checkpoint:
-    """Download (skipping files already present at the right size) and load one checkpoint."""
-    directory = Path(local_dir) / Path(ref.prefix).name
+def checkpoint_dir(local_dir: str | Path, ref: CheckpointRef) -> Path:
+    """Where a checkpoint's files lie in a local directory: `<local_dir>/step_<step>`."""
+    return Path(local_dir) / Path(ref.prefix).name
+
+
+def download_checkpoint(store: ObjectStore, ref: CheckpointRef, local_dir: str | Path) -> Path:
+    """Fetch one checkpoint's files into `<local_dir>/step_<step>/`, skipping those already there at the
+    marker's size; returns that directory."""
+    directory = checkpoint_dir(local_dir, ref)
     try:
         for name in ref.files:
             store.download(ref.key(name), directory / name)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {store.uri(ref.prefix)} cannot be downloaded: {error}") from error
+    return directory
+
+
+def read_checkpoint(ref: CheckpointRef, directory: str | Path, where: str = "") -> Checkpoint:
+    """Load a checkpoint from a local copy of its files (`download_checkpoint`), reading nothing from the
+    store: each file must have the size its marker records."""
+    directory = Path(directory)
+    where = where or str(directory)
+    try:
+        for name, size in ref.files.items():
+            path = directory / name
+            if not path.is_file() or path.stat().st_size != size:
+                raise CheckpointError(
+                    f"{path} is {'missing' if not path.is_file() else f'{path.stat().st_size} bytes'}, the "
+                    f"marker says {size} bytes"
+                )
         trainer_state = torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
         if trainer_state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(
@@ -198,7 +237,13 @@ def load_checkpoint(store: ObjectStore, ref: CheckpointRef, local_dir: str | Pat
             extra=json.loads(trainer_state.get("extra_json", "{}")),
         )
     except Exception as error:
-        raise CheckpointError(f"checkpoint {store.uri(ref.prefix)} cannot be loaded: {error}") from error
+        raise CheckpointError(f"checkpoint {where} cannot be loaded: {error}") from error
+
+
+def load_checkpoint(store: ObjectStore, ref: CheckpointRef, local_dir: str | Path) -> Checkpoint:
+    """Download (skipping files already present at the right size) and load one checkpoint."""
+    directory = download_checkpoint(store, ref, local_dir)
+    return read_checkpoint(ref, directory, store.uri(ref.prefix))
 
 
 def restore_latest(store: ObjectStore, run: str, local_dir: str | Path) -> Checkpoint | None:
@@ -214,6 +259,19 @@ def restore_latest(store: ObjectStore, run: str, local_dir: str | Path) -> Check
 # --------------------------------------------------------------------------------------------------
 # Writing checkpoints
 # --------------------------------------------------------------------------------------------------
+
+
+def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """The first weight or optimiser moment holding NaN or inf, named; None when every one is finite."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"weight {name}"
+    for parameter, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                return f"optimiser state {key} of {names.get(id(parameter), 'a parameter')}"
+    return None
 
 
 @dataclass
@@ -290,6 +348,15 @@ class CheckpointManager:
         """Write the checkpoint locally now (training may change the weights right after) and start
         its upload; the marker follows once every file is confirmed in the store."""
         self.wait()
+        bad = first_nonfinite(model, optimizer)
+        if bad is not None:
+            # Committed, it would be the checkpoint every restart resumes from: stop instead.
+            newest = f"step {self.written[-1].step}" if self.written else "the newest in the store"
+            raise FloatingPointError(
+                f"{bad} is not finite at step {step}: the checkpoint is not written ({newest} stays the one "
+                "to resume from); lower the learning rate (run config `lr`) or check the hidden states of "
+                "the samples trained on since"
+            )
         self.local_dir.mkdir(parents=True, exist_ok=True)
         final = self.local_dir / f"step_{step:08d}"
         temp = self.local_dir / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -363,6 +430,11 @@ class CheckpointManager:
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             raise CheckpointError(f"checkpoint upload to {self.store.description} failed: {error}") from error
+
+    def discard_local(self) -> None:
+        """Delete the local copies of this run's checkpoints (after the last is committed)."""
+        self.wait()
+        shutil.rmtree(self.local_dir, ignore_errors=True)
 
     def close(self) -> None:
         try:

@@ -11,9 +11,14 @@ another rank inside a collective.
 `SingleProcess` is the same interface for one process: the trainer never asks how many ranks there are.
 
 Every collective has a timeout (`collective_timeout_s`): a dead peer ends the job instead of hanging it.
-Evaluations at checkpoints run on rank 0 alone and take minutes with a real target; the other ranks
-wait for them in `wait_for_rank0`, a barrier on a separate gloo group with its own, longer timeout, so
-the collective timeout never has to cover an evaluation.
+Work between collectives that can take minutes on one rank and seconds on another (a checkpoint's
+download on resume, an evaluation with the target, the first compilation) ends in a meeting on a
+separate gloo group with its own, longer timeout (`long_work_s`: `long_barrier`, and the `long=True`
+object collectives), so the collective timeout never has to cover it.
+
+Why not `DistributedDataParallel`: its hooks all-reduce during the backward, which needs every rank to
+run the same number of backward passes; here a rank may run more micro-batches than another, redo a step
+in smaller ones after running out of memory, or have no sample in a step.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ BUCKET_ELEMENTS = 2**26  # 256 MB of float32 gradients per all-reduce
 @dataclass(frozen=True)
 class Timeouts:
     collective_s: float  # any collective: a peer that stops answering ends the job
-    rank0_work_s: float  # other ranks waiting for rank 0's evaluation at a checkpoint
+    long_work_s: float  # meetings after long work: a resume's download, an evaluation, a compilation
 
 
 class SingleProcess:
@@ -57,13 +62,13 @@ class SingleProcess:
     def sync_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         pass
 
-    def all_gather_object(self, value: Any) -> list[Any]:
+    def all_gather_object(self, value: Any, *, long: bool = False) -> list[Any]:
         return [value]
 
-    def broadcast_object(self, value: Any) -> Any:
+    def broadcast_object(self, value: Any, *, long: bool = False) -> Any:
         return value
 
-    def wait_for_rank0(self) -> None:
+    def long_barrier(self) -> None:
         pass
 
     def close(self) -> None:
@@ -95,9 +100,7 @@ class ProcessGroup:
         )
         # Host-side agreement (objects, the wait for rank 0) on gloo, whatever the training backend.
         self._host = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.collective_s))
-        self._rank0_work = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeouts.rank0_work_s)
-        )
+        self._long = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeouts.long_work_s))
         self._dist = dist
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -123,21 +126,22 @@ class ProcessGroup:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
-    def all_gather_object(self, value: Any) -> list[Any]:
+    def all_gather_object(self, value: Any, *, long: bool = False) -> list[Any]:
+        """Every rank's `value`, in rank order; `long`: waiting with the long timeout (after long work)."""
         gathered: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(gathered, value, group=self._host)
+        self._dist.all_gather_object(gathered, value, group=self._long if long else self._host)
         return gathered
 
-    def broadcast_object(self, value: Any) -> Any:
-        """Rank 0's `value`, on every rank."""
+    def broadcast_object(self, value: Any, *, long: bool = False) -> Any:
+        """Rank 0's `value`, on every rank; `long`: the others wait for it with the long timeout."""
         box = [value if self.is_rank0 else None]
-        self._dist.broadcast_object_list(box, src=0, group=self._host)
+        self._dist.broadcast_object_list(box, src=0, group=self._long if long else self._host)
         return box[0]
 
-    def wait_for_rank0(self) -> None:
-        """Every rank meets here; rank 0 comes after its work (an evaluation), the others wait for it
-        with the long timeout, outside any collective of the training backend."""
-        self._dist.barrier(group=self._rank0_work)
+    def long_barrier(self) -> None:
+        """Every rank meets here, waiting up to the long timeout for the slowest, outside any collective
+        of the training backend."""
+        self._dist.barrier(group=self._long)
 
     def close(self) -> None:
         if self._dist.is_initialized():

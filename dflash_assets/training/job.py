@@ -76,11 +76,14 @@ class NodeResources:
     device: str  # the leased device the drafter trains on (`cuda:1`, `cpu:0`)
     target_model_dir: Path  # this node's copy of the target (its identity is checked)
     target_model_name: str
-    work_dir: Path  # checkpoints, curves and the export on their way to the store
+    work_dir: Path  # rank 0's curves and export on their way to the store (other ranks write nothing)
     train_cache_dir: Path  # offline: the streamed hidden states' cache (this rank's own)
     read_cache_dir: Path  # local copies of tokenized shards
     target_devices: list[str] = field(default_factory=list)  # online: leased for target replicas
     spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None = None
+    # The node's local checkpoint copies, shared by its ranks (rank 0's on their way to the store; a
+    # resume's one download per node). None: `<work_dir>/checkpoints`.
+    checkpoint_dir: Path | None = None
 
 
 class JobEvents(Protocol):
@@ -184,6 +187,7 @@ def run_job(job: TrainingJob, node: NodeResources, *, collective: Any, events: J
             spare_device=node.spare_device,
             collective=collective,
             world=world,
+            checkpoint_dir=node.checkpoint_dir,
         )
         if not collective.is_rank0:
             return {}

@@ -34,10 +34,62 @@ def free_port(host: str = "") -> int:
         return int(probe.getsockname()[1])
 
 
+class NetworkError(ValueError):
+    """The ranks of a multi-node run could not reach each other as this host is configured."""
+
+
+def interface_address(interface: str) -> str:
+    """The IPv4 address of network interface `interface`, or a NetworkError naming the ones there are."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            answer = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))
+    except OSError as error:  # SIOCGIFADDR: no such interface, or no IPv4 address on it
+        names = ", ".join(name for _, name in socket.if_nameindex())
+        raise NetworkError(
+            f"network interface {interface!r} has no IPv4 address here ({error.strerror}); this host has: "
+            f"{names}. Set DFLASH_TRAIN_NETWORK_INTERFACE to the one the nodes share"
+        ) from None
+    return socket.inet_ntoa(answer[20:24])
+
+
+def network_env(interface: str) -> dict[str, str]:
+    """What binds gloo's and NCCL's sockets to `interface` (empty: their own choice)."""
+    return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface} if interface else {}
+
+
+def check_reachable(nnodes: int, interface: str) -> None:
+    """A multi-node run without a chosen interface binds where this host's name resolves; when that is a
+    loopback address (Debian and Ubuntu map the host name to 127.0.1.1), the other nodes' ranks could
+    never connect, and would find out only at the collective timeout. Refuse it now, saying what to set."""
+    if nnodes <= 1 or interface:
+        return
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        address = ""
+    if not address or address.startswith("127.") or address == "::1":
+        raise NetworkError(
+            f"this host's name {host!r} resolves to {address or 'nothing'}"
+            f"{' (loopback)' if address else ''}: in a {nnodes}-node run the other nodes' ranks could not "
+            "connect to this node's. Set DFLASH_TRAIN_NETWORK_INTERFACE to the interface the nodes share "
+            "(`ip -br addr` lists them; `lo` only when every node runs on this one host)"
+        )
+
+
 def torchrun_arguments(
-    rendezvous: Rendezvous, nproc_per_node: int, *, is_host: bool, entry: Sequence[str]
+    rendezvous: Rendezvous,
+    nproc_per_node: int,
+    *,
+    is_host: bool,
+    entry: Sequence[str],
+    local_addr: str = "",
 ) -> list[str]:
-    """torchrun's arguments for this node's agent; `entry` is the rank's `-m module args...`."""
+    """torchrun's arguments for this node's agent; `entry` is the rank's `-m module args...`; `local_addr`
+    the address the other nodes reach this node's ranks at (empty: this host's name)."""
     conf = ",".join(
         [
             f"is_host={'1' if is_host else '0'}",
@@ -55,6 +107,7 @@ def torchrun_arguments(
         f"--rdzv-conf={conf}",
         f"--max-restarts={rendezvous.max_restarts}",
         "--monitor-interval=0.5",
+        *([f"--local-addr={local_addr}"] if local_addr else []),
         *entry,
     ]
 

@@ -33,12 +33,10 @@ from typing import Any
 
 from dflash_assets import terminal
 from dflash_assets.training.distributed import ProcessGroup, Timeouts
+from dflash_assets.training.failures import restartable
 from dflash_assets.training.job import NodeResources, TrainingJob, run_job
 
 EVENTS_QUEUE = "dflash/events"
-# Errors a restart cannot mend (settings, data that does not match the drafter, a non-finite run): the
-# step stops the launcher at once instead of letting it restart every rank to meet them again.
-FATAL = (ValueError, FileNotFoundError, FloatingPointError, NotImplementedError)
 
 
 @dataclass
@@ -50,7 +48,7 @@ class NodeSpec:
     lock_dir: str  # the node's device-lease lock files
     target_model_dir: str
     target_model_name: str
-    work_dir: str  # rank 0's checkpoints, curves and export on their way; other ranks use subfolders
+    work_dir: str  # rank 0's checkpoints, curves and export on their way; the node's checkpoint copies
     train_cache_dir: str  # offline: streamed hidden states (each local rank in a folder of its own)
     read_cache_dir: str  # tokenized shards read from the store
     collective_timeout_s: float  # any collective (DFLASH_TRAIN_COLLECTIVE_TIMEOUT_S)
@@ -66,9 +64,11 @@ class NodeSpec:
         rank: int | None = None,
         local_rank: int = 0,
     ) -> NodeResources:
-        """The node as one process trains on it with its leased devices: a launched rank (`rank`) in
-        folders of its own beside rank 0's, or the step's own process alone (`rank` None) in the node's.
-        A spare device for an evaluation is leased, when one is free, from those nobody here holds."""
+        """The node as one process trains on it with its leased devices: a launched rank (`rank`), with
+        caches of its own beside the other local ranks', or the step's own process alone (`rank` None).
+        Only rank 0 writes to the work directory; the checkpoint copies in it are the node's, one for all
+        its ranks. A spare device for an evaluation is leased, when one is free, from those nobody here
+        holds."""
         from dflash_assets.target.devices import try_lease_device
 
         ranked = (lambda path: Path(path) / f"rank-{local_rank}") if rank is not None else Path
@@ -77,7 +77,8 @@ class NodeSpec:
             device=device,
             target_model_dir=Path(self.target_model_dir),
             target_model_name=self.target_model_name,
-            work_dir=Path(self.work_dir) / f"rank-{rank}" if rank else Path(self.work_dir),
+            work_dir=Path(self.work_dir),
+            checkpoint_dir=Path(self.work_dir) / "checkpoints",
             train_cache_dir=ranked(self.train_cache_dir),
             read_cache_dir=ranked(self.read_cache_dir),
             target_devices=target_devices,
@@ -236,10 +237,16 @@ def run_rank(job: TrainingJob, spec: NodeSpec) -> int:
         node = spec.resources(device, target_devices, holder, rank=rank, local_rank=local_rank)
         try:
             outcome = run_job(job, node, collective=collective, events=events)
-        except FATAL as error:
-            events.fatal(f"rank {rank} on node {spec.node}: {type(error).__name__}: {error}")
-            raise
         except Exception as error:
+            # An error a restart cannot mend (settings, data that does not match the drafter, a bug, a
+            # non-finite run) stops every rank at once; one from outside (the store, the network, a dead
+            # peer) lets the launcher restart the ranks from the last committed checkpoint.
+            if not restartable(error):
+                events.fatal(
+                    f"rank {rank} on node {spec.node}: {type(error).__name__}: {error} (deterministic: a "
+                    "restart would meet it again)"
+                )
+                raise
             if rank == 0:
                 events.log(f"ERROR: rank 0 failed: {type(error).__name__}: {error}")
                 traceback.print_exc()

@@ -62,13 +62,17 @@ class RunReporter:
 
     # -- every step
 
-    def step(self, step: int, epoch: int, epochs: int, lr: float, stats: StepStats, grad_norm, seconds):
-        """Step `step` is done: its figures to the metrics, the curves, the log and the status line."""
+    def step(
+        self, step: int, epoch: int, epochs: int, lr: float, stats: StepStats, grad_norm, seconds, skipped=0
+    ):
+        """Step `step` is done: its figures to the metrics, the curves, the log and the status line.
+        `skipped`: the run's non-finite steps skipped so far (a curve that climbs names a bad stretch)."""
         self.metrics.add_step(stats)
         loss = stats.loss if stats.nonfinite_ranks == 0 else math.nan
         scalars: dict[str, Any] = {
             "loss": loss,
             "grad_norm": grad_norm,
+            "skipped_nonfinite_steps": skipped,
             "sequences_per_step": stats.sequences,
             "lr": lr,
             "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0,  # every rank's tokens
@@ -168,7 +172,7 @@ class QuietReporter(RunReporter):
     def start(self, step: int) -> None:
         self.metrics = TrainMetrics(self.block_size, step, self.total_steps, self.world["world_size"])
 
-    def step(self, step, epoch, epochs, lr, stats, grad_norm, seconds):
+    def step(self, step, epoch, epochs, lr, stats, grad_norm, seconds, skipped=0):
         self.metrics.add_step(stats)
 
     def status(self, text: str, step: int) -> None:

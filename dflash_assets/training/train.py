@@ -8,15 +8,17 @@ sample's anchors of (seed, epoch, sample index); each rank trains its share of e
 (`plan.rank_share`) and the loss is normalised over the whole global batch, so N ranks make the same
 steps as one process, up to float reduction order. With model, optimiser, scheduler and RNG restored
 from a checkpoint, a resumed run continues exactly where the interrupted one stopped, at any world size.
-Rank 0 alone writes checkpoints, curves and reports, and evaluates; the other ranks wait for it.
+Rank 0 alone writes checkpoints, curves and reports; every rank evaluates its share of the held-out set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ import torch
 from dflash_assets import terminal
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.drafter.model import FLEX_TILE, DFlashDrafter
 from dflash_assets.drafter.objective import (
     BlockAnchors,
     DrafterBatch,
@@ -44,7 +46,9 @@ from dflash_assets.training.checkpoints import (
     CheckpointManager,
     CheckpointPolicy,
     DataPosition,
-    load_checkpoint,
+    checkpoint_dir,
+    download_checkpoint,
+    read_checkpoint,
     restore_rng_state,
     run_prefix,
 )
@@ -109,6 +113,23 @@ def _gradient_norm(model: torch.nn.Module) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
+def _weights_fingerprint(model: torch.nn.Module) -> dict[str, list[float]]:
+    """Per tensor, its sum and sum of squares in float64 (computed where it lies: no copy to the host)."""
+    sums = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point():
+            values = tensor.detach().double()
+            sums[name] = [float(values.sum()), float((values * values).sum())]
+    return sums
+
+
+def _same_sums(one: list[float], other: list[float] | None) -> bool:
+    """Equal up to the order a device sums in (identical tensors on two kinds of GPU may round apart)."""
+    return other is not None and all(
+        abs(a - b) <= 1e-9 * max(abs(a), abs(b)) + 1e-12 for a, b in zip(one, other, strict=True)
+    )
+
+
 def single_process_world(device: str) -> dict[str, Any]:
     import socket
 
@@ -137,6 +158,7 @@ class DrafterTrainer:
         on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
         collective: Any = None,
         world: dict[str, Any] | None = None,
+        checkpoint_dir: str | Path | None = None,
     ) -> None:
         if data.mode != settings.mode:
             raise ValueError(f"train mode is {settings.mode!r} but the data given is {data.mode!r}")
@@ -151,6 +173,9 @@ class DrafterTrainer:
         self.world = world or single_process_world(settings.device)
         self.log = self._rank_log(log or (lambda message: None))
         self.work_dir = Path(work_dir)
+        # Local copies of checkpoints, shared by the ranks of a node: rank 0 writes its checkpoints there
+        # on their way to the store, and a resume reads the node's one copy there.
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.work_dir / "checkpoints"
         self.device = torch.device(settings.device)
         self.autocast_bf16 = self.device.type == "cuda" and settings.bf16_autocast
         self.stats_device = self.device if self.device.type == "cuda" else torch.device("cpu")
@@ -165,7 +190,6 @@ class DrafterTrainer:
         self.train_ids, self.eval_ids = split_eval(
             len(self.source.lengths), settings.eval_samples, settings.seed
         )
-        self.source.setup_streams(self.eval_ids if self.rank0 else [])
         self._plans: dict[int, list[list[int]]] = {}
         self.steps_per_epoch = len(self.plan(0))
         self.total_steps = settings.max_steps or self.steps_per_epoch * settings.epochs
@@ -189,7 +213,7 @@ class DrafterTrainer:
             CheckpointManager(
                 store,
                 run,
-                self.work_dir / "checkpoints",
+                self.checkpoint_dir,
                 policy=CheckpointPolicy(settings.checkpoint_every_steps, settings.checkpoint_every_minutes),
                 uploader=uploader,
             )
@@ -208,7 +232,9 @@ class DrafterTrainer:
             target_verifier=target_verifier,
             device_memory=device_memory,
             spare_device=spare_device,
+            collective=self.collective,
         )
+        self.source.setup_streams(self.evaluator.share)  # this rank's held-out samples
         self.step, self.position = 0, DataPosition()
         self.resumed_from: int | None = None
         self.last_saved: int | None = None
@@ -270,13 +296,26 @@ class DrafterTrainer:
 
     def resume(self) -> None:
         """Continue from the newest complete checkpoint of the run, if there is one: the one rank 0
-        finds, which every rank then loads."""
+        finds and loads, which every rank then loads too. Each node fetches it once: rank 0 into the
+        node's checkpoint directory, which its node's other ranks read; on every other node its first
+        local rank, into the same directory there, deleted once every rank has loaded it. Ranks wait for
+        those downloads (a ~1 B drafter's checkpoint is ~14 GB) with the long timeout."""
         restored = self.checkpoints.restore_latest() if self.rank0 else None
-        ref = self.collective.broadcast_object(restored.ref if restored is not None else None)
+        ref = self.collective.broadcast_object(restored.ref if restored is not None else None, long=True)
         if ref is None:
             return
+        nodes = self.world["nodes"]
+        rank0_node = nodes[self.collective.rank] == nodes[0]
+        fetches = self.collective.local_rank == 0 and not rank0_node
+        if fetches:
+            download_checkpoint(self.store, ref, self.checkpoint_dir)
+        self.collective.long_barrier()  # this node's copy is complete
         if restored is None:
-            restored = load_checkpoint(self.store, ref, self.work_dir / "checkpoints")
+            directory = checkpoint_dir(self.checkpoint_dir, ref)
+            restored = read_checkpoint(ref, directory, f"{self.store.uri(ref.prefix)} (copy in {directory})")
+        self.collective.long_barrier()  # every rank has read its node's copy
+        if fetches:
+            shutil.rmtree(checkpoint_dir(self.checkpoint_dir, ref), ignore_errors=True)
         current = json.loads(json.dumps(self.settings.to_dict()))  # tuples -> lists, as saved
         changed = [
             f"{name}: {restored.settings.get(name)!r} -> {current[name]!r}"
@@ -296,6 +335,7 @@ class DrafterTrainer:
         self.resumed_from = self.last_saved = restored.step
         self.baseline = restored.extra.get("baseline")
         self.world_sizes = list(restored.extra.get("world_sizes") or [])
+        self.skipped_nonfinite = int(restored.extra.get("skipped_nonfinite_steps") or 0)
         if self.checkpoints is not None:
             self.checkpoints.start_from(self.step)
         earlier = ", ".join(str(w["world_size"]) for w in self.world_sizes) or "unknown"
@@ -304,6 +344,73 @@ class DrafterTrainer:
             f"epoch {self.position.epoch + 1}, batch {self.position.batch_index}; trained so far at world "
             f"size {earlier}, now {self.world['world_size']}"
         )
+
+    # -- before the first step: every rank ready, and the same
+
+    def compiles(self) -> bool:
+        """Whether the first steps compile kernels (flex attention on a GPU): minutes on a busy node."""
+        return self.device.type == "cuda" and self.model.attention != "materialised"
+
+    def warm_up(self) -> None:
+        """Run the drafter forward and backward on two throwaway sequences of different lengths before the
+        first timed collective, so kernels are compiled (a static shape, then the dynamic one every later
+        length uses) while no rank waits under the collective timeout: 8 ranks compiling at once on one
+        node take longer than one. The ranks then meet with the long timeout. Gradients are discarded."""
+        if self.compiles():
+            config = self.config
+            short = min(self.settings.max_length, 4 * config.block_size)
+            lengths = sorted({short, min(self.settings.max_length, short + 2 * FLEX_TILE)})
+            self.reporter.status("compiling the drafter's kernels", self.step)
+            for length in lengths:
+                batch = DrafterBatch(
+                    input_ids=torch.full((1, length), config.mask_token_id, dtype=torch.long),
+                    loss_mask=torch.ones(1, length, dtype=torch.bool),
+                    hidden_states=torch.zeros(
+                        1, length, config.num_context_layers, config.target_hidden_size, dtype=torch.bfloat16
+                    ),
+                    lengths=torch.tensor([length]),
+                    sample_indices=[-1],
+                )
+                with self._autocast():
+                    output = dflash_loss(
+                        self.model, batch, self._anchors(batch, "warm-up"), self.settings.gamma
+                    )
+                output.weighted_ce.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.collective.long_barrier()
+
+    def check_ranks_agree(self) -> None:
+        """Every rank must start from the same weights (the same seed, or the same checkpoint) and list the
+        same samples in the same order: otherwise the ranks train different models, and nothing else would
+        say so. A rank that differs from rank 0 is named."""
+        mine = {"weights": _weights_fingerprint(self.model), "data": self._data_fingerprint()}
+        every = self.collective.all_gather_object(mine)
+        for rank, theirs in enumerate(every):
+            if theirs["data"] != every[0]["data"]:
+                ours, first = theirs["data"], every[0]["data"]
+                raise ValueError(
+                    f"rank {rank} lists {ours['samples']} training samples (fingerprint "
+                    f"{ours['hash'][:12]}) where rank 0 lists {first['samples']} ({first['hash'][:12]}): the "
+                    "ranks read different ranges or settings. Give every node the same DFLASH_STORE_URL, "
+                    "dataset and settings"
+                )
+            different = [
+                name
+                for name, value in theirs["weights"].items()
+                if not _same_sums(value, every[0]["weights"].get(name))
+            ]
+            if different:
+                raise ValueError(
+                    f"rank {rank}'s weights differ from rank 0's at the start (first: {different[0]}; "
+                    f"{len(different)} tensors): the ranks would train different drafters. Give every node "
+                    "the same target model directory and settings (seed, drafter shape)"
+                )
+
+    def _data_fingerprint(self) -> dict[str, Any]:
+        listing = json.dumps(
+            [list(self.source.sample_indices), list(self.source.lengths), self.train_ids, self.eval_ids]
+        )
+        return {"samples": len(self.train_ids), "hash": hashlib.sha256(listing.encode()).hexdigest()}
 
     # -- one optimiser step: this rank's share, gradient accumulation, one sum over the ranks
 
@@ -387,41 +494,55 @@ class DrafterTrainer:
         packed = self.collective.all_reduce_sum(local.pack(self.stats_device))
         stats = StepStats.unpack(packed, self.config.block_size, self.collective.world_size)
         if stats.nonfinite_ranks:
-            # Skip the update, not the data: one bad batch must not kill a day-long run.
-            self.skipped_nonfinite += 1
-            self._consecutive_nonfinite += 1
-            self.optimizer.zero_grad(set_to_none=True)
             indices = [i for _, b in outputs for i in b.sample_indices]
-            self.log(f"WARNING: non-finite loss at step {self.step + 1} (samples {indices} here); skipped")
-            if self._consecutive_nonfinite > self.settings.max_consecutive_nonfinite:
-                raise FloatingPointError(
-                    f"{self._consecutive_nonfinite} consecutive non-finite losses (last step: samples "
-                    f"{indices} here); lower the learning rate or check those samples' hidden states"
-                )
-            return stats, None
-        self._consecutive_nonfinite = 0
+            return stats, self._skip_step("loss", indices)
         grad_norm = None
         if stats.weight_sum > 0:  # a step without a single label leaves weights and moments alone
             self.collective.sync_gradients(self.model.parameters())
             for parameter in self.model.parameters():
                 if parameter.grad is not None:
                     parameter.grad.div_(stats.weight_sum)
+            # The norm of the summed gradients: the same tensors on every rank after the all-reduce, so
+            # every rank decides alike. A finite loss can still give an inf gradient on one rank, and
+            # clipping would then spread NaN into every weight.
             if self.settings.max_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.settings.max_grad_norm, error_if_nonfinite=False
+                )
             else:
                 norm = _gradient_norm(self.model)
+            if not bool(torch.isfinite(norm)):
+                indices = [i for _, b in outputs for i in b.sample_indices]
+                return stats, self._skip_step("gradient norm", indices)
             grad_norm = float(norm)  # before clipping, for the curves
             self.optimizer.step()
+        self._consecutive_nonfinite = 0
         self.optimizer.zero_grad(set_to_none=True)
         return stats, grad_norm
+
+    def _skip_step(self, what: str, indices: Sequence[int]) -> None:
+        """Skip the update, not the data: one bad batch must not kill a day-long run. Every rank comes here
+        alike (the loss flags and the gradient norm are global), so the weights stay equal."""
+        self.skipped_nonfinite += 1
+        self._consecutive_nonfinite += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.log(
+            f"WARNING: non-finite {what} at step {self.step + 1} (samples {list(indices)} here); the update "
+            f"is skipped on every rank ({self.skipped_nonfinite} skipped so far)"
+        )
+        if self._consecutive_nonfinite > self.settings.max_consecutive_nonfinite:
+            raise FloatingPointError(
+                f"{self._consecutive_nonfinite} consecutive non-finite steps (last: {what}, samples "
+                f"{list(indices)} here); lower the learning rate or check those samples' hidden states"
+            )
+        return None
 
     # -- evaluation and checkpoints
 
     def evaluate(self) -> dict[str, Any] | None:
-        """Rank 0 evaluates; every other rank waits for it outside the training collectives."""
+        """Every rank evaluates its share of the held-out samples and prompts; every rank gets the sums."""
         self.source.settle()  # the target's work started ahead ends before the evaluation uses it
-        result = self.evaluator.evaluate(self.model, self.optimizer) if self.rank0 else None
-        self.collective.wait_for_rank0()
+        result = self.evaluator.evaluate(self.model, self.optimizer)
         self._evaluated = True
         self.reporter.evaluation(self.step, result)
         return result
@@ -447,6 +568,7 @@ class DrafterTrainer:
                     "eval_sample_indices": [self.source.sample_indices[i] for i in self.eval_ids],
                     "baseline": self.baseline,
                     "world_sizes": self._world_sizes(),
+                    "skipped_nonfinite_steps": self.skipped_nonfinite,
                 },
             )
         self.last_eval = self.evaluate()  # overlaps the upload
@@ -471,6 +593,8 @@ class DrafterTrainer:
         failed = True
         try:
             self.reporter.start(self.step)
+            self.warm_up()
+            self.check_ranks_agree()
             if self.step == 0 and self.resumed_from is None:
                 # What an untrained drafter of this architecture achieves, measured the same way.
                 self.last_eval = self.baseline = self.evaluate()
@@ -493,6 +617,10 @@ class DrafterTrainer:
             finally:
                 if self.checkpoints is not None:
                     self.checkpoints.close()
+        if self.checkpoints is not None:
+            # Every checkpoint is committed in the store: the local copies would only fill the disk (a
+            # ~1 B drafter's is ~14 GB). A failed run keeps them, for a resume on this node to reuse.
+            self.checkpoints.discard_local()
         return self.result()
 
     def _train_steps(self) -> None:
@@ -520,7 +648,14 @@ class DrafterTrainer:
                     last = index + 1 == len(plan)
                     self.position = DataPosition(epoch + 1, 0) if last else DataPosition(epoch, index + 1)
                     self.reporter.step(
-                        self.step, epoch, self.epochs_total, lr, stats, grad_norm, time.monotonic() - started
+                        self.step,
+                        epoch,
+                        self.epochs_total,
+                        lr,
+                        stats,
+                        grad_norm,
+                        time.monotonic() - started,
+                        skipped=self.skipped_nonfinite,
                     )
                     if self.step >= self.total_steps:
                         return
@@ -603,6 +738,7 @@ def train_drafter(
     on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
     collective: Any = None,
     world: dict[str, Any] | None = None,
+    checkpoint_dir: str | Path | None = None,
 ) -> TrainResult:
     """Train a drafter, resuming from the newest complete checkpoint of `run` in `store` if any.
 
@@ -615,7 +751,8 @@ def train_drafter(
     `spare_device` leases another device for a speculative evaluation that does not fit beside the
     drafter (`training/memory.py`), and `device_memory` reports free memory (default: what torch reports).
     `collective` makes this process one rank of a data-parallel job (`distributed.ProcessGroup`; default
-    one process alone) and `world` describes the job (world_size, nodes, devices).
+    one process alone) and `world` describes the job (world_size, nodes, devices); `checkpoint_dir` is the
+    node's local checkpoint directory, shared by its ranks (default `<work_dir>/checkpoints`).
     """
     trainer = DrafterTrainer(
         config,
@@ -633,6 +770,7 @@ def train_drafter(
         on_progress=on_progress,
         collective=collective,
         world=world,
+        checkpoint_dir=checkpoint_dir,
     )
     trainer.resume()
     return trainer.train()

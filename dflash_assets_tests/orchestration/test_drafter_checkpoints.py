@@ -605,13 +605,16 @@ def test_a_node_joins_with_train_join_and_the_two_nodes_make_one_process_s_steps
         "DFLASH_NODE": "node-a",
         "DFLASH_DEVICES": "cpu:0",
         "DFLASH_TRAIN_NNODES": "2",
+        "DFLASH_TRAIN_NETWORK_INTERFACE": "lo",
     }
-    # One host plays both nodes: each leases a device of its own (they share the host's lease files).
+    # One host plays both nodes: each leases a device of its own (they share the host's lease files), and
+    # they talk over loopback.
     second = {
         **ranges["env"],
         "DFLASH_HOME": str(tmp_path / "second"),
         "DFLASH_NODE": "node-b",
         "DFLASH_DEVICES": "cpu:1",
+        "DFLASH_TRAIN_NETWORK_INTERFACE": "lo",
     }
     joiner = subprocess.Popen(
         [str(Path(sys.executable).with_name("dflash-assets")), "train-join", "--run", run, "--wait-s", "300"],

@@ -14,6 +14,7 @@ from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreReso
 from dflash_assets.orchestration.training import (
     StepReports,
     TrainConfig,
+    launch_warnings,
     manifest_fields,
     outcome_metadata,
     run_training,
@@ -62,6 +63,8 @@ def drafter_checkpoints_asset() -> AssetsDefinition:
             f"training run {job.run!r} in {job.mode} mode: {launch.nproc_per_node} rank(s) per node on "
             f"{launch.nnodes} node(s), world size {launch.world_size}"
         )
+        for warning in launch_warnings(train.global_batch_size, launch):
+            context.log.warning(warning)
         outcome = run_training(job, launch, spec, StepReports(context), run_id=context.run.run_id)
         context.add_output_metadata(outcome_metadata(outcome, job, node))
         return PartitionOutput(prefix=f"checkpoints/{job.run}", manifest_fields=manifest_fields(outcome, job))

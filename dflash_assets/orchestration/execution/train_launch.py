@@ -267,10 +267,28 @@ def _rank_entry(job: TrainingJob, spec: NodeSpec, run_id: str) -> list[str]:
 
 
 def _launcher_env(nproc_per_node: int) -> dict[str, str]:
+    from dflash_assets.training.launcher import network_env
+
     # torchrun would set 1 with a warning; a rank gets its share of the cores instead.
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    for name, value in network_env(settings.TRAIN_NETWORK_INTERFACE.get()).items():
+        env.setdefault(name, value)  # a user's own GLOO_/NCCL_SOCKET_IFNAME wins
     return env
+
+
+def network_address(nnodes: int) -> str:
+    """The address this node's ranks are reached at, from DFLASH_TRAIN_NETWORK_INTERFACE (empty: the
+    host's name); a multi-node run on a host whose name resolves to loopback is refused here, before
+    anything is launched."""
+    from dflash_assets.training.launcher import NetworkError, check_reachable, interface_address
+
+    interface = settings.TRAIN_NETWORK_INTERFACE.get()
+    try:
+        check_reachable(nnodes, interface)
+        return interface_address(interface) if interface else ""
+    except NetworkError as error:
+        raise settings.SettingError(str(error)) from None
 
 
 def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, rendezvous_host, joins):
@@ -287,7 +305,10 @@ def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, 
         # Over several nodes the step restarts whole launches (`train_launched`).
         max_restarts=launch.max_restarts if launch.nnodes == 1 else 0,
     )
-    arguments = torchrun_arguments(rendezvous, launch.nproc_per_node, is_host=True, entry=entry)
+    local_addr = network_address(launch.nnodes)
+    arguments = torchrun_arguments(
+        rendezvous, launch.nproc_per_node, is_host=True, entry=entry, local_addr=local_addr
+    )
     env = _launcher_env(launch.nproc_per_node)
     reports.log(
         f"launching {launch.nproc_per_node} rank(s) on node {spec.node} of {launch.nnodes} node(s) "
@@ -461,7 +482,10 @@ def join_launch(launch: dict[str, Any], spec: NodeSpec, log: Callable[[str], Non
         join_timeout_s=float(launch["join_timeout_s"]),
         max_restarts=int(launch["max_restarts"]),
     )
-    arguments = torchrun_arguments(rendezvous, int(launch["nproc_per_node"]), is_host=False, entry=entry)
+    local_addr = network_address(int(launch["nnodes"]))
+    arguments = torchrun_arguments(
+        rendezvous, int(launch["nproc_per_node"]), is_host=False, entry=entry, local_addr=local_addr
+    )
     env = _launcher_env(int(launch["nproc_per_node"]))
     log(
         f"node {spec.node} joins run {job.run} at {rendezvous.host}:{rendezvous.port} with "

@@ -30,8 +30,10 @@ TRAIN = {
     "max_length": 256,
     "run_name": "two-nodes",
 }
-# The shared demo ranges hold 24 samples a range; both nodes and the shell agree on it.
-RANGES = {"DFLASH_SAMPLES_PER_PARTITION": "24"}
+# The shared demo ranges hold 24 samples a range; both nodes and the shell agree on it. Both "nodes" run
+# on this one host, whose name resolves to loopback: they talk over `lo` (a multi-node run refuses a
+# loopback host name unless an interface is chosen).
+RANGES = {"DFLASH_SAMPLES_PER_PARTITION": "24", "DFLASH_TRAIN_NETWORK_INTERFACE": "lo"}
 # Set in the launching shell alone: how a run trains travels with the run to the node its step runs on.
 TWO_NODES = {**RANGES, "DFLASH_TRAIN_NNODES": "2", "DFLASH_TRAIN_NPROC_PER_NODE": "1"}
 
