@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from dflash_assets.drafter.export import load_drafter
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
+from dflash_assets.training.checkpoints import CHECKPOINT_FILES
 from dflash_assets_tests.conftest import (
     aws_env,
     aws_env_set,
@@ -27,6 +28,7 @@ from dflash_assets_tests.conftest import (
 from dflash_assets_tests.support.cli import dagster, materialize_args
 from dflash_assets_tests.support.in_process import materialize_here
 from dflash_assets_tests.support.reference_dflash import ReferenceDrafter
+from dflash_assets_tests.support.s3_server import FaultyProxy
 from dflash_assets_tests.support.secrets import SECRET_ENV, assert_no_secret
 
 RANGES = ["00000000-00000023", "00000024-00000047"]
@@ -312,6 +314,43 @@ def test_hidden_states_captured_from_other_layers_are_refused_naming_the_partiti
     assert "the training ranks stopped: rank " in output and "restart 1 of" not in output
 
 
+def test_a_global_batch_smaller_than_the_world_size_is_named_before_the_ranks_start(ranges, tmp_path):
+    # The setting as a user exports it (run config would win over it).
+    one_sequence = {k: v for k, v in SHORT.items() if k != "global_batch_size"}
+    one_sequence.update(max_steps=1, eval_samples=0, spec_eval_prompts=0)
+    done, _ = _train(
+        ranges,
+        tmp_path,
+        "idle",
+        "idle-rank",
+        train=one_sequence,
+        DFLASH_TRAIN_GLOBAL_BATCH_SIZE="1",
+        **TWO_RANKS,
+    )
+    output = done.stdout + done.stderr
+    assert "the global batch of 1 sequence(s) a step" in output and "smaller than the world size 2" in output
+    assert output.index("smaller than the world size 2") < output.index("launching 2 rank(s)")
+    assert done.returncode == 0, output[-4000:]  # it trains: rank 1 only waits
+
+
+def test_a_multi_node_run_on_a_host_whose_name_resolves_to_loopback_is_refused_before_any_launch(
+    ranges, tmp_path
+):
+    env = {
+        **ranges["env"],
+        "DAGSTER_HOME": make_dagster_home(tmp_path / "loopback"),
+        "DFLASH_HOME": str(tmp_path / "loopback"),
+        "DFLASH_TRAIN_NNODES": "2",
+    }
+    started = time.monotonic()
+    done = _materialize("drafter_checkpoints", env, config={**SHORT, "run_name": "loopback"})
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "resolves to 127." in output and "(loopback)" in output
+    assert "DFLASH_TRAIN_NETWORK_INTERFACE" in output
+    assert "waiting for 1 more node" not in output and time.monotonic() - started < 120
+
+
 def test_the_last_decoder_layer_as_a_target_layer_is_refused_naming_the_setting_and_why(ranges, tmp_path):
     last = "DFLASH_TARGET_LAYER_IDS=[1, 3, 5, 7, 11]: layer 11 is the last of the target's 12 decoder layers"
     for asset, partition in (("hidden_state_partitions", RANGES[0]), ("drafter_checkpoints", None)):
@@ -513,7 +552,7 @@ def _copy_run(source: str, target: str) -> None:
 
 
 def test_a_checkpoint_written_at_one_world_size_continues_the_same_trajectory_at_another(
-    ranges, offline_run, two_ranks_run, tmp_path
+    ranges, offline_run, two_ranks_run, tmp_path, moto_endpoint
 ):
     assert offline_run[0].returncode == 0 and two_ranks_run[0].returncode == 0
     _copy_run("offline-run", "one-then-two")  # copies: the uninterrupted runs stay as they are
@@ -521,7 +560,18 @@ def test_a_checkpoint_written_at_one_world_size_continues_the_same_trajectory_at
     committed = {run: _committed_checkpoints(run) for run in ("one-then-two", "two-then-one")}
     longer = {**SAME_STEPS, "max_steps": TRAIN["max_steps"] + 2}
 
-    to_two, _ = _train(ranges, tmp_path, "to-two", "one-then-two", train=longer, **TWO_RANKS)
+    # The two ranks resume through a proxy that notes every request: the node fetches each object of
+    # the checkpoint once (rank 0; rank 1 reads its copy), and no rank keeps a copy of its own.
+    with FaultyProxy(moto_endpoint) as proxy:
+        to_two, _ = _train(
+            ranges, tmp_path, "to-two", "one-then-two", train=longer, AWS_ENDPOINT_URL_S3=proxy.endpoint_url,
+            **TWO_RANKS,
+        )  # fmt: skip
+        gets = proxy.forwarded_paths("GET")
+    resumed = f"/train-ranges/shared/checkpoints/one-then-two/step_{TRAIN['max_steps']:08d}/"
+    fetched = {path.removeprefix(resumed): gets.count(path) for path in gets if path.startswith(resumed)}
+    assert fetched == dict.fromkeys([*CHECKPOINT_FILES, "_complete.json"], 1)
+    assert not [path for path in (tmp_path / "to-two").rglob("*") if path.name.startswith(("rank-", "step_"))]
     to_one, _ = _train(ranges, tmp_path, "to-one", "two-then-one", train=longer)
     assert to_two.returncode == 0, to_two.stderr[-4000:]
     assert to_one.returncode == 0, to_one.stderr[-4000:]
