@@ -288,6 +288,25 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the split you would state: target devices per drafter rank (with DFLASH_TRAIN_NPROC_PER_NODE)",
     )
+    rehearse = sub.add_parser(
+        "rehearse",
+        help="the pipeline at the configured target's real width on this host, figures beside the plan's",
+    )
+    rehearse.add_argument("--samples", type=int, default=2, help="conversations to run through (default 2)")
+    rehearse.add_argument(
+        "--mean-tokens", type=int, default=2017, help="tokens a sample (default 2,017: the seeds' mean)"
+    )
+    rehearse.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    rehearse.add_argument(
+        "--anchors", type=int, default=None, help="anchors a sequence (default: 512 on a GPU, 32 on a CPU)"
+    )
+    rehearse.add_argument(
+        "--inner",
+        choices=["auto", "real", "narrow"],
+        default="auto",
+        help="the layers' insides: real, or narrow where this host cannot run them (auto)",
+    )
+    rehearse.add_argument("--keep", action="store_true", help="keep the rehearsal's objects and work folder")
     sub.add_parser(
         "reap", help="mark runs whose worker on this host died as failed (and free any pool slots they hold)"
     )
@@ -359,6 +378,22 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "rehearse":
+        from dflash_assets.bench.rehearse import RehearsalOptions, run_rehearsal
+
+        for flag, value in (("--samples", args.samples), ("--mean-tokens", args.mean_tokens),
+                            ("--steps", args.steps), ("--anchors", args.anchors or 1)):  # fmt: skip
+            if value < 1:
+                raise UsageError(f"{flag} {value} must be 1 or more")
+        options = RehearsalOptions(
+            samples=args.samples,
+            mean_tokens=args.mean_tokens,
+            steps=args.steps,
+            num_anchors=args.anchors,
+            inner=args.inner,
+            keep=args.keep,
+        )
+        return run_rehearsal(options)
     if args.command == "train-join":
         from dflash_assets import settings
         from dflash_assets.orchestration.execution.train_launch import join_published

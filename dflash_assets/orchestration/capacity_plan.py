@@ -31,6 +31,7 @@ def build_plan(
     samples: int | None = None,
     mean_tokens: float | None = None,
     online_target_devices: int | None = None,
+    num_anchors: int = 512,
     log: Callable[[str], None] = lambda message: None,
 ):
     """A `CapacityPlan` for the configured dataset, target and settings (see `planning/capacity.py`), with
@@ -128,6 +129,7 @@ def build_plan(
         hidden_state_dtype=dtype,
         max_tokens_per_batch=plan_settings.max_tokens_per_batch,
         max_length=longest,
+        num_anchors=num_anchors,
     )
     plan = plan_capacity(workload, facts, profile, plan_settings, stages, measured)
     nproc = settings.train_nproc_per_node()

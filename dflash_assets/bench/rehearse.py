@@ -1,0 +1,686 @@
+"""`dflash-assets rehearse`: the whole pipeline at the configured target's real width, on this host, before
+any GPU is rented.
+
+A run at toy shapes passes where a real node fails: ~100 MB objects, a 248 K vocabulary and a 5120-wide
+context break what 100 KB and 700 tokens never touch. So the rehearsal builds a target of the configured
+target's real width, vocabulary and captured layers (random weights; a directory holding only the
+target's `config.json` is enough), cut to the depth those layers need, writes a few conversations at the
+plan's mean length, and runs `tokenized_completions`, `hidden_state_partitions` and a few steps of
+`drafter_checkpoints` through the `dagster` command a user types, against the configured store (under a
+prefix of its own, deleted afterwards). Each stage runs in a process of its own, so its peak memory is
+its own. It then prints each figure beside the plan's (`dflash-assets plan` for the same configuration)
+and exits non-zero when a figure is worse than the plan's by more than 10 %, naming it.
+
+What a host cannot hold is narrowed, and said: on a host without a GPU that could run the target's full
+layers (a 27B target cut to 62 layers is ~50 GB of weights), the layers keep the real width (hidden
+size), vocabulary, depth and captured layer ids, with narrow insides (the MLP's intermediate size and
+the number of attention heads); the drafter keeps its real width and attention and follows the target's
+MLP; training samples fewer anchors per sequence (the LM head over a 248 K vocabulary is most of a
+step). Object sizes, the store's rates and the feed depend on the width, the vocabulary and the sample
+length, which are real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOLERANCE = 0.10  # a figure worse than the plan's by more than this fails the rehearsal
+# Narrow insides for a host that cannot run the real layers: the width, vocabulary and depth stay.
+NARROW_INTERMEDIATE = 1024
+NARROW_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1}
+NARROW_LINEAR_HEADS = {"linear_num_key_heads": 2, "linear_num_value_heads": 2}
+NARROW_EXPERTS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}
+CPU_ANCHORS = 32
+RUN_NAME = "rehearsal"
+PROGRESS_EVERY_S = 30.0
+ANSWER_TEXT = (
+    "the node trains a drafter on hidden states captured from the target while the store keeps every "
+    "object safe and each range commits once its manifest is written and the checkpoint resumes exactly "
+    "where the run stopped across ranks nodes and days of work"
+)
+WORDS = tuple(ANSWER_TEXT.split(" "))
+
+
+@dataclass
+class Figure:
+    """One figure of one stage, beside the plan's. `worse` says which way is worse: "above" (bytes,
+    memory) or "below" (rates); None when the plan has no figure to hold it against."""
+
+    stage: str
+    name: str
+    measured: float | None
+    planned: float | None
+    unit: str
+    worse: str | None = "above"
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.measured is None or not self.planned:
+            return None
+        return self.measured / self.planned
+
+    @property
+    def failed(self) -> bool:
+        ratio = self.ratio
+        if ratio is None or self.worse is None:
+            return False
+        return ratio > 1 + TOLERANCE if self.worse == "above" else ratio < 1 - TOLERANCE
+
+    @property
+    def verdict(self) -> str:
+        if self.measured is None:
+            return "NOT MEASURED"
+        if self.ratio is None or self.worse is None:
+            return "-"
+        if self.failed:
+            return f"WORSE THAN PLAN ({self.ratio:.2f}x)"
+        return f"ok ({self.ratio:.2f}x)"
+
+
+@dataclass
+class StageRun:
+    name: str
+    returncode: int
+    seconds: float
+    peak_host_bytes: int
+    peak_device_bytes: int | None
+    output: str
+
+
+@dataclass
+class RehearsalTarget:
+    directory: Path
+    config: dict[str, Any]
+    layer_ids: list[int]
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------- the target
+
+
+def rehearsal_config(
+    configured: dict[str, Any], layer_ids: list[int], narrow: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """The text config of the rehearsal's target: the configured one cut to the layers `layer_ids` need,
+    and with `narrow`, its insides narrowed (width, vocabulary, depth and head sizes kept). The notes say
+    what was changed."""
+    from dflash_assets.target.model import text_config
+
+    config = json.loads(json.dumps(text_config(configured)))
+    # One layer past the deepest captured: a captured layer may not be the last (its raw output is what
+    # serving engines read as the next layer's input); the forward stops before that layer runs.
+    real_depth = int(config["num_hidden_layers"])
+    depth = min(real_depth, max(layer_ids) + 2)
+    notes = []
+    if depth < real_depth:
+        notes.append(
+            f"cut to {depth} of its {real_depth} decoder layers (the deepest captured is {max(layer_ids)})"
+        )
+    config["num_hidden_layers"] = depth
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:depth]
+    if narrow:
+        changed = []
+        for key, value in list(config.items()):
+            if key.endswith("intermediate_size") and isinstance(value, int) and value > NARROW_INTERMEDIATE:
+                config[key] = NARROW_INTERMEDIATE
+                changed.append(f"{key} {value:,} -> {NARROW_INTERMEDIATE:,}")
+        for key, small in {**NARROW_HEADS, **NARROW_LINEAR_HEADS, **NARROW_EXPERTS}.items():
+            value = config.get(key)
+            if isinstance(value, int) and value > small:
+                config[key] = small
+                changed.append(f"{key} {value} -> {small}")
+        if changed:
+            notes.append("narrow insides for this host: " + ", ".join(changed))
+    config.setdefault("tie_word_embeddings", False)
+    return config, notes
+
+
+def build_rehearsal_target(
+    configured_dir: Path, layer_ids: list[int], narrow: bool, cache_dir: Path, log: Callable[[str], None]
+) -> RehearsalTarget:
+    """The rehearsal's target as a Hugging Face model directory (random bf16 weights, the configured
+    target's tokenizer or else the demo's), built once per config under `cache_dir` and reused."""
+    configured = json.loads((configured_dir / "config.json").read_text())
+    config, notes = rehearsal_config(configured, layer_ids, narrow)
+    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    directory = cache_dir / "rehearsal" / f"target-{key}"
+    tokenizer_dir = configured_dir if (configured_dir / "tokenizer_config.json").is_file() else None
+    if tokenizer_dir is None:
+        from dflash_assets.target.demo_model import ensure_demo_model
+
+        tokenizer_dir = ensure_demo_model(cache_dir)
+        notes.append("the demo tokenizer (the configured directory has none): ids below the real vocabulary")
+    if not (directory / ".complete").is_file():
+        log(f"building the rehearsal target in {directory} (random weights, once) ...")
+        shutil.rmtree(directory, ignore_errors=True)
+        partial = directory.with_name(directory.name + f".partial-{uuid.uuid4().hex[:6]}")
+        _write_random_target(config, partial)
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ):
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, partial / name)
+        (partial / ".complete").write_text(json.dumps(config, indent=1))
+        partial.rename(directory)
+    return RehearsalTarget(directory, config, layer_ids, notes)
+
+
+def _write_random_target(config: dict[str, Any], directory: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = {
+        k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")
+    }
+    hf_config = AutoConfig.for_model(config["model_type"], **values)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    model.save_pretrained(directory, max_shard_size="2GB")
+    del model
+
+
+def rehearsal_conversations(tokenizer: Any, samples: int, mean_tokens: int) -> list[dict[str, Any]]:
+    """`samples` conversations of about `mean_tokens` tokens each under the target's chat template (one
+    question, one long answer), deterministic."""
+
+    def conversation(index: int, answer_words: int) -> dict[str, Any]:
+        question = f"Question {index}: " + " ".join(WORDS[(index + i) % len(WORDS)] for i in range(24)) + "?"
+        answer = " ".join(WORDS[(index * 7 + i) % len(WORDS)] for i in range(answer_words)) + "."
+        return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+    def length(row: dict[str, Any]) -> int:
+        return len(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False))
+
+    rows = []
+    for index in range(samples):
+        words = mean_tokens
+        for _ in range(4):  # tokens per word depends on the tokenizer: two or three guesses settle it
+            row = conversation(index, words)
+            words = max(1, round(words * mean_tokens / max(1, length(row))))
+        rows.append(conversation(index, words))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ the stages
+
+
+def _tree(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        found.append(parent)
+        with contextlib.suppress(OSError):
+            for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+                todo.append(int(child))
+    return found
+
+
+def _rss(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _device_bytes(pids: set[int]) -> int | None:
+    """Device memory the processes hold now, from nvidia-smi (None without one)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        answer = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    total = 0
+    for line in answer.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
+            total += int(float(parts[1])) * 2**20
+    return total
+
+
+def run_stage(
+    name: str, command: list[str], env: dict[str, str], log_path: Path, log: Callable[[str], None]
+) -> StageRun:
+    """Run one stage's command; its peak host memory is the largest resident set of any of its processes
+    (the kernel's count for every descendant waited for), its device memory the most nvidia-smi saw."""
+    started = time.monotonic()
+    with open(log_path, "a") as output:
+        output.write(f"\n=== {name}: {' '.join(command)}\n")
+        output.flush()
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+    device_peak: list[int | None] = [None]
+    sampled_peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        said = time.monotonic()
+        while not stop.wait(2.0):
+            pids = set(_tree(process.pid))
+            sampled_peak[0] = max(sampled_peak[0], max((_rss(pid) for pid in pids), default=0))
+            held = _device_bytes(pids)
+            if held is not None:
+                device_peak[0] = max(device_peak[0] or 0, held)
+            if time.monotonic() - said >= PROGRESS_EVERY_S:
+                said = time.monotonic()
+                log(
+                    f"  {name}: {time.monotonic() - started:.0f} s, largest process so far "
+                    f"{sampled_peak[0] / 2**30:.2f} GiB (log: {log_path})"
+                )
+
+    watcher = threading.Thread(target=watch, name="rehearsal-watch", daemon=True)
+    watcher.start()
+    try:
+        _, status, usage = os.wait4(process.pid, 0)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    finally:
+        stop.set()
+        watcher.join()
+    process.returncode = os.waitstatus_to_exitcode(status)
+    peak = max(int(usage.ru_maxrss) * 1024, sampled_peak[0])
+    return StageRun(
+        name, process.returncode, time.monotonic() - started, peak, device_peak[0], log_path.read_text()
+    )
+
+
+def import_baseline(env: dict[str, str]) -> int:
+    """The resident set of a process that has imported what every stage imports: what a stage costs
+    before it does any work."""
+    code = "import torch, transformers, dagster, dflash_assets.definitions"
+    process = subprocess.Popen([sys.executable, "-c", code], env=env)
+    _, _, usage = os.wait4(process.pid, 0)
+    process.returncode = 0
+    return int(usage.ru_maxrss) * 1024
+
+
+# ------------------------------------------------------------------------------------------ the rehearsal
+
+
+@dataclass
+class RehearsalOptions:
+    samples: int = 2
+    mean_tokens: int = 2017  # the seeds' ~2,017 tokens a sample
+    steps: int = 3
+    num_anchors: int | None = None  # None: the recipe's 512 on a GPU, 32 on a CPU
+    inner: str = "auto"  # "real", "narrow", or "auto": real where the device holds the real layers
+    keep: bool = False
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """`values` in this process's environment for the block (the settings are read at run time)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+CPU_FLOPS_A_SAMPLE = 2e12  # about a minute of a CPU's forward: more, and the layers are narrowed
+
+
+def _real_layers_fit(configured_dir: Path, layer_ids: list[int], mean_tokens: int) -> tuple[bool, str]:
+    """Whether this host's device holds the target's real layers (cut to the captured depth) with room
+    to spare, and (on a CPU) runs a sample through them in about a minute; and the figures that say so."""
+    import torch
+
+    from dflash_assets.target.memory import host_total_bytes
+
+    config, _ = rehearsal_config(json.loads((configured_dir / "config.json").read_text()), layer_ids, False)
+    parameters = _parameter_count(config)
+    if torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(0).total_memory
+        fits = parameters * 2 * 1.3 < memory
+        where = f"{torch.cuda.get_device_name(0)}'s {memory / 2**30:.0f} GiB"
+    else:
+        memory = host_total_bytes()
+        fits = parameters * 4 * 1.3 < memory and 2 * parameters * mean_tokens < CPU_FLOPS_A_SAMPLE
+        where = f"this host's CPU and {memory / 2**30:.0f} GiB"
+    return fits, f"{parameters / 1e9:.2f} B parameters in the real layers; {where}"
+
+
+def _parameter_count(config: dict[str, Any]) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = {
+        k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")
+    }
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = print) -> int:
+    """Rehearse, print the table, return the exit code (1 when a figure is worse than the plan's)."""
+    import torch
+
+    from dflash_assets import settings
+    from dflash_assets.orchestration.resources import StoreResource, TargetModelResource
+    from dflash_assets.storage.units import human_bytes
+
+    def log(message: str) -> None:
+        print_fn(message)
+        sys.stdout.flush()
+
+    target_resource = TargetModelResource()
+    configured_dir, layer_ids = target_resource.model_dir(), target_resource.layer_ids()
+    cuda = torch.cuda.is_available()
+    fits, why = _real_layers_fit(configured_dir, layer_ids, options.mean_tokens)
+    narrow = options.inner == "narrow" or (options.inner == "auto" and not fits)
+    anchors = options.num_anchors or (512 if cuda else CPU_ANCHORS)
+    cache = settings.cache_dir()
+    target = build_rehearsal_target(configured_dir, layer_ids, narrow, cache, log)
+    devices = settings.devices()
+    ranks = 2 if len(devices) >= 2 or (not devices and torch.cuda.device_count() >= 2) else 1
+
+    run_id = uuid.uuid4().hex[:8]
+    work = cache / "rehearsal" / f"run-{run_id}"
+    (work / "dagster").mkdir(parents=True)
+    (work / "dagster" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target.directory))
+    dataset = work / "conversations.jsonl"
+    rows = rehearsal_conversations(tokenizer, options.samples, options.mean_tokens)
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    store_url = StoreResource().store_url().rstrip("/") + f"/rehearsal-{run_id}"
+    max_length = max(settings.MAX_LENGTH.get_int(), 2 * options.mean_tokens)
+    env = {
+        "DAGSTER_HOME": str(work / "dagster"),
+        "DFLASH_TARGET_MODEL": str(target.directory),
+        "DFLASH_TARGET_LAYER_IDS": ",".join(str(i) for i in layer_ids),
+        "DFLASH_DATASET": str(dataset),
+        "DFLASH_SAMPLES_PER_PARTITION": str(options.samples),
+        "DFLASH_STORE_URL": store_url,
+        "DFLASH_COMPLETIONS": "dataset",
+        "DFLASH_MAX_LENGTH": str(max_length),
+        "DFLASH_RUN_NAME": RUN_NAME,
+        "DFLASH_TRAIN_MODE": "offline",
+        "DFLASH_TRAIN_MAX_STEPS": str(options.steps),
+        "DFLASH_TRAIN_GLOBAL_BATCH_SIZE": str(max(options.samples, ranks)),
+        "DFLASH_TRAIN_NPROC_PER_NODE": str(ranks),
+        "DFLASH_CHECKPOINT_EVERY_STEPS": "0",
+    }
+    stage_env = {**os.environ, **env}
+    config = target.config
+    log(
+        f"rehearsing {target_resource.name} at its real width: hidden {config['hidden_size']:,}, "
+        f"vocabulary {config['vocab_size']:,}, layers {layer_ids}, {options.samples} samples of "
+        f"~{options.mean_tokens:,} tokens, {options.steps} training steps of {anchors} anchors a sequence "
+        f"on {ranks} rank(s)"
+    )
+    for note in [f"target: {why}", *target.notes]:
+        log(f"  {note}")
+    log(f"  store: {store_url} (deleted afterwards{'' if not options.keep else ': --keep'}); log: {work}/log")
+
+    key = f"{0:08d}-{options.samples - 1:08d}"
+    dagster = str(Path(sys.executable).with_name("dagster"))
+    materialize = [dagster, "asset", "materialize", "-m", "dflash_assets.definitions"]
+    train_config = {
+        "num_anchors": anchors,
+        "eval_samples": 0,
+        "spec_eval_prompts": 0,
+        "log_every_steps": 1,
+    }
+    commands = [
+        ("tokenized_completions", [*materialize, "--select", "tokenized_completions", "--partition", key]),
+        (
+            "hidden_state_partitions",
+            [*materialize, "--select", "hidden_state_partitions", "--partition", key],
+        ),
+        (
+            "drafter_checkpoints",
+            [
+                *materialize,
+                "--select",
+                "drafter_checkpoints",
+                "--config-json",
+                json.dumps({"ops": {"drafter_checkpoints": {"config": train_config}}}),
+            ],  # fmt: skip
+        ),
+    ]
+    baseline = import_baseline(stage_env)
+    runs: dict[str, StageRun] = {}
+    failed_stage = None
+    try:
+        for name, command in commands:
+            log(f"{name} ...")
+            runs[name] = run = run_stage(name, command, stage_env, work / "log", log)
+            log(f"  {name}: {'ok' if run.returncode == 0 else 'FAILED'} in {run.seconds:.0f} s")
+            if run.returncode != 0:
+                failed_stage = name
+                break
+        figures = [] if failed_stage else _figures(runs, env, anchors, baseline, log)
+    finally:
+        if not options.keep:
+            _clean(store_url, env, work if failed_stage is None else None)
+    if failed_stage:
+        tail = "\n".join(runs[failed_stage].output.splitlines()[-30:])
+        log(f"the rehearsal stopped at {failed_stage}; its last lines ({work}/log has all):\n{tail}")
+        return 1
+    log(format_table(figures, human_bytes))
+    worse = [f for f in figures if f.failed]
+    for figure in worse:
+        log(
+            f"WORSE THAN PLAN: {figure.stage} {figure.name}: {figure.measured:,.4g} {figure.unit} against "
+            f"the plan's {figure.planned:,.4g} ({figure.ratio:.2f}x, more than {TOLERANCE:.0%} "
+            f"{'above' if figure.worse == 'above' else 'below'})"
+        )
+    return 1 if worse else 0
+
+
+def _store_rates(store: Any, source_key: str, copies: int) -> tuple[float, float]:
+    """(write, read) bytes/s of the store at one real object's size: `copies` uploads of it through the
+    product's uploader, then as many downloads in parallel through the store's reader, all in flight at
+    once as extraction and the training feed keep them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_assets.storage.uploader import Uploader
+
+    with tempfile.TemporaryDirectory(prefix="dflash-rehearsal-rates-") as scratch:
+        source = Path(scratch) / "object"
+        store.download(source_key, source)
+        size = source.stat().st_size
+        keys = [f"rates/object-{i}" for i in range(copies)]
+        files = []
+        for i in range(copies):
+            staged = Path(scratch) / f"staged-{i}"
+            shutil.copyfile(source, staged)
+            files.append(staged)
+        with Uploader(store, max_in_flight=copies) as uploader:
+            started = time.monotonic()
+            for key, path in zip(keys, files, strict=True):
+                uploader.submit(path, key)
+            uploader.flush()
+            write_s = time.monotonic() - started
+        started = time.monotonic()
+        with ThreadPoolExecutor(copies) as pool:
+            list(pool.map(lambda key: store.download(key, Path(scratch) / "read" / key), keys))
+        read_s = time.monotonic() - started
+    return copies * size / write_s, copies * size / read_s
+
+
+def _figures(
+    runs: dict[str, StageRun], env: dict[str, str], anchors: int, baseline: int, log: Callable[[str], None]
+) -> list[Figure]:
+    """Every measured figure beside the plan's for the same configuration."""
+    from dagster import AssetKey, DagsterInstance
+
+    from dflash_assets.orchestration.capacity_plan import build_plan
+    from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
+    from dflash_assets.storage.manifest import StoredPartition, read_manifest
+
+    with _environment(env):
+        store = StoreResource().open()
+        plan = build_plan(
+            store=StoreResource(),
+            dataset=DatasetResource(),
+            target_model=TargetModelResource(),
+            sample_rows=0,
+            num_anchors=anchors,
+        ).figures
+        with DagsterInstance.get() as instance:
+            event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
+            trained = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+        prefix = f"hidden-states/{plan['per_range'][0]['partition']}"
+        objects = [
+            (key, size)
+            for key, size in StoredPartition(store, prefix, read_manifest(store, prefix)).object_keys()
+            if key.rsplit("/", 1)[-1].startswith("hs_")
+        ]
+        log(f"measuring the store's rates at the objects' size ({len(objects)} objects stored) ...")
+        write_rate, read_rate = _store_rates(store, objects[0][0], copies=4)
+
+    memory = plan["device_memory"]
+    on_device = plan["device"]["kind"] == "cuda"
+    per_object = plan["bytes_per_range"]["mean"] / max(1, plan["objects_per_range"]["mean"])
+    split = plan.get("training_split") or {}
+    ranks = int(trained.get("world_size", 1))
+    drafter_rate = split.get("drafter_tokens_per_s_per_device")
+    drafter_source = (split.get("sources") or {}).get("drafter", "")
+    measured_basis = drafter_rate and ("measured" in drafter_source or "given" in drafter_source)
+    tokens_per_step = plan["tokens"]  # one global batch is every rehearsal sample
+    steps_per_s = float(trained["tokens_per_s"]) / tokens_per_step if tokens_per_step else None
+    host = "device" if on_device else "host"
+    figures = [
+        Figure(
+            "hidden_state_partitions",
+            "object bytes (mean)",
+            sum(size for _, size in objects) / len(objects),
+            per_object,
+            "B",
+        ),
+        Figure(
+            "hidden_state_partitions",
+            f"peak {host} memory above imports",
+            (
+                runs["hidden_state_partitions"].peak_device_bytes
+                if on_device
+                else runs["hidden_state_partitions"].peak_host_bytes - baseline
+            ),  # fmt: skip
+            memory["extraction"]["bytes"],
+            "B",
+        ),
+        Figure(
+            "drafter_checkpoints",
+            f"peak {host} memory above imports (a rank)",
+            (
+                runs["drafter_checkpoints"].peak_device_bytes
+                if on_device
+                else runs["drafter_checkpoints"].peak_host_bytes - baseline
+            ),  # fmt: skip
+            memory["training"]["bytes"],
+            "B",
+        ),
+        Figure(
+            "store",
+            "write bytes/s (uploader, objects of this size)",
+            write_rate,
+            plan.get("upload_bytes_per_s_needed"),
+            "B/s",
+            worse="below",
+            note="the plan's: to keep up with extraction on this host's devices",
+        ),
+        Figure(
+            "store",
+            "read bytes/s (objects of this size)",
+            read_rate,
+            drafter_rate * ranks * plan["bytes_per_token"] if drafter_rate else None,
+            "B/s",
+            worse="below",
+            note="the plan's: what its drafter rate on these ranks consumes",
+        ),
+        Figure(
+            "drafter_checkpoints",
+            "steps/s",
+            steps_per_s,
+            drafter_rate * ranks / tokens_per_step if drafter_rate and tokens_per_step else None,
+            "1/s",
+            worse="below" if measured_basis else None,
+            note="" if measured_basis else f"not held: the plan's rate is an estimate ({drafter_source})",
+        ),
+    ]
+    if on_device:
+        for stage in ("hidden_state_partitions", "drafter_checkpoints"):
+            figures.append(
+                Figure(stage, "peak host memory", runs[stage].peak_host_bytes, None, "B", worse=None)
+            )
+    tokenized = runs["tokenized_completions"].peak_host_bytes
+    figures.append(Figure("tokenized_completions", "peak host memory", tokenized, None, "B", worse=None))
+    return figures
+
+
+def format_table(figures: list[Figure], human_bytes: Callable[[float], str]) -> str:
+    def show(value: float | None, unit: str) -> str:
+        if value is None:
+            return "-"
+        if unit == "B":
+            return human_bytes(value)
+        if unit == "B/s":
+            return f"{value / 1e9:.3f} GB/s"
+        return f"{value:.4g} {unit}"
+
+    rows = [("stage", "figure", "measured", "plan", "verdict")]
+    for f in figures:
+        verdict = f.verdict + (f"  {f.note}" if f.note else "")
+        rows.append((f.stage, f.name, show(f.measured, f.unit), show(f.planned, f.unit), verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4]
+        for row in rows
+    )
+
+
+def _clean(store_url: str, env: dict[str, str], work: Path | None) -> None:
+    """Delete what the rehearsal put in the store and in this host's local state for that store; the work
+    folder too when the rehearsal got through (a failed one keeps its log)."""
+    from dflash_assets import settings
+    from dflash_assets.orchestration.resources import StoreResource
+
+    with _environment(env), contextlib.suppress(Exception):
+        resource = StoreResource()
+        store = resource.open()
+        roots = [
+            resource.staging_root(),
+            settings.cache_dir() / "train-cache",
+            settings.cache_dir() / "read-cache",
+        ]
+        for root in roots:
+            shutil.rmtree(resource.local_dir(root), ignore_errors=True)
+        for info in list(store.list("")):
+            store.delete(info.key)
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
