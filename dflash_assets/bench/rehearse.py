@@ -212,7 +212,7 @@ def rehearsal_conversations(tokenizer: Any, samples: int, mean_tokens: int) -> l
 
     rows = []
     for index in range(samples):
-        words = mean_tokens
+        words = mean_tokens // 2  # from below: a first guess past the tokenizer's maximum would warn
         for _ in range(4):  # tokens per word depends on the tokenizer: two or three guesses settle it
             row = conversation(index, words)
             words = max(1, round(words * mean_tokens / max(1, length(row))))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflash_assets.drafter.config import (
     CONFIG_NAME,
@@ -22,6 +22,7 @@ from dflash_assets.drafter.config import (
     load_target_embeddings,
 )
 from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.drafter.weights_file import save_weights
 
 MODEL_CARD_NAME = "README.md"
 MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")  # torch + transformers only
@@ -46,11 +47,8 @@ def export_drafter(
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in model.state_dict().items()
-    }
     config = replace(model.config, extra={**model.config.extra, **(provenance or {})})
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_weights(model.state_dict(), directory / WEIGHTS_NAME, dtype=dtype, metadata={"format": "pt"})
     if model_card is not None:
         (directory / MODEL_CARD_NAME).write_text(model_card)
     shutil.copyfile(MODELING_FILE, directory / MODELING_FILE.name)

@@ -2,7 +2,7 @@
 the size of an object, and the bytes per stored token, for either stored dtype.
 
 Torch-free, so the capacity plan and the Dagster layer can size a run without importing torch. The
-writer (`sample_format.write_sample`) builds its header with `safetensors_header` and its tensor list
+writer (`sample_format.write_sample`) builds its header with `storage.safetensors_layout` and its tensor list
 with `tensor_specs`, so `sample_object_nbytes` is the object's size by construction, not a model of it.
 
 Stored dtypes (`DFLASH_HIDDEN_STATE_DTYPE`):
@@ -14,9 +14,9 @@ Stored dtypes (`DFLASH_HIDDEN_STATE_DTYPE`):
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+from dflash_assets.storage.safetensors_layout import TensorSpec, safetensors_header
 
 SAMPLE_FORMAT = "dflash-assets.hidden-states/2"
 # Format 1 (bf16 only, no `hidden_state_dtype` key) is still read; every object written now is format 2.
@@ -40,8 +40,6 @@ RESERVED_METADATA_KEYS = frozenset(
 # Room for the JSON header beyond the caller's metadata, for `estimate_sample_nbytes`: four tensor entries,
 # the reserved keys and alignment padding take well under this; the surplus only over-reserves staging.
 HEADER_ALLOWANCE_BYTES = 4096
-
-TensorSpec = tuple[str, str, list[int], int]  # name, safetensors dtype, shape, bytes
 
 
 def check_hidden_state_dtype(name: str) -> str:
@@ -103,21 +101,6 @@ def sample_metadata(
         "num_tokens": str(num_tokens),
         "hidden_state_dtype": check_hidden_state_dtype(dtype),
     }
-
-
-def safetensors_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str]) -> bytes:
-    """The 8-byte length and the JSON header, padded so the data section starts 8-byte aligned.
-
-    Keys are sorted (`safetensors.torch.save_file` orders them at random), so the same sample always
-    gives the same bytes."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name, dtype, shape, nbytes in specs:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    return struct.pack("<Q", len(encoded)) + encoded
 
 
 def sample_object_nbytes(

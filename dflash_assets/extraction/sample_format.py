@@ -35,10 +35,10 @@ from dflash_assets.extraction.object_size import (
     SCALE_TENSOR,
     check_hidden_state_dtype,
     estimate_sample_nbytes,
-    safetensors_header,
     sample_metadata,
     tensor_specs,
 )
+from dflash_assets.storage.safetensors_layout import safetensors_header
 
 __all__ = [
     "SAMPLE_FORMAT",
@@ -244,8 +244,8 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def _safetensors_buffers(specs: list, buffers: list[memoryview], metadata: dict) -> list[bytes | memoryview]:
     """The safetensors layout as a list of buffers, so the bytes are deterministic and never copied.
 
-    The header is `object_size.safetensors_header` (sorted keys: `safetensors.torch.save_file` orders
-    them at random, so the same sample would give different bytes on every run)."""
+    The header is `storage.safetensors_layout`'s (sorted keys: `safetensors.torch.save_file` orders them
+    at random, so the same sample would give different bytes on every run)."""
     if sys.byteorder != "little":
         raise RuntimeError(
             "safetensors files are little-endian; this writer only runs on little-endian hosts"

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from dflash_assets.drafter.config import DrafterConfig
+from dflash_assets.drafter.weights_file import save_weights
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
 
@@ -362,10 +363,7 @@ class CheckpointManager:
         temp = self.local_dir / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         temp.mkdir()
         try:
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-                str(temp / MODEL_FILE),
-            )
+            save_weights(model.state_dict(), temp / MODEL_FILE)  # one tensor on the host at a time
             torch.save(optimizer.state_dict(), temp / OPTIMIZER_FILE)
             trainer_state = {
                 "format": CHECKPOINT_FORMAT,

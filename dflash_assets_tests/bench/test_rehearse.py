@@ -1,0 +1,89 @@
+"""`dflash-assets rehearse`: the pipeline at the configured target's width, its figures beside the plan's.
+The suite runs it at the demo target's width (a 5120-wide rehearsal takes minutes on two cores; the
+closing figures in docs/planning.md come from one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_assets.bench.rehearse import TOLERANCE, Figure, format_table, rehearsal_config
+from dflash_assets.storage.units import human_bytes
+
+
+def _qwen36_config() -> dict:
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
+    text = {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 64,
+        "layer_types": layer_types,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    }
+    return {"model_type": "qwen3_5", "text_config": text}  # the published multimodal wrapper
+
+
+def test_the_rehearsal_target_keeps_the_width_vocabulary_and_captured_layers_and_says_what_it_narrows():
+    layers = [1, 16, 31, 46, 61]
+    real, real_notes = rehearsal_config(_qwen36_config(), layers, narrow=False)
+    narrow, notes = rehearsal_config(_qwen36_config(), layers, narrow=True)
+    for config in (real, narrow):
+        assert (config["hidden_size"], config["vocab_size"], config["head_dim"]) == (5120, 248320, 256)
+        assert config["num_hidden_layers"] == 63  # layer 61 captured, one after it: never the last
+        assert len(config["layer_types"]) == 63 and config["model_type"] == "qwen3_5_text"
+    assert real["intermediate_size"] == 17408 and real["num_attention_heads"] == 24
+    assert narrow["intermediate_size"] == 1024 and narrow["num_attention_heads"] == 2
+    assert narrow["linear_num_value_heads"] == 2 and narrow["linear_value_head_dim"] == 128
+    assert real_notes == ["cut to 63 of its 64 decoder layers (the deepest captured is 61)"]
+    assert "intermediate_size 17,408 -> 1,024" in notes[1] and "num_attention_heads 24 -> 2" in notes[1]
+
+
+def test_a_figure_worse_than_the_plan_s_by_more_than_the_tolerance_fails_and_says_so():
+    over = Figure("hidden_state_partitions", "object bytes (mean)", 112.0, 100.0, "B")
+    within = Figure("hidden_state_partitions", "object bytes (mean)", 100.0 * (1 + TOLERANCE) - 1, 100.0, "B")
+    slow = Figure("store", "read bytes/s", 0.8e9, 1e9, "B/s", worse="below")
+    unplanned = Figure("drafter_checkpoints", "steps/s", 0.1, 5.0, "1/s", worse=None, note="an estimate")
+    assert over.failed and not within.failed and slow.failed and not unplanned.failed
+    table = format_table([over, within, slow, unplanned], human_bytes)
+    assert "WORSE THAN PLAN (1.12x)" in table and "WORSE THAN PLAN (0.80x)" in table
+    assert "-  an estimate" in table
+
+
+@pytest.mark.slow
+def test_rehearse_runs_every_stage_through_the_store_and_leaves_nothing_behind(tmp_path, demo_model_dir):
+    env = {
+        **os.environ,
+        "DFLASH_HOME": str(tmp_path),
+        "DFLASH_CACHE_DIR": str(demo_model_dir.parent),  # the demo tokenizer, built once for the suite
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [str(Path(sys.executable).with_name("dflash-assets")), "rehearse"]
+    done = subprocess.run(
+        [*command, "--samples", "2", "--mean-tokens", "160", "--steps", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    for stage in ("tokenized_completions", "hidden_state_partitions", "drafter_checkpoints"):
+        assert f"  {stage}: ok in " in output
+    object_row = next(line for line in output.splitlines() if "object bytes (mean)" in line)
+    assert "ok (1.00x)" in object_row  # the writer's bytes are the plan's to the byte
+    assert "peak host memory above imports" in output and "read bytes/s" in output and "steps/s" in output
+    store = tmp_path / "store"
+    assert not [path for path in store.rglob("*") if path.is_file()]  # the rehearsal's prefix is gone
+    assert not list((demo_model_dir.parent / "rehearsal").glob("run-*"))  # and its work folder
