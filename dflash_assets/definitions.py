@@ -83,23 +83,22 @@ def _quiet_dagster_previews() -> Iterator[None]:
 
 
 def build_definitions(completions: str | None = None) -> Definitions:
-    """The code location as the settings say now: the product's assets beside those in `defs/`, each
-    with a link to its code. `completions` overrides `DFLASH_COMPLETIONS`."""
-    code_location = Definitions.merge(product_definitions(completions), defs_folder_definitions())
-    return _linked_to_their_code(code_location)
+    """The code location as the settings say now: the product's assets beside those in `defs/`.
+    `completions` overrides `DFLASH_COMPLETIONS`."""
+    return Definitions.merge(product_definitions(completions), defs_folder_definitions())
 
 
 def product_definitions(completions: str | None = None) -> Definitions:
-    """The product's assets (with their owners), checks, sensors, executor and resources: what the
-    asset-graph snapshot holds."""
+    """The product's assets, checks, sensors, executor and resources: what the asset-graph snapshot
+    holds. Each asset shows its owners and a link to its code in the UI."""
     completions = completions or settings.completions_source()
     regenerated = [target_completions_asset()] if completions == "target" else []
-    range_assets = _owned(
+    range_assets = _as_shown_in_the_ui(
         [*regenerated, tokenized_completions_asset(completions), hidden_state_partitions_asset()]
     )
     store = StoreResource()
     return Definitions(
-        assets=[*range_assets, *_owned([drafter_checkpoints_asset()])],
+        assets=[*range_assets, *_as_shown_in_the_ui([drafter_checkpoints_asset()])],
         asset_checks=[range_complete],
         sensors=[failed_range_sensor(range_assets), sample_range_sensor],
         executor=code_location_executor(),
@@ -117,36 +116,39 @@ def product_definitions(completions: str | None = None) -> Definitions:
 @_quiet_dagster_previews()
 def defs_folder_definitions() -> Definitions:
     """What `defs/` holds, loaded as `dg` and Dagster's `load_from_defs_folder` load a project's folder,
-    with two differences: the folder is found from the package itself (an installed package, the image's
-    Celery worker say, has no pyproject.toml beside it), and the tree's root, which would import every
-    installed Dagster integration (boto3 with dagster-aws) to list its component types, is left out."""
+    each asset with a link to its code. Two differences: the folder is found from the package itself (an
+    installed package, the image's Celery worker say, has no pyproject.toml beside it), and the tree's
+    root, which would import every installed Dagster integration (boto3 with dagster-aws) to list its
+    component types, is left out."""
     folder = importlib.import_module(DEFS_MODULE)
     tree = ComponentTree.from_module(defs_module=folder, project_root=_ROOT)
-    return tree.build_defs(tree.defs_module_path)
-
-
-@_quiet_dagster_previews()
-def _owned(assets: list[AssetsDefinition]) -> list[AssetsDefinition]:
-    return [asset.map_asset_specs(lambda spec: spec.replace_attributes(owners=OWNERS)) for asset in assets]
-
-
-@_quiet_dagster_previews()
-def _linked_to_their_code(code_location: Definitions) -> Definitions:
-    """Every asset computed by a function, with a link to that function in the UI (unless it has one)."""
+    yours = tree.build_defs(tree.defs_module_path)
     references = {
-        key: reference
-        for asset in code_location.assets or []
-        if isinstance(asset, AssetsDefinition) and (reference := _code_reference(asset))
+        key: _code_reference(asset)
+        for asset in yours.assets or []
+        if isinstance(asset, AssetsDefinition)
         for key in asset.keys
     }
+    return yours.map_asset_specs(func=lambda spec: _linked(spec, references.get(spec.key)))
 
-    def linked(spec: AssetSpec) -> AssetSpec:
-        if spec.key not in references or CODE_REFERENCES in spec.metadata:
-            return spec
-        value = CodeReferencesMetadataValue(code_references=[references[spec.key]])
-        return spec.replace_attributes(metadata={**spec.metadata, CODE_REFERENCES: value})
 
-    return code_location.map_asset_specs(func=linked)
+@_quiet_dagster_previews()
+def _as_shown_in_the_ui(assets: list[AssetsDefinition]) -> list[AssetsDefinition]:
+    """The product's `assets` with their owners and a link to the function computing each."""
+    return [_owned_and_linked(asset) for asset in assets]
+
+
+def _owned_and_linked(asset: AssetsDefinition) -> AssetsDefinition:
+    reference = _code_reference(asset)
+    return asset.map_asset_specs(lambda spec: _linked(spec.replace_attributes(owners=OWNERS), reference))
+
+
+def _linked(spec: AssetSpec, reference: LocalFileCodeReference | UrlCodeReference | None) -> AssetSpec:
+    """`spec` with a link to its code in the UI, unless it has one already."""
+    if reference is None or CODE_REFERENCES in spec.metadata:
+        return spec
+    value = CodeReferencesMetadataValue(code_references=[reference])
+    return spec.replace_attributes(metadata={**spec.metadata, CODE_REFERENCES: value})
 
 
 def _code_reference(asset: AssetsDefinition) -> LocalFileCodeReference | UrlCodeReference | None:
