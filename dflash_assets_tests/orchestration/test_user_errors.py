@@ -54,6 +54,7 @@ CASES = [
     (["demo", "--steps", "0"], {}, "--steps"),
     (["plan", "--sample-rows", "many"], {}, "--sample-rows"),
     (["plan", "--gpu-result", "{tmp}/no-such.json"], {}, "--gpu-result"),
+    (["ranges"], {"DFLASH_GIT_URL": "https://git.example.com/ml/dflash-assets"}, "DFLASH_GIT_URL"),
 ]
 
 
@@ -89,6 +90,14 @@ def test_the_defaults_and_every_documented_choice_pass_the_checks(clean_env: Pat
         monkeypatch.setenv("DFLASH_EXECUTOR", executor)
         check_settings()
         code_location_executor()  # each one the checks let through is one the code location builds
+
+
+def test_a_repository_url_with_credentials_is_refused_without_echoing_them(clean_env: Path, monkeypatch):
+    monkeypatch.setenv("DFLASH_GIT_URL", "https://oauth2:glpat-not-for-logs@gitlab.com/ml/dflash-assets")
+    with pytest.raises(SettingError) as error:
+        check_settings()
+    assert "DFLASH_GIT_URL must not carry credentials" in str(error.value)
+    assert "glpat-not-for-logs" not in str(error.value)
 
 
 def test_every_bad_value_is_named_in_the_one_message(clean_env: Path, monkeypatch):
