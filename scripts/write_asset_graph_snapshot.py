@@ -167,20 +167,25 @@ def settings_read_while_building() -> set[str]:
     from dflash_assets.settings import Setting
 
     read: set[str] = set()
-    get = Setting.get
+    readers = {"get": Setting.get, "is_set": Setting.is_set}  # every read of a setting goes through these
 
-    def recording_get(setting: Setting) -> str:
-        read.add(setting.name)
-        return get(setting)
+    def recording(reader):
+        def read_and_record(setting: Setting):
+            read.add(setting.name)
+            return reader(setting)
 
-    Setting.get = recording_get  # type: ignore[method-assign]
+        return read_and_record
+
+    for name, reader in readers.items():
+        setattr(Setting, name, recording(reader))
     try:
         with environment(build_environment()):
             for combination in combinations():
                 with environment(combination):
                     build_definitions().get_repository_def()
     finally:
-        Setting.get = get  # type: ignore[method-assign]
+        for name, reader in readers.items():
+            setattr(Setting, name, reader)
     return read
 
 
