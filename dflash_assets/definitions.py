@@ -9,8 +9,8 @@ Kubernetes tags follow their settings (a snapshot test holds every combination:
 it again. A bad `DFLASH_*` value stops loading with one line naming it.
 
 Your own assets go in `defs/` beside this file, where `dg scaffold defs dagster.asset my_asset.py` writes
-them; they load with the product's, in the UI and every command. Each of the product's assets shows its
-owners and a link to its code in the UI.
+them; they load with the product's, in the UI and every command. Every asset shows a link to the
+function computing it in the UI, the product's their owners too.
 """
 # ruff: noqa: E402 - the settings are checked before any module that reads one is imported
 
