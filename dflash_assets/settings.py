@@ -348,6 +348,19 @@ K8S_TRAIN_GPUS = Setting(
     "GPUs a training step's pod requests (online mode with 7 target replicas: 8). Read when the code "
     "location loads.",
 )
+GIT_URL = Setting(
+    "DFLASH_GIT_URL",
+    "",
+    "The repository each asset's code link in the UI opens, `https://github.com/<org>/<repo>` or a GitLab "
+    "project's URL, at DFLASH_GIT_REF. Empty: the link names the source file on the machine that loads the "
+    "code location (the UI opens it in your editor). Read when the code location loads.",
+)
+GIT_REF = Setting(
+    "DFLASH_GIT_REF",
+    "main",
+    "The branch, tag or commit of DFLASH_GIT_URL the code links point at (an image's own commit keeps "
+    "them exact). Read when the code location loads.",
+)
 
 PEAK_TFLOPS = Setting(
     "DFLASH_PEAK_TFLOPS",

@@ -19,6 +19,8 @@ ruff format --check .
 site="$(mktemp -d)"
 mkdocs build --strict --quiet --site-dir "$site"
 rm -rf "$site"
+# The code location as dg loads it (component YAML in dflash_assets/defs/, then every definition).
+DAGSTER_HOME="${DAGSTER_HOME:-$PWD/.dagster_home}" dg check defs
 # Three workers (DFLASH_TEST_WORKERS to change): the end-to-end tests wait on subprocesses and servers
 # now and then, so one more worker than cores keeps both busy; a fourth only adds contention (on the
 # 2-core machine: 352 and 363 s with three, 382 s with four, 396 s with two). Idle workers steal

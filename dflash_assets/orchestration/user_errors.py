@@ -4,8 +4,9 @@
 `dflash-assets` command starts and when the code location loads. It reads values only (no file, store,
 model or network: a dataset that is missing or a bucket that refuses us is found when a command uses
 it) and never prints a secret's value. `user_error_message` picks such a mistake out of an exception
-(a bug keeps its traceback); the CLI prints it, and `report_in_one_line` makes a `dagster` or `dg`
-command that loads this code location do the same.
+(a bug keeps its traceback); `dflash-assets` prints it, and `report_in_one_line` makes a `dagster` or `dg`
+command typed at a shell that loads this code location do the same. Nowhere else: a code server, the
+webserver, the daemon, a run or step worker, a test or a notebook that loads it keeps its own hook.
 """
 
 from __future__ import annotations
@@ -144,6 +145,24 @@ def _ranks_per_node(value: str) -> None:
         raise SettingError(f"{settings.TRAIN_NPROC_PER_NODE.name}={value!r} must be `auto` or 1 or more")
 
 
+def _git_url(value: str) -> None:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    if "@" in parts.netloc:  # never echo it: it may hold a token
+        raise SettingError(f"{settings.GIT_URL.name} must not carry credentials: give the address alone")
+    if parts.scheme not in ("https", "http") or not parts.hostname or parts.path.strip("/").count("/") < 1:
+        raise SettingError(
+            f"{settings.GIT_URL.name}={value!r} must be a repository's web address, e.g. "
+            "https://github.com/<org>/<repo>"
+        )
+    if "github" not in parts.hostname and "gitlab" not in parts.hostname:
+        raise SettingError(
+            f"{settings.GIT_URL.name}={value!r}: Dagster links code on GitHub and GitLab only (a host name "
+            "holding `github` or `gitlab`); unset it to link to the source files instead"
+        )
+
+
 def _special() -> dict[Setting, Callable[[str], None]]:
     return {
         settings.STORE_URL: _store_url,
@@ -158,6 +177,7 @@ def _special() -> dict[Setting, Callable[[str], None]]:
         settings.K8S_NODE_SELECTOR: _node_selector,
         settings.RUN_NAME: _run_name,
         settings.TRAIN_NPROC_PER_NODE: _ranks_per_node,
+        settings.GIT_URL: _git_url,
     }
 
 
@@ -255,10 +275,33 @@ def _missing_target_completions(error: BaseException) -> str | None:
     )
 
 
+# The `dagster` and `dg` subcommands a person types that load the code location in their own process and
+# let a mistake end them: `dagster asset materialize`, `dagster job execute`, `dg launch`. Every other
+# command either serves (`dagster api grpc`, `code-server`, `dev`; the webserver and the daemon are
+# programs of their own), runs a launched run or step (`dagster api execute_run`, `execute_step`) or
+# reports a failed load itself (`dagster definitions validate`, `dg check defs`, `dg list defs`).
+SHELL_COMMANDS = frozenset({"asset", "job", "launch"})
+
+
+def loaded_by_a_shell_command() -> bool:
+    """Whether this process is one of the `SHELL_COMMANDS`, loading the code location now: the click
+    command Dagster's and dg's command lines run it from says which (a plain import runs in none)."""
+    import click
+
+    context = click.get_current_context(silent=True)
+    if context is None:
+        return False
+    words = []
+    while context.parent is not None:  # the root is the program, named as it was started
+        words.append(context.info_name)
+        context = context.parent
+    return bool(words) and words[-1] in SHELL_COMMANDS
+
+
 def report_in_one_line() -> None:
     """Make an uncaught user mistake end this process with one line on stderr (exit status 1), not a
-    traceback: for `dagster` and `dg` commands, which load the code location in their own process.
-    Anything else still goes to the previous hook. Idempotent."""
+    traceback. `definitions.py` installs it in a `dagster` or `dg` command typed at a shell only
+    (`loaded_by_a_shell_command`). Anything else still goes to the previous hook. Idempotent."""
     previous = sys.excepthook
     if getattr(previous, "_dflash_one_line", False):
         return

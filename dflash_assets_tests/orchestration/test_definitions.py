@@ -75,11 +75,14 @@ def test_loading_imports_no_torch_reads_neither_store_nor_dataset_and_warns_of_n
         "import dflash_assets.definitions as d\n"
         "d.defs.get_repository_def()\n"
         "print(json.dumps({m: m in sys.modules for m in ('torch', 'transformers', 'boto3')}))\n"
+        "print(sys.excepthook is sys.__excepthook__)\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    *_, modules, own_hook = done.stdout.strip().splitlines()
+    imported = json.loads(modules)
     assert imported == {"torch": False, "transformers": False, "boto3": False}, imported
+    assert own_hook == "True"  # the one-line error hook is for shell commands (test_user_errors.py)
     assert not (tmp_path / "home").exists()  # not even a cache directory was created
     assert "Warning" not in done.stderr, done.stderr[-3000:]  # above every command, it reads as breakage
 

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from dflash_assets import cli
-from dflash_assets.orchestration.user_errors import DRAFTER_SHAPES, EXECUTORS, check_settings
+from dflash_assets.orchestration.user_errors import (
+    DRAFTER_SHAPES,
+    EXECUTORS,
+    check_settings,
+    loaded_by_a_shell_command,
+)
 from dflash_assets.settings import ALL_SETTINGS, SettingError
 from dflash_assets_tests.conftest import REPO, make_dagster_home, open_instance
 
@@ -49,6 +54,7 @@ CASES = [
     (["demo", "--steps", "0"], {}, "--steps"),
     (["plan", "--sample-rows", "many"], {}, "--sample-rows"),
     (["plan", "--gpu-result", "{tmp}/no-such.json"], {}, "--gpu-result"),
+    (["ranges"], {"DFLASH_GIT_URL": "https://git.example.com/ml/dflash-assets"}, "DFLASH_GIT_URL"),
 ]
 
 
@@ -84,6 +90,14 @@ def test_the_defaults_and_every_documented_choice_pass_the_checks(clean_env: Pat
         monkeypatch.setenv("DFLASH_EXECUTOR", executor)
         check_settings()
         code_location_executor()  # each one the checks let through is one the code location builds
+
+
+def test_a_repository_url_with_credentials_is_refused_without_echoing_them(clean_env: Path, monkeypatch):
+    monkeypatch.setenv("DFLASH_GIT_URL", "https://oauth2:glpat-not-for-logs@gitlab.com/ml/dflash-assets")
+    with pytest.raises(SettingError) as error:
+        check_settings()
+    assert "DFLASH_GIT_URL must not carry credentials" in str(error.value)
+    assert "glpat-not-for-logs" not in str(error.value)
 
 
 def test_every_bad_value_is_named_in_the_one_message(clean_env: Path, monkeypatch):
@@ -136,3 +150,37 @@ def test_dagster_and_dg_commands_end_with_one_line_for_a_bad_setting_key_or_asse
     assert list(clean_env.iterdir()) == []
     with open_instance(os.environ["DAGSTER_HOME"]) as instance:
         assert "00000900-00000999" not in instance.get_dynamic_partitions("sample_ranges")
+
+
+def _loaded_under(*words: str) -> bool:
+    """`loaded_by_a_shell_command` while the command `words` (program first) runs, as click runs it."""
+    import click
+
+    context = None
+    for word in words:
+        context = click.Context(click.Group(word), info_name=word, parent=context)
+    with context:
+        return loaded_by_a_shell_command()
+
+
+def test_the_one_line_hook_is_for_commands_typed_at_a_shell_not_servers_workers_or_imports():
+    # Where the code location's error would end a command a person typed: one line.
+    assert _loaded_under("dagster", "asset", "materialize")
+    assert _loaded_under("python -m dagster", "job", "execute")
+    assert _loaded_under("dg", "launch")
+    # Long-lived processes, launched runs and steps, and commands that report a failed load themselves
+    # keep their own hook (the excepthook is process-wide).
+    for command in [
+        ("dagster", "api", "grpc"),
+        ("dagster", "code-server", "start"),
+        ("dagster", "api", "execute_run"),
+        ("dagster", "api", "execute_step"),
+        ("dagster", "dev"),
+        ("dagster-daemon", "run"),
+        ("dagster-webserver",),
+        ("dagster", "definitions", "validate"),
+        ("dg", "check", "defs"),
+        ("dg", "list", "defs"),
+    ]:
+        assert not _loaded_under(*command), command
+    assert not loaded_by_a_shell_command()  # an import from Python, as here
