@@ -44,7 +44,7 @@ NARROW_INTERMEDIATE = 1024
 NARROW_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1}
 NARROW_LINEAR_HEADS = {"linear_num_key_heads": 2, "linear_num_value_heads": 2}
 NARROW_EXPERTS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}
-CPU_ANCHORS = 32
+CPU_ANCHORS = 16
 RUN_NAME = "rehearsal"
 PROGRESS_EVERY_S = 30.0
 ANSWER_TEXT = (
@@ -430,7 +430,7 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
         "DFLASH_RUN_NAME": RUN_NAME,
         "DFLASH_TRAIN_MODE": "offline",
         "DFLASH_TRAIN_MAX_STEPS": str(options.steps),
-        "DFLASH_TRAIN_GLOBAL_BATCH_SIZE": str(max(options.samples, ranks)),
+        "DFLASH_TRAIN_GLOBAL_BATCH_SIZE": str(ranks),  # a sequence a rank a step
         "DFLASH_TRAIN_NPROC_PER_NODE": str(ranks),
         "DFLASH_CHECKPOINT_EVERY_STEPS": "0",
     }
@@ -473,17 +473,24 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
         ),
     ]
     baseline = import_baseline(stage_env)
+    plan = _plan(env, anchors)
     runs: dict[str, StageRun] = {}
     failed_stage = None
     try:
         for name, command in commands:
+            short = _memory_short(plan, name, baseline)
+            if short:
+                log(f"{name} cannot run here: {short}")
+                runs[name] = StageRun(name, 1, 0.0, 0, None, short)
+                failed_stage = name
+                break
             log(f"{name} ...")
             runs[name] = run = run_stage(name, command, stage_env, work / "log", log)
             log(f"  {name}: {'ok' if run.returncode == 0 else 'FAILED'} in {run.seconds:.0f} s")
             if run.returncode != 0:
                 failed_stage = name
                 break
-        figures = [] if failed_stage else _figures(runs, env, anchors, baseline, log)
+        figures = [] if failed_stage else _figures(runs, env, plan, baseline, log)
     finally:
         if not options.keep:
             _clean(store_url, env, work if failed_stage is None else None)
@@ -533,25 +540,60 @@ def _store_rates(store: Any, source_key: str, copies: int) -> tuple[float, float
     return copies * size / write_s, copies * size / read_s
 
 
-def _figures(
-    runs: dict[str, StageRun], env: dict[str, str], anchors: int, baseline: int, log: Callable[[str], None]
-) -> list[Figure]:
-    """Every measured figure beside the plan's for the same configuration."""
-    from dagster import AssetKey, DagsterInstance
-
+def _plan(env: dict[str, str], anchors: int) -> dict[str, Any]:
+    """`dflash-assets plan`'s figures for the rehearsal's own configuration (its samples are tokenized:
+    their lengths, and so the objects' bytes, are exact)."""
     from dflash_assets.orchestration.capacity_plan import build_plan
     from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
-    from dflash_assets.storage.manifest import StoredPartition, read_manifest
 
     with _environment(env):
-        store = StoreResource().open()
-        plan = build_plan(
+        return build_plan(
             store=StoreResource(),
             dataset=DatasetResource(),
             target_model=TargetModelResource(),
             sample_rows=0,
             num_anchors=anchors,
         ).figures
+
+
+PLANNED_STAGE = {"hidden_state_partitions": "extraction", "drafter_checkpoints": "training"}
+
+
+def _memory_short(plan: dict[str, Any], stage: str, baseline: int) -> str | None:
+    """Why `stage` would not fit this host's free memory by the plan's figure (on a CPU, where the host is
+    the device), before it runs: a stage killed by the kernel midway says nothing a user can act on."""
+    from dflash_assets.storage.units import human_bytes
+    from dflash_assets.target.memory import host_available_bytes
+
+    planned = PLANNED_STAGE.get(stage)
+    if planned is None or plan["device"]["kind"] == "cuda":
+        return None
+    needed = plan["device_memory"][planned]["bytes"] + baseline
+    available = host_available_bytes()
+    if needed <= available:
+        return None
+    return (
+        f"the plan's {planned} memory ({human_bytes(needed - baseline)}, and {human_bytes(baseline)} of "
+        f"imports) is more than this host has free now ({human_bytes(available)}); free memory, or rehearse "
+        "with fewer --anchors or a shorter --mean-tokens"
+    )
+
+
+def _figures(
+    runs: dict[str, StageRun],
+    env: dict[str, str],
+    plan: dict[str, Any],
+    baseline: int,
+    log: Callable[[str], None],
+) -> list[Figure]:
+    """Every measured figure beside the plan's for the same configuration."""
+    from dagster import AssetKey, DagsterInstance
+
+    from dflash_assets.orchestration.resources import StoreResource
+    from dflash_assets.storage.manifest import StoredPartition, read_manifest
+
+    with _environment(env):
+        store = StoreResource().open()
         with DagsterInstance.get() as instance:
             event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
             trained = {k: v.value for k, v in event.asset_materialization.metadata.items()}
@@ -572,7 +614,7 @@ def _figures(
     drafter_rate = split.get("drafter_tokens_per_s_per_device")
     drafter_source = (split.get("sources") or {}).get("drafter", "")
     measured_basis = drafter_rate and ("measured" in drafter_source or "given" in drafter_source)
-    tokens_per_step = plan["tokens"]  # one global batch is every rehearsal sample
+    tokens_per_step = plan["tokens"] / max(1, plan["samples"]) * ranks  # a sequence a rank a step
     steps_per_s = float(trained["tokens_per_s"]) / tokens_per_step if tokens_per_step else None
     host = "device" if on_device else "host"
     figures = [
