@@ -2,9 +2,9 @@
 
 Loading it reads no dataset, no store and no model, and imports no torch: partitions are dynamic
 (`partitions.py`), resources open what they need when a run uses them. What shapes the code location is
-read when `build_definitions` runs: `DFLASH_COMPLETIONS=target` puts `target_completions` upstream of
-`tokenized_completions`, `DFLASH_EXECUTOR` chooses the executor, and the GPU steps' pools and
-Kubernetes tags follow their settings (a snapshot test holds every combination:
+read when `build_definitions` runs: the four assets are always there, `DFLASH_COMPLETIONS=target`
+puts `target_completions` upstream of `tokenized_completions`, `DFLASH_EXECUTOR` chooses the executor,
+and the GPU steps' pools and Kubernetes tags follow their settings (a snapshot test holds every combination:
 `python scripts/write_asset_graph_snapshot.py` rewrites it). A test varies them in-process by calling
 it again. A bad `DFLASH_*` value stops loading with one line naming it.
 
@@ -92,9 +92,14 @@ def product_definitions(completions: str | None = None) -> Definitions:
     """The product's assets, checks, sensors, executor and resources: what the asset-graph snapshot
     holds. Each asset shows its owners and a link to its code in the UI."""
     completions = completions or settings.completions_source()
-    regenerated = [target_completions_asset()] if completions == "target" else []
+    # Always in the graph: with `dataset` answers it feeds nothing yet (materialise it, then set
+    # DFLASH_COMPLETIONS=target to tokenize the target's own answers); with `target`, it is upstream.
     range_assets = _as_shown_in_the_ui(
-        [*regenerated, tokenized_completions_asset(completions), hidden_state_partitions_asset()]
+        [
+            target_completions_asset(),
+            tokenized_completions_asset(completions),
+            hidden_state_partitions_asset(),
+        ]
     )
     store = StoreResource()
     return Definitions(

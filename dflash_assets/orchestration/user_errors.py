@@ -240,8 +240,8 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 def user_error_message(error: BaseException) -> str | None:
     """The one line for a mistake of the user's anywhere in `error`'s chain (a bad setting, a missing
-    dataset, a store URL or credentials refused, a partition key that is no range of the dataset, an
-    asset the settings leave out); None for anything else, which keeps its traceback."""
+    dataset, a store URL or credentials refused, a partition key that is no range of the dataset); None
+    for anything else, which keeps its traceback."""
     types = _user_error_types()
     seen: set[int] = set()
     current: BaseException | None = error
@@ -249,30 +249,8 @@ def user_error_message(error: BaseException) -> str | None:
         seen.add(id(current))
         if isinstance(current, types):
             return " ".join(str(current).split())
-        missing = _missing_target_completions(current)
-        if missing:
-            return missing
         current = current.__cause__ or current.__context__
     return None
-
-
-def _missing_target_completions(error: BaseException) -> str | None:
-    """Dagster's "no such asset" for `target_completions` when the settings leave it out of the graph."""
-    if type(error).__name__ not in ("DagsterInvalidSubsetError", "DagsterInvalidDefinitionError"):
-        return None
-    if "target_completions" not in str(error):
-        return None
-    try:
-        if settings.completions_source() == "target":
-            return None
-    except SettingError as bad:
-        return str(bad)
-    return (
-        f"target_completions is in the asset graph only with {settings.COMPLETIONS.name}=target (now "
-        f"{settings.COMPLETIONS.get()!r}: tokenized_completions reads the dataset's own answers): "
-        f"export {settings.COMPLETIONS.name}=target before the command (scripts/up.sh and scripts/ui.sh "
-        "set it)"
-    )
 
 
 # The `dagster` and `dg` subcommands a person types that load the code location in their own process and

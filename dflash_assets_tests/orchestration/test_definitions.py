@@ -17,10 +17,17 @@ from dflash_assets.orchestration.partitions import PARTITIONS_NAME, NotASampleRa
 from dflash_assets_tests.support.s3_server import free_port
 
 
-def test_the_definitions_load_with_the_three_assets_the_sensors_and_the_resources():
+def test_the_definitions_load_with_the_four_assets_the_sensors_and_the_resources():
     repository = defs.get_repository_def()
     keys = {key.to_user_string() for key in repository.asset_graph.get_all_asset_keys()}
-    assert keys == {"tokenized_completions", "hidden_state_partitions", "drafter_checkpoints"}
+    assert keys == {
+        "target_completions",
+        "tokenized_completions",
+        "hidden_state_partitions",
+        "drafter_checkpoints",
+    }
+    # With the dataset's own answers (the default), tokenized_completions reads no regenerated ones.
+    assert repository.asset_graph.get(AssetKey("tokenized_completions")).parent_keys == set()
     assert {s.name for s in repository.sensor_defs} == {"failed_range_sensor", "sample_range_sensor"}
     assert set(defs.resources) >= {"store", "store_io_manager", "dataset", "target_model", "devices"}
 

@@ -137,8 +137,7 @@ def test_dagster_and_dg_commands_end_with_one_line_for_a_bad_setting_key_or_asse
          {"DFLASH_HIDDEN_STATE_DTYPE": "fp16"}, "DFLASH_HIDDEN_STATE_DTYPE"),
         # A range past the bundled data's 500 rows: refused, and not registered.
         (materialize + ["--select", "tokenized_completions"], "00000900-00000999", {}, "its last range is"),
-        # target_completions is in the graph only with DFLASH_COMPLETIONS=target.
-        (launch + ["--assets", "target_completions"], "00000000-00000099", {}, "DFLASH_COMPLETIONS=target"),
+        (launch + ["--assets", "tokenized_completions"], "00000900-00000999", {}, "its last range is"),
     ]  # fmt: skip
     for args, key, extra, named in cases:
         cwd = REPO if args[0].endswith("dg") else clean_env
