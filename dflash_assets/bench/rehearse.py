@@ -235,9 +235,11 @@ def _tree(pid: int) -> list[int]:
 
 
 def _rss(pid: int) -> int:
+    """The process's anonymous resident memory: what it needs, not the pages of files it maps (a target
+    loaded from safetensors maps its files; those pages are the page cache's, freed under pressure)."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -266,8 +268,8 @@ def _device_bytes(pids: set[int]) -> int | None:
 def run_stage(
     name: str, command: list[str], env: dict[str, str], log_path: Path, log: Callable[[str], None]
 ) -> StageRun:
-    """Run one stage's command; its peak host memory is the largest resident set of any of its processes
-    (the kernel's count for every descendant waited for), its device memory the most nvidia-smi saw."""
+    """Run one stage's command; its peak host memory is the largest anonymous resident set any of its
+    processes reached (sampled every second), its device memory the most nvidia-smi saw."""
     started = time.monotonic()
     with open(log_path, "a") as output:
         output.write(f"\n=== {name}: {' '.join(command)}\n")
@@ -279,7 +281,7 @@ def run_stage(
 
     def watch() -> None:
         said = time.monotonic()
-        while not stop.wait(2.0):
+        while not stop.wait(1.0):
             pids = set(_tree(process.pid))
             sampled_peak[0] = max(sampled_peak[0], max((_rss(pid) for pid in pids), default=0))
             held = _device_bytes(pids)
@@ -295,7 +297,7 @@ def run_stage(
     watcher = threading.Thread(target=watch, name="rehearsal-watch", daemon=True)
     watcher.start()
     try:
-        _, status, usage = os.wait4(process.pid, 0)
+        _, status = os.waitpid(process.pid, 0)
     except BaseException:
         process.kill()
         process.wait()
@@ -304,20 +306,25 @@ def run_stage(
         stop.set()
         watcher.join()
     process.returncode = os.waitstatus_to_exitcode(status)
-    peak = max(int(usage.ru_maxrss) * 1024, sampled_peak[0])
     return StageRun(
-        name, process.returncode, time.monotonic() - started, peak, device_peak[0], log_path.read_text()
+        name,
+        process.returncode,
+        time.monotonic() - started,
+        sampled_peak[0],
+        device_peak[0],
+        log_path.read_text(),
     )
 
 
 def import_baseline(env: dict[str, str]) -> int:
-    """The resident set of a process that has imported what every stage imports: what a stage costs
-    before it does any work."""
-    code = "import torch, transformers, dagster, dflash_assets.definitions"
-    process = subprocess.Popen([sys.executable, "-c", code], env=env)
-    _, _, usage = os.wait4(process.pid, 0)
-    process.returncode = 0
-    return int(usage.ru_maxrss) * 1024
+    """The anonymous resident memory of a process that has imported what every stage imports: what a
+    stage costs before it does any work."""
+    code = (
+        "import torch, transformers, dagster, dflash_assets.definitions, pathlib; print([l.split()[1] "
+        "for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon:')][0])"
+    )
+    answer = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return int(answer.stdout.split()[-1]) * 1024
 
 
 # ------------------------------------------------------------------------------------------ the rehearsal
