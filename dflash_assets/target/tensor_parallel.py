@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_assets.storage.faults import fault_point
 from dflash_assets.target.model import MODEL_SETTING, TargetModelError, _config_get, text_config
 
 TP_SETTING = "DFLASH_TARGET_TP"
@@ -183,6 +184,7 @@ class TargetGroup:
                 return done
             if command == PING:
                 continue
+            fault_point("target_rank_command")  # crash tests: a follower dies mid-range
             handler = handlers.get(command)
             if handler is None:
                 raise RuntimeError(f"rank {self.rank}: the leader sent an unknown command {command!r}")

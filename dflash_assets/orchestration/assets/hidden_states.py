@@ -2,6 +2,7 @@
 
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 from dagster import (
     AssetCheckExecutionContext,
@@ -168,15 +169,12 @@ def _capture_over_devices(context, progress, store, target_model, devices, token
     from dflash_assets.orchestration.execution.target_launch import run_target_ranks
     from dflash_assets.target.ranks import TargetRankJob
 
-    class Reports:
-        log = staticmethod(progress.log_line)
-        warn = staticmethod(context.log.warning)
-        status = staticmethod(progress.set_status)
-
-        @staticmethod
-        def progress(snapshot: dict) -> None:
-            progress(ExtractionProgress(**snapshot))
-
+    reports = SimpleNamespace(
+        log=progress.log_line,
+        warn=context.log.warning,
+        status=progress.set_status,
+        progress=lambda snapshot: progress(ExtractionProgress(**snapshot)),
+    )
     job = TargetRankJob(
         stage="capture",
         model_dir=str(target_model.model_dir()),
@@ -196,7 +194,7 @@ def _capture_over_devices(context, progress, store, target_model, devices, token
         },
     )
     progress.note(f"capturing over {tp} devices, one rank each (layers {extraction['target_layer_ids']})")
-    return _SplitCapture(run_target_ranks(job, Reports()))
+    return _SplitCapture(run_target_ranks(job, reports))
 
 
 class RangeCheckConfig(Config):

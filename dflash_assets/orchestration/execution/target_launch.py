@@ -1,6 +1,6 @@
 """A step's side of a target split over several devices (`DFLASH_TARGET_TP` > 1): its ranks launched with
-torch.distributed's launcher (`training/launcher.py`'s command: torchrun that dies with this process),
-followed until they end.
+torch.distributed's launcher (`target/launcher.py`: torchrun that dies with this process), followed until
+they end.
 
 The step waits until the host has as many free devices as the target spans (saying whom it waits for),
 serves a `torch.distributed.TCPStore` that rank 0 reports to (`target/ranks.py`), replays the reports into
@@ -110,7 +110,9 @@ class _Tail:
 
     def __init__(self, stream) -> None:
         self.lines: collections.deque[str] = collections.deque(maxlen=60)
-        self._thread = threading.Thread(target=self._pump, args=(stream,), name="target-ranks", daemon=True)
+        self._thread = threading.Thread(
+            target=self._pump, args=(stream,), name="target-launcher", daemon=True
+        )
         self._thread.start()
 
     def _pump(self, stream) -> None:
@@ -141,12 +143,7 @@ class _Ranks:
     """One launch of a split target's ranks, followed: their reports replayed, their end noticed."""
 
     def __init__(self, job: TargetRankJob, reports: Reports, launch_dir: Path) -> None:
-        from dflash_assets.training.launcher import (
-            Rendezvous,
-            free_port,
-            launcher_command,
-            torchrun_arguments,
-        )
+        from dflash_assets.target.launcher import launcher_command
 
         self.reports = reports
         self.store = _StepStore("127.0.0.1", job.timeout_s)
@@ -154,25 +151,12 @@ class _Ranks:
         launch_dir.mkdir(parents=True, exist_ok=True)
         job_file = launch_dir / "job.json"
         job_file.write_text(self.job.to_json())
-        module = {"capture": "dflash_assets.extraction.rank", "regeneration": "dflash_assets.generation.rank"}
-        rendezvous = Rendezvous(
-            host="127.0.0.1",
-            port=free_port("127.0.0.1"),
-            run_id=uuid.uuid4().hex[:12],
-            nnodes=1,
-            join_timeout_s=job.timeout_s,
-            max_restarts=0,  # a rank that dies ends them all; the range's next run resumes
-        )
-        entry = ["-m", module[job.stage], str(job_file)]
-        arguments = torchrun_arguments(rendezvous, job.tp, is_host=True, entry=entry)
         env = dict(os.environ)
         # torchrun would set 1 with a warning; a rank gets its share of the cores instead.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // job.tp)))
-        reports.log(
-            f"launching {job.tp} target ranks ({job.stage}; rendezvous {rendezvous.host}:{rendezvous.port})"
-        )
+        reports.log(f"launching {job.tp} target ranks ({job.stage}) with torch.distributed's launcher")
         self.process = subprocess.Popen(
-            launcher_command(arguments), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            launcher_command(job_file), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         self.tail = _Tail(self.process.stdout)
         self.outcome: dict[str, Any] | None = None
@@ -207,22 +191,39 @@ class _Ranks:
     def failure_message(self) -> str:
         code = self.process.returncode
         how = "still running" if code is None else f"signal {-code}" if code < 0 else f"exit code {code}"
-        cause = [
-            line.strip()
-            for line in self.tail.lines
-            if any(word in line for word in ("rank", "exitcode", "Signal", "RendezvousTimeout", "Error"))
-        ][-6:]
-        said = f": {self.failure}" if self.failure else ""
+        first = _root_cause(list(self.tail.lines))
+        parts = [f"the {self.job.tp} target ranks ({self.job.stage}) failed"]
+        if first:
+            parts.append(f"{first} ended first")
+        if self.failure:
+            parts.append(f"rank 0 said: {self.failure[:300]}")
+        if not first and not self.failure:
+            parts.append(f"the launcher ended with {how}; see the step's stderr for each rank's output")
         return (
-            f"the {self.job.tp} target ranks ({self.job.stage}) failed{said} "
-            f"(the launcher ended with {how}). "
-            + (" | ".join(cause) if cause else "See the step's stderr for each rank's output.")
-            + " Materialise the range again: it resumes from what the store and staging hold."
+            "; ".join(parts)
+            + ". Materialise the range again: it resumes from what the store and staging hold."
         )
 
 
+def _root_cause(lines: list[str]) -> str:
+    """torchrun's "Root Cause (first observed failure)" as `rank N (exitcode ...)`, or empty."""
+    try:
+        start = max(i for i, line in enumerate(lines) if "Root Cause" in line)
+    except ValueError:
+        return ""
+    fields = {}
+    for line in lines[start + 1 :]:
+        name, _, value = line.partition(":")
+        if name.strip() in ("rank", "exitcode") and name.strip() not in fields:
+            fields[name.strip()] = value.strip()
+    if "rank" not in fields:
+        return ""
+    rank = fields["rank"].split(" ")[0]
+    return f"rank {rank} (exitcode {fields['exitcode']})" if "exitcode" in fields else f"rank {rank}"
+
+
 def _launch_dir(job: TargetRankJob) -> Path:
-    return settings.cache_dir() / "target-ranks" / uuid.uuid4().hex[:12]
+    return settings.cache_dir() / "target-launch" / uuid.uuid4().hex[:12]
 
 
 def run_target_ranks(job: TargetRankJob, reports: Reports) -> dict[str, Any]:
