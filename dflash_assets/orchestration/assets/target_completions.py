@@ -8,6 +8,7 @@ from pydantic import Field
 
 from dflash_assets import settings
 from dflash_assets.conversations.sample_range import SampleRange
+from dflash_assets.orchestration.capacity_plan import resolve_target_tp
 from dflash_assets.orchestration.execution.k8s import gpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
@@ -56,6 +57,7 @@ class GenerateConfig(Config):
         default=65536, description="In-process: prompt plus new tokens of one batch, padding included."
     )
     max_batch_size: int = Field(default=64, description="In-process: most conversations in one batch.")
+    target_tp: str | None = Field(default=None, description=settings.TARGET_TP.field_description())
     progress_every_s: float = Field(default=15.0, description="Seconds between progress snapshots.")
     observe_every_s: float = Field(default=60.0, description="Seconds between progress observations.")
 
@@ -137,6 +139,12 @@ def target_completions_asset() -> AssetsDefinition:
         )
         prefix = partition_prefix("target_completions", sample_range.key)
         progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
+        # With servers the GPUs are theirs; in-process the split is checked before any device is leased.
+        tp = (
+            1
+            if generation.uses_servers
+            else resolve_target_tp(config.target_tp, "regeneration", target_model, progress.note)
+        )
         progress.set_status("waiting for the engine")
         open_engine = generation.engine_opener(
             generation_settings,
@@ -147,6 +155,7 @@ def target_completions_asset() -> AssetsDefinition:
             warn=context.log.warning,
             max_tokens_per_batch=config.max_tokens_per_batch,
             max_batch_size=config.max_batch_size,
+            target_tp=tp,
         )
         with store.uploader() as uploader:
             result = regenerate.regenerate_range(

@@ -254,6 +254,7 @@ class RankServer:
     def __init__(self, ranks: _Ranks, reply_timeout_s: float) -> None:
         self._ranks = ranks
         self.reply_timeout_s = reply_timeout_s
+        self.devices: list[str] = []  # the ranks' devices, once they are ready
 
     def call(self, request: dict[str, Any]) -> dict[str, Any]:
         ranks = self._ranks
@@ -274,9 +275,9 @@ class RankServer:
                 )
             time.sleep(0.005)
 
-    def wait_ready(self) -> dict[str, Any]:
+    def wait_ready(self) -> None:
         """Rank 0's first reply: the target is loaded on every rank (or the launch failed)."""
-        return self.call({"kind": "ready"})
+        self.devices = list(self.call({"kind": "ready"})["devices"])
 
 
 @contextlib.contextmanager
