@@ -167,6 +167,7 @@ def build_plan(
             stated=(nproc, online_target_devices or 0) if nproc else None,
             stated_from=stated_from,
             longest=longest,
+            target_span=split_target.chosen("online target"),
         )
     except SplitUnknown as error:
         plan.figures["training_split"] = None
@@ -237,6 +238,7 @@ def recommended_online_split(
             num_anchors=num_anchors,
             target_devices_per_rank=target_devices_per_rank,
             longest=max_length,
+            target_span=online_target_span(target_model),
         )
     except SplitUnknown as error:
         raise settings.SettingError(f"{setting}=auto cannot choose a split: {error}") from None
@@ -435,6 +437,12 @@ def resolve_target_tp(
     except TensorParallelUnsupported as error:
         raise settings.SettingError(str(error)) from None
     return tp
+
+
+def online_target_span(target_model: TargetModelResource) -> int:
+    """Devices each online target replica spans: `DFLASH_TARGET_TP`, or with `auto` the plan's smallest
+    count that holds one replica on this host's device."""
+    return settings.target_tp() or planned_target_tp(target_model, "online target")
 
 
 def planned_target_tp(target_model: TargetModelResource, stage: str) -> int:

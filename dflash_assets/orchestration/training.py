@@ -189,6 +189,7 @@ def training_job(
     settings; checked here, before any rank starts."""
     from dflash_assets.drafter.config import DrafterConfig
     from dflash_assets.drafter.model import config_summary
+    from dflash_assets.orchestration.capacity_plan import online_target_span
     from dflash_assets.training.job import TrainingJob
 
     train_settings = config.train_settings()
@@ -217,6 +218,7 @@ def training_job(
         settings=job_settings,
         data_source=data_source(tokenized) if tokenized else {"completions": "dataset"},
         online_target_devices=online_target_devices,
+        target_span=online_target_span(target_model) if train_settings.mode == "online" else 1,
         cache_budget_bytes=config.cache_budget_bytes or 16 * 2**30,
         s3=store.s3_settings_fields(),
         upload=store.uploader_fields(),

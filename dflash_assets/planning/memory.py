@@ -198,10 +198,8 @@ def target_split(
             k: regeneration_bytes(target, device, max_tokens_per_batch, max_length, generation_batch, k)
             for k in sizes
         },
-        # a replica spans its devices by layer blocks: any count, not only the head counts' divisors
-        "online target": {
-            k: online_target_bytes(target, device, online, k) for k in range(1, MAX_TARGET_TP + 1)
-        },
+        # a replica spans its devices by layer blocks (any count would do; one setting serves every stage)
+        "online target": {k: online_target_bytes(target, device, online, k) for k in sizes},
     }
     memory = device.total_memory_bytes
     smallest = {
