@@ -262,7 +262,9 @@ def test_a_target_family_without_a_tensor_parallel_plan_fails_before_any_device_
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model_dir = tmp_path / "gpt2-target"
-    GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=32, n_head=2, vocab_size=1536, bos_token_id=0, eos_token_id=0)).save_pretrained(model_dir)
+    GPT2LMHeadModel(
+        GPT2Config(n_layer=8, n_embd=32, n_head=2, vocab_size=1536, bos_token_id=0, eos_token_id=0)
+    ).save_pretrained(model_dir)
     cache = tmp_path / "cache"
     env = {**_fresh(split, "no-plan"), "DFLASH_TARGET_MODEL": str(model_dir), "DFLASH_CACHE_DIR": str(cache)}
     run = materialize_here("hidden_state_partitions", KEY, env)
