@@ -187,7 +187,8 @@ TARGET_TP = Setting(
     "in-process `target_completions` step launches that many ranks with torch.distributed's launcher, each "
     "leasing a device and holding its shard of the target (transformers' tensor-parallel plan), and each "
     "online training replica spans that many devices. `auto`: the smallest count `dflash-assets plan` "
-    "finds fits the stage.",
+    "finds fits the stage. On Kubernetes a step's pod requests that many GPUs (read when the code location "
+    "loads: give a number there).",
 )
 TARGET_TP_TIMEOUT_S = Setting(
     "DFLASH_TARGET_TP_TIMEOUT_S",

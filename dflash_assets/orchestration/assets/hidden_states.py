@@ -69,7 +69,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         io_manager_key="store_io_manager",
         group_name="dflash",
         pool="gpu",
-        op_tags=gpu_step_tags(),
+        op_tags=gpu_step_tags(gpus=settings.target_tp() or 1),  # a pod gets every device the target spans
         kinds={"pytorch", "safetensors", "s3"},
         description="Raw outputs of the target's chosen decoder layers, one safetensors object per sample.",
     )
