@@ -223,6 +223,8 @@ def online_data(
     ]
     for capture, spans in zip(captures, replicas, strict=True):
         report_kernel_paths(capture.model, spans[0], log=log, warn=lambda m: log(f"WARNING: {m}"))
+    if job.target_span > 1:
+        log(f"{len(replicas)} target replica(s), each over {job.target_span} devices: {replicas}")
     data = OnlineData(
         samples=samples,
         target_hidden_states=ReplicatedCapture(captures, device),

@@ -273,3 +273,52 @@ def test_a_target_family_without_a_tensor_parallel_plan_fails_before_any_device_
     assert "DFLASH_TARGET_TP=1" in run.output  # what to do instead
     assert not (cache / "device-leases").exists() or not list((cache / "device-leases").iterdir())
     assert not processes_running(RANK_MODULE, split["marker"])
+
+
+ONLINE = {"max_steps": 2, "global_batch_size": 2, "num_anchors": 8, "eval_samples": 2, "spec_eval_prompts": 0}
+ONLINE |= {"max_length": 128, "checkpoint_every_steps": 2}
+
+
+def test_online_training_runs_its_target_replica_over_two_devices_of_its_own(split, tmp_path):
+    env = {
+        **split["env"],
+        "DFLASH_STORE_URL": split["reference"],  # both demo ranges, tokenized
+        "DAGSTER_HOME": make_dagster_home(tmp_path / "dagster-home"),
+        "DFLASH_HOME": str(tmp_path / "home"),
+        "DFLASH_TRAIN_MODE": "online",
+        "DFLASH_DEVICES": "cpu:0,cpu:1,cpu:2",
+    }
+    config = {**ONLINE, "run_name": "online-split", "online_target_devices": 2}
+    run = materialize_here("drafter_checkpoints", None, env, config={"drafter_checkpoints": config})
+    assert run.success, run.output[-4000:]
+    assert "1 target replica(s), each over 2 devices: [['cpu:1', 'cpu:2']]" in run.output
+    assert run.metadata["steps"] == 2 and run.metadata["target_devices"] == "cpu:1, cpu:2"
+
+    odd = {**config, "run_name": "online-odd", "online_target_devices": 1}
+    run = materialize_here("drafter_checkpoints", None, env, config={"drafter_checkpoints": odd})
+    assert not run.success
+    assert "set the run config `online_target_devices` to a multiple of 2 (it is 1" in run.output
+
+
+def test_regeneration_in_process_with_the_target_over_two_devices_answers_as_one_device(split, tmp_path):
+    key = "00000000-00000005"
+    env = {
+        **split["env"],
+        "DFLASH_SAMPLES_PER_PARTITION": "6",
+        "DFLASH_COMPLETIONS": "target",
+        "DFLASH_GENERATE_MAX_NEW_TOKENS": "8",
+        "DAGSTER_HOME": make_dagster_home(tmp_path / "dagster-home"),
+        "DFLASH_HOME": str(tmp_path / "home"),
+    }
+    answers = {}
+    for tp in ("1", "2"):
+        url = f"s3://{split['bucket']}/regenerated-tp{tp}"
+        run = materialize_here(
+            "target_completions", key, {**env, "DFLASH_TARGET_TP": tp, "DFLASH_STORE_URL": url}
+        )
+        assert run.success, run.output[-4000:]
+        answers[tp] = open_store(url).get_bytes(f"target-completions/{key}/completions.jsonl")
+    assert "launching 2 target ranks (regeneration)" in run.output
+    assert "generating 6 conversations with the target split over cpu:0, cpu:1" in run.output
+    assert answers["2"] == answers["1"]  # greedy: the same tokens, byte for byte
+    assert wait_until(lambda: nothing_left(split["marker"]), 10) and leases_free(env)
