@@ -70,7 +70,7 @@ def lead(job: TargetRankJob) -> Any:
                 progress_every_s=float(work["progress_every_s"]),
                 on_progress=progress,
                 hidden_state_dtype=work["hidden_state_dtype"],
-                source=work["tokenized_prefix"],
+                source=work["source"],
             )
         return {
             "objects": result.objects,

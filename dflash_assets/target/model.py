@@ -22,7 +22,7 @@ class TargetModelError(ValueError):
     """The target model directory cannot be loaded."""
 
 
-def _config_get(config: Any, key: str) -> Any:
+def config_value(config: Any, key: str) -> Any:
     if isinstance(config, Mapping):
         return config.get(key)
     return getattr(config, key, None)
@@ -30,15 +30,15 @@ def _config_get(config: Any, key: str) -> Any:
 
 def text_config(config: Any) -> Any:
     """The language-model part of a config: itself, or its nested `text_config` (multimodal checkpoints)."""
-    if _config_get(config, "num_hidden_layers") is None:
-        nested = _config_get(config, "text_config")
+    if config_value(config, "num_hidden_layers") is None:
+        nested = config_value(config, "text_config")
         if nested is not None:
             return nested
     return config
 
 
 def num_decoder_layers(config: Any) -> int:
-    value = _config_get(text_config(config), "num_hidden_layers")
+    value = config_value(text_config(config), "num_hidden_layers")
     if not isinstance(value, int) or value <= 0:
         raise ValueError(
             "the target model config has no decoder layer count (`num_hidden_layers`, also looked in "
@@ -48,7 +48,7 @@ def num_decoder_layers(config: Any) -> int:
 
 
 def hidden_size_of(config: Any) -> int:
-    value = _config_get(text_config(config), "hidden_size")
+    value = config_value(text_config(config), "hidden_size")
     if not isinstance(value, int) or value <= 0:
         raise ValueError(f"the target model config has no `hidden_size`; check {MODEL_SETTING}")
     return value
@@ -57,7 +57,7 @@ def hidden_size_of(config: Any) -> int:
 def context_length_of(config: Any) -> int | None:
     """Positions the target reads, prompt and answer together (`max_position_embeddings`); None when the
     config does not say."""
-    value = _config_get(text_config(config), "max_position_embeddings")
+    value = config_value(text_config(config), "max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else None
 
 

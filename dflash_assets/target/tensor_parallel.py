@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dflash_assets.storage.faults import fault_point
-from dflash_assets.target.model import MODEL_SETTING, TargetModelError, _config_get, text_config
+from dflash_assets.target.model import MODEL_SETTING, TargetModelError, config_value, text_config
 
 TP_SETTING = "DFLASH_TARGET_TP"
 STOP, PING = "stop", "ping"
@@ -49,7 +49,7 @@ def head_counts(config: Any) -> dict[str, int]:
     text = text_config(config)
     counts = {}
     for key in ("num_attention_heads", "num_key_value_heads"):
-        value = _config_get(text, key)
+        value = config_value(text, key)
         if isinstance(value, int) and value > 0:
             counts[key] = value
     return counts
@@ -67,7 +67,7 @@ def check_tensor_parallel(config: Any, tp: int, *, stage: str) -> None:
     any device is leased."""
     if tp <= 1:
         return
-    model_type = _config_get(text_config(config), "model_type") or _config_get(config, "model_type")
+    model_type = config_value(text_config(config), "model_type") or config_value(config, "model_type")
     if tensor_parallel_plan(config) is None:
         instead = {
             "regeneration": (

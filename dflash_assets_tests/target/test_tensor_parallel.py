@@ -61,6 +61,23 @@ def test_a_replica_over_several_devices_splits_its_layers_in_contiguous_blocks(d
     }
 
 
+def test_a_target_is_placed_on_its_device_as_its_weights_are_read(demo_model_dir, monkeypatch):
+    """Not loaded into host memory and moved after: eight ranks of one host would each hold the whole
+    target there. transformers places each tensor as it reads it when given a `device_map`."""
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording)
+    load_target_model(demo_model_dir, "cpu:1")
+    assert calls[-1]["device_map"] == torch.device("cpu")
+
+
 def test_a_target_loads_onto_its_device_and_a_cpu_replica_over_two_leases_is_the_same_model(demo_model_dir):
     one = load_target_model(demo_model_dir, "cpu:0")
     two = load_target_model(demo_model_dir, ["cpu:0", "cpu:1"])  # both leases are the one CPU

@@ -1,7 +1,6 @@
 """`hidden_state_partitions`: the target's chosen decoder-layer outputs, one object per sample."""
 
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
 from dagster import (
@@ -99,11 +98,11 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
         tp = resolve_target_tp(config.target_tp, "capture", target_model, log=progress.note)  # before a lease
         progress.set_status("waiting for a device")
-        extraction = {
+        extraction = {  # extract_range's arguments, wherever it runs
             "target_model_name": target_model.name,
             "target_layer_ids": layer_ids,
             "prefix": prefix,
-            "staging_dir": str(store.staging_path(prefix)),
+            "staging_dir": store.staging_path(prefix),
             "max_tokens_per_batch": config.token_budget(),
             "max_batch_size": config.max_batch_size,
             "progress_every_s": config.progress_every_s,
@@ -111,9 +110,8 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
             "source": tokenized.prefix,  # relative: a store copied elsewhere keeps its objects
         }
         if tp > 1:
-            result = _capture_over_devices(
-                context, progress, store, target_model, devices, tokenized, extraction, tp
-            )
+            job = _split_capture_job(context, store, target_model, devices, tokenized, extraction, tp)
+            result = _capture_over_devices(context, progress, job)
         else:
             with devices.lease(holder=f"run {context.run.run_id}", log=progress.note) as device:
                 progress.note(f"leased device {device}; loading the target, layers {layer_ids}")
@@ -127,7 +125,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
                         log=progress.log_line,
                         warn=context.log.warning,
                         on_progress=progress,
-                        **{**extraction, "staging_dir": Path(extraction["staging_dir"])},
+                        **extraction,
                     )
         context.log.info(f"{sample_range.key}: {result.summary()}")
         manifest_fields = {
@@ -162,20 +160,11 @@ class _SplitCapture:
         return self._summary
 
 
-def _capture_over_devices(context, progress, store, target_model, devices, tokenized, extraction, tp: int):
-    """The range captured by `tp` ranks, each holding a shard of the target on a device of its own
-    (`orchestration/execution/target_launch.py`); rank 0 writes the objects as one device would."""
-    from dflash_assets.extraction.monitor import ExtractionProgress
-    from dflash_assets.orchestration.execution.target_launch import run_target_ranks
+def _split_capture_job(context, store, target_model, devices, tokenized, extraction, tp: int):
+    """What each of the `tp` ranks of the range's capture reads (`extraction/rank.py`)."""
     from dflash_assets.target.ranks import TargetRankJob
 
-    reports = SimpleNamespace(
-        log=progress.log_line,
-        warn=context.log.warning,
-        status=progress.set_status,
-        progress=lambda snapshot: progress(ExtractionProgress(**snapshot)),
-    )
-    job = TargetRankJob(
+    return TargetRankJob(
         stage="capture",
         model_dir=str(target_model.model_dir()),
         tp=tp,
@@ -185,6 +174,7 @@ def _capture_over_devices(context, progress, store, target_model, devices, token
         timeout_s=settings.TARGET_TP_TIMEOUT_S.get_float(),
         work={
             **extraction,
+            "staging_dir": str(extraction["staging_dir"]),
             "store_url": store.store_url(),
             "s3": store.s3_settings_fields(),
             "upload": store.uploader_fields(),
@@ -193,7 +183,22 @@ def _capture_over_devices(context, progress, store, target_model, devices, token
             "read_cache_dir": str(store.read_cache_dir()),
         },
     )
-    progress.note(f"capturing over {tp} devices, one rank each (layers {extraction['target_layer_ids']})")
+
+
+def _capture_over_devices(context, progress: RangeProgressReporter, job) -> _SplitCapture:
+    """The range captured by `job.tp` ranks, each holding a shard of the target on a device of its own
+    (`orchestration/execution/target_launch.py`); rank 0 writes the objects as one device would."""
+    from dflash_assets.extraction.monitor import ExtractionProgress
+    from dflash_assets.orchestration.execution.target_launch import run_target_ranks
+
+    reports = SimpleNamespace(
+        log=progress.log_line,
+        warn=context.log.warning,
+        status=progress.set_status,
+        progress=lambda snapshot: progress(ExtractionProgress(**snapshot)),
+    )
+    layers = job.work["target_layer_ids"]
+    progress.note(f"capturing over {job.tp} devices, one rank each (layers {layers})")
     return _SplitCapture(run_target_ranks(job, reports))
 
 
