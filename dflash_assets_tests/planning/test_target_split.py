@@ -112,3 +112,29 @@ def test_the_plan_command_prints_the_split_for_a_70b_target_on_80_gb_cards(seven
         plan["device_memory"]["extraction"]["bytes"] == plan["target_split"]["bytes_by_tp"]["extraction"]["2"]
     )
     assert any("more than DFLASH_TARGET_TP=2" in w for w in plan["warnings"])
+
+
+def test_the_training_split_counts_a_ranks_target_devices_in_whole_replicas_of_their_span():
+    from dflash_assets.planning.training_split import NodeFigures, online_splits, plan_training_split
+    from dflash_assets.training.memory import TrainingMemory
+
+    training = TrainingMemory(weights=10 * 10**9, gradients=0, optimizer=0, frozen=0, activations=5 * 10**9)
+    figures = NodeFigures(
+        gpus_per_node=8,
+        nodes=1,
+        target_tokens_per_s=8_000.0,  # one device's forward; a replica over 2 devices runs at it too
+        drafter_tokens_per_s=24_000.0,
+        device_memory_bytes=80 * 10**9,
+        target_device_bytes=40 * 10**9,  # a 70B replica's share on each of its 2 devices
+        training=training,
+        tokens_to_train=11e9,
+        target_span=2,
+    )
+    splits = online_splits(figures)
+    assert splits and all(
+        s.target_devices_per_rank % 2 == 0 and s.target_devices_per_rank > 0 for s in splits
+    )
+    one_rank_six = next(s for s in splits if (s.drafter_ranks, s.target_devices_per_rank) == (1, 6))
+    assert one_rank_six.tokens_per_s == 3 * 8_000.0  # three replicas of two devices each
+    best = plan_training_split(figures, device_name="A100").recommended
+    assert best.target_devices_per_rank % 2 == 0 and best.gpus_per_node <= 8
