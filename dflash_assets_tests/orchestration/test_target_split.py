@@ -65,19 +65,25 @@ def wait_until(condition, timeout_s: float = 60.0) -> bool:
 
 
 class RankWatch:
-    """The most rank processes seen at once while a run goes on."""
+    """The most rank processes, and device leases held by ranks, seen at once while a run goes on."""
 
-    def __init__(self, marker: str) -> None:
-        self.marker, self.most, self.pids = marker, 0, set()
+    def __init__(self, marker: str, lock_dir: Path) -> None:
+        self.marker, self.lock_dir = marker, lock_dir
+        self.most, self.most_leases, self.pids = 0, 0, set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
+        from dflash_assets.target.devices import describe_holder
+
         while not self._stop.is_set():
             pids = processes_running(RANK_MODULE, self.marker)
             self.most = max(self.most, len(pids))
             self.pids |= set(pids)
+            # the lock files say who holds each device (the lease itself is the flock)
+            held = [d for d in DEVICES if "target rank" in describe_holder(self.lock_dir, d)]
+            self.most_leases = max(self.most_leases, len(held))
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -168,13 +174,14 @@ def _metadata(env: dict[str, str]) -> dict:
 
 def test_a_range_captured_over_two_devices_equals_the_one_device_capture_within_bf16(split, demo_model_dir):
     env = _fresh(split, "tp2")
-    watch = RankWatch(split["marker"])
+    watch = RankWatch(split["marker"], Path(env["DFLASH_CACHE_DIR"]) / "device-leases")
     try:
         code, output = run_cli(materialize_args("hidden_state_partitions", KEY), env)
     finally:
         watch.stop()
     assert code == 0, output[-4000:]
     assert watch.most == 2  # two rank processes at once, one per device
+    assert watch.most_leases == 2  # each leased a device of its own: the range took two
     assert wait_until(lambda: nothing_left(split["marker"]), 10)
     assert leases_free(env)
     assert "capturing over 2 devices" in output and "cpu:0,cpu:1" in output
