@@ -222,14 +222,14 @@ def _root_cause(lines: list[str]) -> str:
     return f"rank {rank} (exitcode {fields['exitcode']})" if "exitcode" in fields else f"rank {rank}"
 
 
-def _launch_dir(job: TargetRankJob) -> Path:
+def _launch_dir() -> Path:
     return settings.cache_dir() / "target-launch" / uuid.uuid4().hex[:12]
 
 
 def run_target_ranks(job: TargetRankJob, reports: Reports) -> dict[str, Any]:
     """Launch the ranks, replay rank 0's reports until the launcher ends, return rank 0's outcome."""
     wait_for_devices(job, reports)
-    launch_dir = _launch_dir(job)
+    launch_dir = _launch_dir()
     try:
         ranks = _Ranks(job, reports, launch_dir)
         try:
@@ -285,7 +285,7 @@ def serve_target_ranks(job: TargetRankJob, reports: Reports, reply_timeout_s: fl
     """The ranks up as a server for the `with` block; stopped at its end (a `stop` request, then the
     launcher's end)."""
     wait_for_devices(job, reports)
-    launch_dir = _launch_dir(job)
+    launch_dir = _launch_dir()
     try:
         ranks = _Ranks(job, reports, launch_dir)
         server = RankServer(ranks, reply_timeout_s)
