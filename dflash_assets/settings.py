@@ -181,6 +181,23 @@ DEVICES = Setting(
     "",
     "Devices runs may lease, e.g. `cuda:0,cuda:1`. Empty: every visible CUDA device, else `cpu`.",
 )
+TARGET_TP = Setting(
+    "DFLASH_TARGET_TP",
+    "1",
+    "Devices one target replica spans (run config `target_tp`): above 1, a `hidden_state_partitions` or "
+    "in-process `target_completions` step launches that many ranks with torch.distributed's launcher, each "
+    "leasing a device and holding its shard of the target (transformers' tensor-parallel plan), and each "
+    "online training replica spans that many devices. `auto`: the smallest count `dflash-assets plan` "
+    "finds fits the stage. On Kubernetes a step's pod requests that many GPUs (read when the code location "
+    "loads: give a number there).",
+)
+TARGET_TP_TIMEOUT_S = Setting(
+    "DFLASH_TARGET_TP_TIMEOUT_S",
+    "600",
+    "With DFLASH_TARGET_TP above 1: seconds a rank of the split target waits for its device lease, for the "
+    "other ranks to join, in any collective, or for rank 0's next batch before the step fails: a dead rank "
+    "ends them all within it.",
+)
 MAX_TOKENS_PER_BATCH = Setting(
     "DFLASH_MAX_TOKENS_PER_BATCH", "16384", "Extraction token budget per forward (padded tokens included)."
 )
@@ -477,7 +494,7 @@ def samples_per_partition() -> int:
 RUN_SETTINGS = (
     TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_GLOBAL_BATCH_SIZE, TRAIN_NPROC_PER_NODE, TRAIN_NNODES, TRAIN_RDZV_PORT,
     TRAIN_RDZV_TIMEOUT_S, TRAIN_COLLECTIVE_TIMEOUT_S, TRAIN_EVAL_TIMEOUT_S, TRAIN_MAX_RESTARTS, RUN_NAME,
-    CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES, MASK_TOKEN_ID, DRAFTER_SHAPE,
+    CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES, MASK_TOKEN_ID, DRAFTER_SHAPE, TARGET_TP,
 )  # fmt: skip
 
 
@@ -505,6 +522,27 @@ def train_nproc_per_node() -> int:
             f"{TRAIN_NPROC_PER_NODE.name}={raw!r}: use a number of ranks (1 or more) or `auto`"
         )
     return value
+
+
+def target_tp_value(raw: str, name: str = TARGET_TP.name) -> int:
+    """A `DFLASH_TARGET_TP` (or run config `target_tp`) value as a number; 0 stands for `auto`."""
+    text = str(raw).strip().lower()
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise SettingError(
+            f"{name}={raw!r}: use the number of devices one target replica spans (1, 2, 4, ...) or `auto`"
+        )
+    return value
+
+
+def target_tp() -> int:
+    """`DFLASH_TARGET_TP` as a number of devices; 0 stands for `auto` (the plan decides)."""
+    return target_tp_value(TARGET_TP.get())
 
 
 def completions_source() -> str:

@@ -43,6 +43,9 @@ export DAGSTER_HOME="${DAGSTER_HOME:-$PWD/.dagster_home}"
 mkdir -p "$DAGSTER_HOME"
 cp dagster.yaml "$DAGSTER_HOME/dagster.yaml"
 
-# One run per GPU in the gpu pool; a CPU-only machine gets one.
+# One run per GPU in the gpu pool; a CPU-only machine gets one. A target split over k devices
+# (DFLASH_TARGET_TP=k) takes k of them a range: one run per k GPUs.
 gpus="$(python -c 'import torch; print(torch.cuda.device_count())')"
-dagster instance concurrency set gpu "$(( gpus > 0 ? gpus : 1 ))" >/dev/null
+tp="${DFLASH_TARGET_TP:-1}"
+case "$tp" in ''|*[!0-9]*|0) tp=1 ;; esac
+dagster instance concurrency set gpu "$(( gpus / tp > 0 ? gpus / tp : 1 ))" >/dev/null

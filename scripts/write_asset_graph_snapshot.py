@@ -43,6 +43,7 @@ K8S_PLACEMENT: dict[str, str] = {
     "DFLASH_K8S_TRAIN_GPUS": "8",
     "DFLASH_K8S_STAGING_SIZE": "2Ti",
     "DFLASH_K8S_NODE_SELECTOR": "cloud.example.com/gpu=h200",
+    "DFLASH_TARGET_TP": "2",  # a GPU step's pod asks for the target's devices
 }
 # Read while the graph is built, but shaping nothing the snapshot holds.
 NOT_GRAPH_SETTINGS: dict[str, str] = {

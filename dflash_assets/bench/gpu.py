@@ -6,7 +6,8 @@ an 8B dense Qwen3 and a Qwen3.6-27B-shaped hybrid (gated-delta-net + full attent
 capture ÷ the anchors' way (full forward with `output_hidden_states=True`, batches of 8 in dataset
 order), extraction with writes ÷ the forward alone (hooks + early stop, nothing copied to the host),
 extraction with writes in fp8 ÷ in bf16, model FLOPs utilisation of each and peak device memory above
-the weights. `--tiny` runs the same code on tiny shapes on whatever device there is (the CPU
+the weights; then the hybrid target's capture split over k = 1, 2, 4 devices (as many as the node has:
+`bench/tensor_parallel.py`). `--tiny` runs the same code on tiny shapes on whatever device there is (the CPU
 included): what tests and GPU-less machines run. A full run saves what it measured where
 `dflash-assets plan` reads it (`planning/gpu_result.py`).
 
@@ -381,13 +382,14 @@ def run_gpu_bench(
         results.append(figures)
         if target_device.type == "cuda":
             torch.cuda.empty_cache()  # the next target's weights need the room
+    tensor_parallel = tensor_parallel_figures(shapes[-1], target_device, tokens, budget, rounds, print_fn)
     drafter_step: dict[str, Any] = {}
     for line in drafter_step_figures(tiny, target_device, drafter_step):
         print_fn(line)
     for line in training_scaling_figures(tiny, target_device, print_fn):
         print_fn(line)
     if result_path is not None:
-        saved = save_bench_result(result_path, results, target_device, tokens, drafter_step)
+        saved = save_bench_result(result_path, results, target_device, tokens, drafter_step, tensor_parallel)
         print_fn(f"\nsaved for `dflash-assets plan`: {saved}")
     return results
 
@@ -398,8 +400,9 @@ def save_bench_result(
     device: torch.device,
     tokens: int,
     drafter_step: dict[str, Any] | None = None,
+    tensor_parallel: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """The figures in the format `planning/gpu_result.py` documents."""
+    """The figures in the format `planning/gpu_result.py` documents (and the tensor-parallel rows)."""
     from dflash_assets.planning.gpu_result import save_gpu_result
 
     if device.type == "cuda":
@@ -427,8 +430,22 @@ def save_bench_result(
     return save_gpu_result(
         path,
         {"device": name, "total_memory_bytes": int(total), "peak_flops": peak, "tokens_per_variant": tokens,
-         "targets": targets, "drafter_step": drafter_step or None},
+         "targets": targets, "drafter_step": drafter_step or None,
+         "tensor_parallel": tensor_parallel or None},
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------- the target over k devices
+
+
+def tensor_parallel_figures(
+    shape: TargetShape, device: torch.device, tokens: int, budget: int, rounds: int, print_fn
+) -> list[dict[str, Any]]:
+    """Capture tokens/s with the hybrid target split over k = 1, 2, 4 devices (`bench.tensor_parallel`)."""
+    from dflash_assets.bench.tensor_parallel import tensor_parallel_rows
+
+    samples = synthetic_samples(shape, tokens)
+    return tensor_parallel_rows(shape, build_random_target, samples, device, budget, rounds, print_fn)
 
 
 # ------------------------------------------------------------------------- drafter training step

@@ -14,6 +14,7 @@ from torch import nn
 
 from dflash_assets.target.layer_ids import resolve_target_layer_ids
 from dflash_assets.target.model import find_decoder, hidden_size_of
+from dflash_assets.target.tensor_parallel import full_tensor
 
 
 class _StopForward(Exception):
@@ -64,7 +65,7 @@ class HiddenStateCapture:
         def make_hook(slot: int, layer_id: int):
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 hidden = output[0] if isinstance(output, tuple | list) else output
-                captured[:, :, slot].copy_(hidden)
+                captured[:, :, slot].copy_(full_tensor(hidden))  # a target split over devices: whole
                 seen.append(layer_id)
                 if layer_id == last:
                     raise _StopForward

@@ -144,6 +144,7 @@ def extract_range(
     on_progress: Callable[[ExtractionProgress], None] | None = None,
     hidden_state_dtype: str = "bf16",
     source: str | None = None,
+    capture: HiddenStateCapture | None = None,
 ) -> ExtractionResult:
     """Make `<prefix>/hs_<index>.safetensors` exist in `store` for every sample, computing only the gaps.
 
@@ -157,7 +158,9 @@ def extract_range(
     scale per token and layer, quantised on the device before the copy to the host: half the bytes).
     `source` names where the samples were read (the tokenized range's prefix): with it, the fingerprint
     records what the objects were made from (it and a digest of the samples), so staged files or
-    objects made from another tokenized range are never taken for this one's.
+    objects made from another tokenized range are never taken for this one's. `capture` replaces the
+    plain `HiddenStateCapture(model, target_layer_ids)` (a target split over devices: rank 0's, which
+    has the other ranks run each forward too).
 
     The steps, in order: (1) one listing of the prefix, deleting objects another producer made;
     (2) what the store already holds; (3) finished files in staging, uploaded as they are; (4) the
@@ -167,7 +170,7 @@ def extract_range(
     started = time.monotonic()
     warn = warn or (lambda message: log(f"WARNING: {message}"))
     by_index = _index_samples(samples)
-    capture = HiddenStateCapture(model, target_layer_ids)
+    capture = capture or HiddenStateCapture(model, target_layer_ids)
     staging_dir = Path(staging_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)
     made_from = {"tokenized": source, "samples_sha256": samples_digest(samples)} if source else None

@@ -163,44 +163,112 @@ class InProcessEngine(Engine):
     def _generate_batch(
         self, prompts: list[list[int]], requests: list[TurnRequest], new_tokens: int | None = None
     ) -> list[Answer]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
-        if not self.settings.greedy:
-            # Sampled answers are reproducible for the same batches: the seed covers which turns they are.
-            key = f"{self.settings.seed}:" + ",".join(f"{r.sample_index}.{r.turn}" for r in requests)
-            torch.manual_seed(int(hashlib.sha256(key.encode()).hexdigest()[:15], 16))
+        # Sampled answers are reproducible for the same batches: the seed covers which turns they are.
+        seed = None if self.settings.greedy else sampling_seed(self.settings.seed, requests)
         config = self.generation_config
         if new_tokens is not None and new_tokens != config.max_new_tokens:
             import copy
 
             config = copy.deepcopy(config)
             config.max_new_tokens = new_tokens
-        with torch.inference_mode():
-            output = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                generation_config=config,
-            )
-        answers = []
-        for row, prompt in enumerate(prompts):
-            generated = output[row, width:].tolist()
-            end = next((i for i, token in enumerate(generated) if token in self.stop_ids), None)
-            completion = generated[: end + 1] if end is not None else generated
-            text = self.tokenizer.decode(completion, skip_special_tokens=True)
-            content, reasoning = split_reasoning(text)
-            answers.append(
-                Answer(
-                    content=content,
-                    reasoning=reasoning,
-                    finish_reason="stop" if end is not None else "length",
-                    completion_token_ids=completion,
-                    prompt_token_ids=list(prompt),
-                    prompt_tokens=len(prompt),
-                    completion_tokens=len(completion),
-                )
-            )
-        return answers
+        rows = self._generate_rows(prompts, config, seed)
+        return [self._answer(prompt, generated) for prompt, generated in zip(prompts, rows, strict=True)]
+
+    def _generate_rows(self, prompts: list[list[int]], config: Any, seed: int | None) -> list[list[int]]:
+        """Each prompt's new tokens (up to the config's `max_new_tokens`, padding included)."""
+        return generate_rows(self.model, prompts, self.pad_id, config, seed, self.device)
+
+    def _answer(self, prompt: list[int], generated: list[int]) -> Answer:
+        end = next((i for i, token in enumerate(generated) if token in self.stop_ids), None)
+        completion = generated[: end + 1] if end is not None else generated
+        text = self.tokenizer.decode(completion, skip_special_tokens=True)
+        content, reasoning = split_reasoning(text)
+        return Answer(
+            content=content,
+            reasoning=reasoning,
+            finish_reason="stop" if end is not None else "length",
+            completion_token_ids=completion,
+            prompt_token_ids=list(prompt),
+            prompt_tokens=len(prompt),
+            completion_tokens=len(completion),
+        )
+
+
+def sampling_seed(seed: int, requests: Sequence[TurnRequest]) -> int:
+    """The seed of one sampled batch: the run's seed and which turns the batch holds."""
+    key = f"{seed}:" + ",".join(f"{r.sample_index}.{r.turn}" for r in requests)
+    return int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)
+
+
+def generate_rows(
+    model: Any, prompts: list[list[int]], pad_id: int, config: Any, seed: int | None, device: Any
+) -> list[list[int]]:
+    """`model.generate` over the prompts left-padded into one batch (so every row's new tokens start
+    together): each row's tokens after the prompts. Every rank of a split target runs it alike."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+        )
+    return [output[row, width:].tolist() for row in range(len(prompts))]
+
+
+class SplitTargetEngine(InProcessEngine):
+    """The target split over several devices (`DFLASH_TARGET_TP`), answering through its ranks
+    (`generation/rank.py`): batches are planned, and answers parsed, here exactly as in-process; each
+    batch's `generate` runs on every rank, and `generate_remote(request)` carries it there and back."""
+
+    def __init__(
+        self,
+        generate_remote: Callable[[dict[str, Any]], list[list[int]]],
+        model_dir: Any,
+        tokenizer: Any,
+        settings: GenerationSettings,
+        *,
+        devices: str,
+        max_tokens_per_batch: int = 65536,
+        max_batch_size: int = 64,
+    ) -> None:
+        super().__init__(
+            TargetConfigs.read(model_dir),
+            tokenizer,
+            settings,
+            device=devices,
+            max_tokens_per_batch=max_tokens_per_batch,
+            max_batch_size=max_batch_size,
+        )
+        self.description = f"the target split over {devices}"
+        self._generate_remote = generate_remote
+
+    def _generate_rows(self, prompts: list[list[int]], config: Any, seed: int | None) -> list[list[int]]:
+        request = {"prompts": prompts, "pad_id": self.pad_id, "config": config.to_dict(), "seed": seed}
+        return self._generate_remote(request)
+
+
+class TargetConfigs:
+    """What the engine reads of a model it does not hold: its config and generation config, as
+    `from_pretrained` would give them."""
+
+    def __init__(self, config: Any, generation_config: Any) -> None:
+        self.config, self.generation_config = config, generation_config
+
+    @classmethod
+    def read(cls, model_dir: Any) -> TargetConfigs:
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        try:
+            generation = GenerationConfig.from_pretrained(model_dir)
+        except OSError:  # no generation_config.json: what from_pretrained derives from the config
+            generation = GenerationConfig.from_model_config(config)
+        return cls(config, generation)
+
+    def parameters(self):
+        return iter([torch.empty(0)])  # the engine's own tensors stay on the host

@@ -42,7 +42,7 @@ def build_plan(
     from dflash_assets.planning.capacity import PlanSettings, plan_capacity
     from dflash_assets.planning.gpu_result import gpu_result_path, load_gpu_result
     from dflash_assets.planning.inputs import device_profile, target_facts
-    from dflash_assets.planning.memory import stage_memory
+    from dflash_assets.planning.memory import stage_memory, target_split
     from dflash_assets.planning.training_split import SplitUnknown, training_split_for
     from dflash_assets.planning.workload import build_workload, given_workload
     from dflash_assets.storage.store import StoreError
@@ -122,6 +122,14 @@ def build_plan(
     # The longest sample decides a micro-batch's, a decode's and a generation's length; a bare what-if
     # knows only the mean, and a run of that mean has samples up to the limit.
     longest = max_length if samples and mean_tokens else min(max_length, max(workload.lengths, default=1))
+    split_target = target_split(
+        target=facts,
+        device=profile,
+        hidden_state_dtype=dtype,
+        max_tokens_per_batch=plan_settings.max_tokens_per_batch,
+        max_length=longest,
+        configured_tp=settings.target_tp(),
+    )
     stages = stage_memory(
         target=facts,
         device=profile,
@@ -130,8 +138,15 @@ def build_plan(
         max_tokens_per_batch=plan_settings.max_tokens_per_batch,
         max_length=longest,
         num_anchors=num_anchors,
+        target_tp=split_target.chosen("extraction"),
+    )
+    # Each stage's memory on the busiest device of the target split it runs with.
+    stages["regeneration"] = split_target.bytes_by_tp["regeneration"].get(
+        split_target.chosen("regeneration"), stages["regeneration"]
     )
     plan = plan_capacity(workload, facts, profile, plan_settings, stages, measured)
+    plan.figures["target_split"] = split_target.as_dict()
+    plan.warnings.extend(split_target.warnings)
     nproc = settings.train_nproc_per_node()
     stated_from = f"{settings.TRAIN_NPROC_PER_NODE.name}={settings.TRAIN_NPROC_PER_NODE.get()}, " + (
         f"--online-target-devices {online_target_devices}"
@@ -154,6 +169,7 @@ def build_plan(
             stated=(nproc, online_target_devices or 0) if nproc else None,
             stated_from=stated_from,
             longest=longest,
+            target_span=split_target.chosen("online target"),
         )
     except SplitUnknown as error:
         plan.figures["training_split"] = None
@@ -224,6 +240,7 @@ def recommended_online_split(
             num_anchors=num_anchors,
             target_devices_per_rank=target_devices_per_rank,
             longest=max_length,
+            target_span=online_target_span(target_model),
         )
     except SplitUnknown as error:
         raise settings.SettingError(f"{setting}=auto cannot choose a split: {error}") from None
@@ -364,6 +381,7 @@ def format_plan(plan) -> str:
         rows.append(
             (f"  {stage}", f"{human_bytes(memory['bytes'])}" + ("" if memory["fits"] else "  DOES NOT FIT"))
         )
+    rows += target_split_rows(f.get("target_split"))
     if plan.training_split is not None:
         rows += plan.training_split.table_rows()
     width = max(len(name) for name, _ in rows)
@@ -371,6 +389,95 @@ def format_plan(plan) -> str:
     lines += [f"note: {note}" for note in estimate["notes"]]
     lines += [f"WARNING: {warning}" for warning in plan.warnings]
     return "\n".join(lines)
+
+
+def target_split_rows(split: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The printed plan's "target split" block: the smallest number of devices the target spans for each
+    stage that runs it (`DFLASH_TARGET_TP`), and the configured one."""
+    if not split:
+        return []
+    configured = split["configured"]
+    rows = [
+        (
+            "target split",
+            f"{settings.TARGET_TP.name}={configured}; the smallest number of devices the target fits with "
+            f"headroom, per stage (its heads allow {', '.join(map(str, split['sizes']))})",
+        )
+    ]
+    for stage, smallest in split["smallest"].items():
+        by_k = split["bytes_by_tp"][stage]
+        if smallest is None:
+            text = f"does not fit on {max(by_k)} devices (~{human_bytes(by_k[max(by_k)])} each)"
+        else:
+            text = f"{smallest} device{'s' if smallest > 1 else ''} (~{human_bytes(by_k[smallest])} each)"
+        if stage == "online target":
+            text += "; a replica's layers split over its devices"
+        rows.append((f"  {stage}", text))
+    return rows
+
+
+def resolve_target_tp(
+    value: str | None, stage: str, target_model: TargetModelResource, log: Callable[[str], None]
+) -> int:
+    """The devices the target spans for `stage` ("capture" or "regeneration"): the run config's
+    `target_tp` (a number, or `auto`), else `DFLASH_TARGET_TP`; `auto` takes the plan's smallest count
+    that fits this host's device. Above 1, the family's tensor-parallel plan and its heads are checked
+    here, before any device is leased."""
+    from dflash_assets.target.tensor_parallel import (
+        TensorParallelUnsupported,
+        check_tensor_parallel,
+        read_config,
+    )
+
+    name = "run config `target_tp`" if value is not None else settings.TARGET_TP.name
+    tp = settings.target_tp_value(value if value is not None else settings.TARGET_TP.get(), name)
+    if tp == 0:
+        tp = planned_target_tp(target_model, stage)
+        log(f"{name}=auto: the target spans {tp} device(s) for {stage} (`dflash-assets plan`)")
+    try:
+        check_tensor_parallel(read_config(target_model.model_dir()), tp, stage=stage)
+    except TensorParallelUnsupported as error:
+        raise settings.SettingError(str(error)) from None
+    return tp
+
+
+def online_target_span(target_model: TargetModelResource) -> int:
+    """Devices each online target replica spans: `DFLASH_TARGET_TP`, or with `auto` the plan's smallest
+    count that holds one replica on this host's device."""
+    return settings.target_tp() or planned_target_tp(target_model, "online target")
+
+
+def planned_target_tp(target_model: TargetModelResource, stage: str) -> int:
+    """The plan's smallest count of this host's devices the target fits for `stage` (1 when none does: the
+    stage then fails as it would on one device, and `dflash-assets plan` says why)."""
+    from dflash_assets.planning.gpu_result import gpu_result_path, load_gpu_result
+    from dflash_assets.planning.inputs import device_profile, target_facts
+    from dflash_assets.planning.memory import target_split
+
+    max_length = settings.MAX_LENGTH.get_int()
+    facts = target_facts(
+        target_model.model_dir(),
+        target_model.name,
+        target_model.layer_ids(),
+        [max_length],
+        settings.cache_dir(),
+    )
+    profile = device_profile(
+        device_name=None,
+        device_memory_bytes=None,
+        gpu_result=load_gpu_result(gpu_result_path(settings.cache_dir())),
+        configured_devices=settings.devices(),
+        stated_peak_flops=settings.peak_flops(),
+    )
+    split = target_split(
+        target=facts,
+        device=profile,
+        hidden_state_dtype=settings.HIDDEN_STATE_DTYPE.get(),
+        max_tokens_per_batch=settings.MAX_TOKENS_PER_BATCH.get_int(),
+        max_length=max_length,
+        configured_tp=0,
+    )
+    return split.chosen({"capture": "extraction"}.get(stage, stage))
 
 
 def range_plan_metadata(

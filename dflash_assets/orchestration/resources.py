@@ -287,8 +287,10 @@ class GenerationResource(ConfigurableResource):
         warn: Callable[[str], None],
         max_tokens_per_batch: int,
         max_batch_size: int,
+        target_tp: int = 1,
     ) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-        """`open_engine` for `regenerate_range`: entered only when the range has something to generate."""
+        """`open_engine` for `regenerate_range`: entered only when the range has something to generate.
+        In-process with `target_tp` > 1, the target is split over that many devices, one rank each."""
         tokenizer = target_model.load_tokenizer()
 
         @contextlib.contextmanager
@@ -336,4 +338,38 @@ class GenerationResource(ConfigurableResource):
                 finally:
                     del model  # the lease ends with this block; so does the model's memory
 
-        return servers if self.uses_servers else in_process
+        @contextlib.contextmanager
+        def split() -> Iterator[Any]:
+            from types import SimpleNamespace
+
+            from dflash_assets.generation.in_process import SplitTargetEngine
+            from dflash_assets.orchestration.execution.target_launch import serve_target_ranks
+            from dflash_assets.target.ranks import TargetRankJob
+
+            timeout_s = settings.TARGET_TP_TIMEOUT_S.get_float()
+            job = TargetRankJob(
+                stage="regeneration",
+                model_dir=str(target_model.model_dir()),
+                tp=target_tp,
+                devices=devices.candidates(),
+                lock_dir=str(devices.lock_directory()),
+                holder=holder,
+                timeout_s=timeout_s,
+            )
+            reports = SimpleNamespace(
+                log=log, warn=warn, progress=lambda snapshot: None, status=lambda text: None
+            )
+            with serve_target_ranks(job, reports, reply_timeout_s=timeout_s) as server:
+                yield SplitTargetEngine(
+                    lambda request: server.call(request)["rows"],
+                    target_model.model_dir(),
+                    tokenizer,
+                    generation,
+                    devices=", ".join(server.devices),
+                    max_tokens_per_batch=max_tokens_per_batch,
+                    max_batch_size=max_batch_size,
+                )
+
+        if self.uses_servers:
+            return servers
+        return split if target_tp > 1 else in_process

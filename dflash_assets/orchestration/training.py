@@ -204,6 +204,7 @@ def training_job(
     settings; checked here, before any rank starts."""
     from dflash_assets.drafter.config import DrafterConfig
     from dflash_assets.drafter.model import config_summary
+    from dflash_assets.orchestration.capacity_plan import online_target_span
     from dflash_assets.training.job import TrainingJob
 
     train_settings = config.train_settings()
@@ -221,6 +222,13 @@ def training_job(
     )
     job_settings = train_settings.to_dict()
     job_settings.pop("device")
+    span = online_target_span(target_model) if train_settings.mode == "online" else 1
+    if span > 1 and (online_target_devices == 0 or online_target_devices % span):
+        raise settings.SettingError(
+            f"{settings.TARGET_TP.name} makes each online target replica span {span} devices, so a rank's "
+            f"target devices come in whole replicas: set the run config `online_target_devices` to a "
+            f"multiple of {span} (it is {online_target_devices}; 0 shares the drafter's one device)"
+        )
     return TrainingJob(
         run=config.run,
         mode=train_settings.mode,
@@ -232,6 +240,7 @@ def training_job(
         settings=job_settings,
         data_source=data_source(tokenized) if tokenized else {"completions": "dataset"},
         online_target_devices=online_target_devices,
+        target_span=span,
         cache_budget_bytes=config.cache_budget_bytes or 16 * 2**30,
         s3=store.s3_settings_fields(),
         upload=store.uploader_fields(),

@@ -215,6 +215,9 @@ class NodeFigures:
     target_device_bytes: int  # the target's weights, one micro-batch's forward and its captured states
     training: TrainingMemory  # the drafter's training memory on one rank (replicated weights: DDP)
     tokens_to_train: float  # tokens per epoch × epochs
+    # Devices one target replica spans (DFLASH_TARGET_TP): its layers split over them, one device's speed;
+    # a rank's target devices then come in multiples of it, and the target never shares a device.
+    target_span: int = 1
 
 
 @dataclass(frozen=True)
@@ -281,9 +284,10 @@ def evaluate_split(figures: NodeFigures, drafter_ranks: int, target_devices_per_
         serial, bottleneck = per_node, "shared"
         most = figures.target_device_bytes + training
     else:
-        drafter_side, target_side = D * d, D * k * t
+        replicas = k // figures.target_span  # each spans `target_span` of the rank's k devices
+        drafter_side, target_side = D * d, D * replicas * t
         per_node = min(drafter_side, target_side)
-        serial = D / (1 / (k * t) + 1 / d)
+        serial = D / (1 / (replicas * t) + 1 / d) if replicas else 0.0
         bottleneck = "drafter" if drafter_side <= target_side else "target"
         most = max(figures.target_device_bytes, training)
     rate = per_node * figures.nodes
@@ -302,12 +306,14 @@ def evaluate_split(figures: NodeFigures, drafter_ranks: int, target_devices_per_
 
 def online_splits(figures: NodeFigures, target_devices_per_rank: int | None = None) -> list[Split]:
     """Every split of a node's devices training runs online (k fixed when given)."""
-    gpus = figures.gpus_per_node
+    gpus, span = figures.gpus_per_node, figures.target_span
     shapes = [
         (ranks, k)
         for ranks in range(1, gpus + 1)
         for k in range(0, gpus // ranks)
-        if target_devices_per_rank is None or k == target_devices_per_rank
+        if (target_devices_per_rank is None or k == target_devices_per_rank)
+        and k % span == 0
+        and (k > 0 or span == 1)
     ]
     return [evaluate_split(figures, ranks, k) for ranks, k in shapes]
 
@@ -529,6 +535,7 @@ def training_split_for(
     stated_from: str = "",
     target_devices_per_rank: int | None = None,
     longest: int | None = None,
+    target_span: int = 1,
 ) -> TrainingSplit:
     """The training split for `target` and `drafter` on `gpus_per_node` of `device` × `nodes`, over
     samples of `lengths` (their distribution: the count does not matter). Raises `SplitUnknown` when a
@@ -549,9 +556,10 @@ def training_split_for(
         target_tokens_per_s=t,
         drafter_tokens_per_s=d,
         device_memory_bytes=device.total_memory_bytes,
-        target_device_bytes=online_target_bytes(target, device, longest),
+        target_device_bytes=online_target_bytes(target, device, longest, target_span),
         training=training_memory(drafter, longest, num_anchors),
         tokens_to_train=tokens_to_train,
+        target_span=target_span,
     )
     split = plan_training_split(
         figures,

@@ -1,4 +1,5 @@
-"""One device per run: an exclusive lease held as an `flock` on one lock file per device.
+"""One device per lease: an exclusive lease held as an `flock` on one lock file per device (a run whose
+target spans k devices holds k of them, one per rank).
 
 The kernel drops an flock when its holder dies (even by SIGKILL), and the lock works between any
 processes on the host, including runs launched from separate shells outside Dagster's run queue.
@@ -175,3 +176,15 @@ def try_lease_device(devices: Sequence[str], lock_dir: str | Path, holder: str =
             except DeviceLeaseTimeout:
                 device = None
         yield device
+
+
+def free_devices(devices: Sequence[str], lock_dir: str | Path) -> tuple[list[str], list[str]]:
+    """(free, held with their holders) among `devices`, right now (nothing is kept)."""
+    free, held = [], []
+    for device in devices:
+        with try_lease_device([device], lock_dir=lock_dir, holder="probe") as leased:
+            if leased is None:
+                held.append(f"{device} ({describe_holder(lock_dir, device)})")
+            else:
+                free.append(device)
+    return free, held

@@ -111,12 +111,14 @@ def recurrent_state_bytes(config: dict[str, Any]) -> int:
     return linear_layers * (value_heads * key_dim * value_dim * 4 + conv_channels * kernel * 2)
 
 
-def forward_activation_bytes(config: dict[str, Any], tokens: int, dtype_bytes: int = 2) -> int:
+def forward_activation_bytes(config: dict[str, Any], tokens: int, dtype_bytes: int = 2, tp: int = 1) -> int:
     """Peak activations of one no-grad forward over `tokens` tokens (padding included): a layer's residual,
-    norm output, projections and MLP intermediates live at once; layers free theirs before the next."""
+    norm output, projections and MLP intermediates live at once; layers free theirs before the next.
+    Split over `tp` devices, each holds its share of the MLP intermediates; the residual stream and the
+    layer outputs are whole on every device."""
     hidden = int(config["hidden_size"])
     intermediate = int(config.get("intermediate_size") or 4 * hidden)
-    return tokens * (6 * hidden + 3 * intermediate) * dtype_bytes
+    return tokens * (6 * hidden + 3 * intermediate // max(1, tp)) * dtype_bytes
 
 
 def logits_bytes(config: dict[str, Any], tokens: int) -> int:

@@ -6,7 +6,7 @@ The real loading path (`AutoModelForCausalLM.from_pretrained`) serves the demo t
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ class TargetModelError(ValueError):
     """The target model directory cannot be loaded."""
 
 
-def _config_get(config: Any, key: str) -> Any:
+def config_value(config: Any, key: str) -> Any:
     if isinstance(config, Mapping):
         return config.get(key)
     return getattr(config, key, None)
@@ -30,15 +30,15 @@ def _config_get(config: Any, key: str) -> Any:
 
 def text_config(config: Any) -> Any:
     """The language-model part of a config: itself, or its nested `text_config` (multimodal checkpoints)."""
-    if _config_get(config, "num_hidden_layers") is None:
-        nested = _config_get(config, "text_config")
+    if config_value(config, "num_hidden_layers") is None:
+        nested = config_value(config, "text_config")
         if nested is not None:
             return nested
     return config
 
 
 def num_decoder_layers(config: Any) -> int:
-    value = _config_get(text_config(config), "num_hidden_layers")
+    value = config_value(text_config(config), "num_hidden_layers")
     if not isinstance(value, int) or value <= 0:
         raise ValueError(
             "the target model config has no decoder layer count (`num_hidden_layers`, also looked in "
@@ -48,7 +48,7 @@ def num_decoder_layers(config: Any) -> int:
 
 
 def hidden_size_of(config: Any) -> int:
-    value = _config_get(text_config(config), "hidden_size")
+    value = config_value(text_config(config), "hidden_size")
     if not isinstance(value, int) or value <= 0:
         raise ValueError(f"the target model config has no `hidden_size`; check {MODEL_SETTING}")
     return value
@@ -57,19 +57,27 @@ def hidden_size_of(config: Any) -> int:
 def context_length_of(config: Any) -> int | None:
     """Positions the target reads, prompt and answer together (`max_position_embeddings`); None when the
     config does not say."""
-    value = _config_get(text_config(config), "max_position_embeddings")
+    value = config_value(text_config(config), "max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else None
 
 
 def load_target_model(
-    model_dir: str | Path, device: str | torch.device, dtype: torch.dtype | None = None
+    model_dir: str | Path,
+    device: str | torch.device | Sequence[str | torch.device],
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` in eval mode: bf16 on CUDA, float32 on CPU unless `dtype`."""
+    """`AutoModelForCausalLM.from_pretrained` in eval mode, loaded straight onto its device (no copy of the
+    whole target in host memory first: eight ranks of one host each loading a 55 GB target would hold
+    eight): bf16 on CUDA, float32 on the CPU unless `dtype`.
+
+    `device` may list several devices: the replica then spans them, its decoder layers split into
+    contiguous blocks, one per device (a layer split inside this process: the memory of one device each,
+    the speed of one device; see `target/tensor_parallel.py` for a split over processes)."""
     from transformers import AutoModelForCausalLM
 
-    target = torch_device(device)
+    devices = _distinct_devices(device)
     if dtype is None:
-        dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+        dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
     path = Path(model_dir).expanduser()
     if not path.is_dir() or not (path / "config.json").is_file():
         problem = "does not exist" if not path.exists() else "is not a model directory (no config.json)"
@@ -77,13 +85,55 @@ def load_target_model(
             f"target model directory {str(path)!r} {problem}; set {MODEL_SETTING} to a Hugging Face model "
             "directory (config.json + weights)"
         )
+    device_map: Any = devices[0] if len(devices) == 1 else layer_split_device_map(path, devices)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
         raise TargetModelError(
             f"cannot load the target model from {str(path)!r}: {error} (check {MODEL_SETTING})"
         ) from error
-    return model.to(target).eval()
+    return model.eval()
+
+
+def _distinct_devices(device: str | torch.device | Sequence[str | torch.device]) -> list[torch.device]:
+    """The torch devices a replica spans, each once (`cpu:0,cpu:1` are both the CPU)."""
+    names = [device] if isinstance(device, str | torch.device) else list(device)
+    if not names:
+        raise ValueError("a target replica needs at least one device")
+    distinct: list[torch.device] = []
+    for name in names:
+        target = torch_device(name)
+        if target not in distinct:
+            distinct.append(target)
+    return distinct
+
+
+def layer_split_device_map(model_dir: str | Path, devices: Sequence[torch.device]) -> dict[str, str]:
+    """A `device_map` spreading the decoder layers over `devices` in contiguous blocks (the first device
+    takes the remainder); every other module (embeddings, final norm, LM head) on the first device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # the architecture alone: module names, no weights
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(Path(model_dir).expanduser()))
+    _, layers = find_decoder(meta)
+    count, parts = len(layers), len(devices)
+    blocks: list[str] = []
+    for part, device in enumerate(devices):
+        blocks += [str(device)] * (count // parts + (1 if part < count % parts else 0))
+    device_map: dict[str, str] = {}
+
+    def place(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            qualified = f"{prefix}{name}"
+            if child is layers:
+                device_map.update({f"{qualified}.{i}": blocks[i] for i in range(count)})
+            elif any(descendant is layers for descendant in child.modules()):
+                place(child, f"{qualified}.")
+            else:
+                device_map[qualified] = str(devices[0])
+
+    place(meta, "")
+    return device_map
 
 
 def find_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:

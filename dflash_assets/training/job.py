@@ -44,6 +44,7 @@ class TrainingJob:
     settings: dict[str, Any]  # TrainSettings less the device, which each rank leases
     data_source: dict[str, Any] = field(default_factory=dict)  # whose answers (the model card says)
     online_target_devices: int = 0  # online: devices per rank that run target replicas (0: share)
+    target_span: int = 1  # online: devices one target replica spans (DFLASH_TARGET_TP), its layers split
     cache_budget_bytes: int = 16 * 2**30  # offline: per node, split over its ranks
     s3: dict[str, Any] = field(default_factory=dict)  # S3Settings fields
     upload: dict[str, Any] = field(default_factory=dict)  # Uploader keywords
@@ -209,10 +210,9 @@ def world_of(collective: Any, node: NodeResources) -> dict[str, Any]:
 def online_data(
     job: TrainingJob, store: ObjectStore, node: NodeResources, device: str, config, log: Callable[[str], None]
 ):
-    """Tokenized samples and this rank's target replicas: on its own leased devices, or beside the
-    drafter when it has none."""
+    """Tokenized samples and this rank's target replicas: on its own leased devices, `job.target_span` of
+    them each, or beside the drafter when it has none."""
     from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture
-    from dflash_assets.target.devices import torch_device
     from dflash_assets.target.kernels import report_kernel_paths
     from dflash_assets.target.model import load_target_model
     from dflash_assets.training.data import OnlineData
@@ -220,14 +220,15 @@ def online_data(
     if not job.tokenized_partitions:
         raise ValueError("No tokenized_completions ranges are materialised: materialise some first.")
     samples = tokenized_samples(store, job.tokenized_partitions, node.read_cache_dir)
-    target_devices = node.target_devices or [node.device]
+    replicas = replica_devices(node.target_devices or [node.device], job.target_span)
     layers = config.target_layer_ids
     captures = [
-        HiddenStateCapture(load_target_model(node.target_model_dir, torch_device(d)), layers)
-        for d in target_devices
+        HiddenStateCapture(load_target_model(node.target_model_dir, spans), layers) for spans in replicas
     ]
-    for capture, target_device in zip(captures, target_devices, strict=True):
-        report_kernel_paths(capture.model, target_device, log=log, warn=lambda m: log(f"WARNING: {m}"))
+    for capture, spans in zip(captures, replicas, strict=True):
+        report_kernel_paths(capture.model, spans[0], log=log, warn=lambda m: log(f"WARNING: {m}"))
+    if job.target_span > 1:
+        log(f"{len(replicas)} target replica(s), each over {job.target_span} devices: {replicas}")
     data = OnlineData(
         samples=samples,
         target_hidden_states=ReplicatedCapture(captures, device),
@@ -235,6 +236,16 @@ def online_data(
         overlap=bool(node.target_devices),  # devices of its own: its forward runs during the drafter's
     )
     return data, captures
+
+
+def replica_devices(devices: list[str], span: int) -> list[list[str]]:
+    """A rank's target devices in replicas of `span` devices each (a replica's layers split over them)."""
+    if span < 1 or len(devices) % span:
+        raise ValueError(
+            f"{len(devices)} target device(s) per rank cannot make replicas of {span} devices each "
+            "(DFLASH_TARGET_TP): set the run config `online_target_devices` to a multiple of it"
+        )
+    return [devices[i : i + span] for i in range(0, len(devices), span)]
 
 
 def export_and_upload(job: TrainingJob, result, config: DrafterConfig, directory: Path, uploader: Uploader):

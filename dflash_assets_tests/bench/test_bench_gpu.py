@@ -55,6 +55,16 @@ def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_
     rate, source = drafter_rate(2 * step["flops_per_token"], profile, result)
     assert rate == pytest.approx(step["tokens_per_s"] / 2) and "bench --gpu" in source
     assert "gated-delta-net layers" in out  # the hybrid's kernel path
+    # The target split over devices: k = 1 and 2 gloo ranks on the CPU, each row measured and saved.
+    assert f"{TINY_SHAPES[1].name} split over devices" in out
+    split_rows = re.findall(
+        r"^  target over (\d) devices? +([\d,]+) tokens/s +([\d.]+)x one device$", out, re.M
+    )
+    assert [int(k) for k, _, _ in split_rows] == [1, 2] and all(
+        float(r.replace(",", "")) > 0 for _, r, _ in split_rows
+    )
+    assert [row["tp"] for row in result["tensor_parallel"]] == [1, 2]
+    assert result["tensor_parallel"][0]["vs_one_device"] == 1.0
     targets, drafter = out.split("drafter training step")
     table_rows = [line for line in targets.splitlines() if "tokens/s" not in line and "%" in line]
     assert len(table_rows) == 2 * len(VARIANTS)  # every variant of both targets has an MFU

@@ -1,6 +1,7 @@
 """`hidden_state_partitions`: the target's chosen decoder-layer outputs, one object per sample."""
 
 import warnings
+from types import SimpleNamespace
 
 from dagster import (
     AssetCheckExecutionContext,
@@ -19,6 +20,7 @@ from pydantic import Field
 from dflash_assets import settings
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.conversations.shard import load_shard
+from dflash_assets.orchestration.capacity_plan import resolve_target_tp
 from dflash_assets.orchestration.execution.k8s import gpu_step_tags
 from dflash_assets.orchestration.execution.nodes import step_node
 from dflash_assets.orchestration.io_manager import PartitionOutput
@@ -44,6 +46,7 @@ class ExtractConfig(Config):
     hidden_state_dtype: str | None = Field(
         default=None, description=settings.HIDDEN_STATE_DTYPE.field_description()
     )
+    target_tp: str | None = Field(default=None, description=settings.TARGET_TP.field_description())
 
     def token_budget(self) -> int:
         return settings.given_or(self.max_tokens_per_batch, settings.MAX_TOKENS_PER_BATCH.get_int)
@@ -65,7 +68,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         io_manager_key="store_io_manager",
         group_name="dflash",
         pool="gpu",
-        op_tags=gpu_step_tags(),
+        op_tags=gpu_step_tags(gpus=settings.target_tp() or 1),  # a pod gets every device the target spans
         kinds={"pytorch", "safetensors", "s3"},
         description="Raw outputs of the target's chosen decoder layers, one safetensors object per sample.",
     )
@@ -93,29 +96,37 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
             )
         prefix = partition_prefix("hidden_state_partitions", sample_range.key)
         progress = RangeProgressReporter(context, sample_range.key, config.observe_every_s)
+        tp = resolve_target_tp(config.target_tp, "capture", target_model, log=progress.note)  # before a lease
         progress.set_status("waiting for a device")
-        with devices.lease(holder=f"run {context.run.run_id}", log=progress.note) as device:
-            progress.note(f"leased device {device}; loading the target, layers {layer_ids}")
-            with store.uploader() as uploader:
-                result = extract_range(
-                    model=load_target_model(target_model.model_dir(), device),
-                    target_model_name=target_model.name,
-                    samples=samples,
-                    target_layer_ids=layer_ids,
-                    store=object_store,
-                    prefix=prefix,
-                    staging_dir=store.staging_path(prefix),
-                    uploader=uploader,
-                    device=device,
-                    max_tokens_per_batch=config.token_budget(),
-                    max_batch_size=config.max_batch_size,
-                    log=progress.log_line,
-                    warn=context.log.warning,
-                    progress_every_s=config.progress_every_s,
-                    on_progress=progress,
-                    hidden_state_dtype=dtype,
-                    source=tokenized.prefix,  # relative: a store copied elsewhere keeps its objects
-                )
+        extraction = {  # extract_range's arguments, wherever it runs
+            "target_model_name": target_model.name,
+            "target_layer_ids": layer_ids,
+            "prefix": prefix,
+            "staging_dir": store.staging_path(prefix),
+            "max_tokens_per_batch": config.token_budget(),
+            "max_batch_size": config.max_batch_size,
+            "progress_every_s": config.progress_every_s,
+            "hidden_state_dtype": dtype,
+            "source": tokenized.prefix,  # relative: a store copied elsewhere keeps its objects
+        }
+        if tp > 1:
+            job = _split_capture_job(context, store, target_model, devices, tokenized, extraction, tp)
+            result = _capture_over_devices(context, progress, job)
+        else:
+            with devices.lease(holder=f"run {context.run.run_id}", log=progress.note) as device:
+                progress.note(f"leased device {device}; loading the target, layers {layer_ids}")
+                with store.uploader() as uploader:
+                    result = extract_range(
+                        model=load_target_model(target_model.model_dir(), device),
+                        samples=samples,
+                        store=object_store,
+                        uploader=uploader,
+                        device=device,
+                        log=progress.log_line,
+                        warn=context.log.warning,
+                        on_progress=progress,
+                        **extraction,
+                    )
         context.log.info(f"{sample_range.key}: {result.summary()}")
         manifest_fields = {
             "sample_indices": [s.sample_index for s in samples],
@@ -131,6 +142,64 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         )
 
     return hidden_state_partitions
+
+
+class _SplitCapture:
+    """What rank 0 of a split target reports about its range, with the same reading as `ExtractionResult`."""
+
+    def __init__(self, outcome: dict) -> None:
+        self.objects: dict[str, int] = outcome["objects"]
+        self.tokens: int = outcome["tokens"]
+        self._metadata: dict = outcome["metadata"]
+        self._summary: str = outcome["summary"]
+
+    def metadata(self) -> dict:
+        return self._metadata
+
+    def summary(self) -> str:
+        return self._summary
+
+
+def _split_capture_job(context, store, target_model, devices, tokenized, extraction, tp: int):
+    """What each of the `tp` ranks of the range's capture reads (`extraction/rank.py`)."""
+    from dflash_assets.target.ranks import TargetRankJob
+
+    return TargetRankJob(
+        stage="capture",
+        model_dir=str(target_model.model_dir()),
+        tp=tp,
+        devices=devices.candidates(),
+        lock_dir=str(devices.lock_directory()),
+        holder=f"run {context.run.run_id}",
+        timeout_s=settings.TARGET_TP_TIMEOUT_S.get_float(),
+        work={
+            **extraction,
+            "staging_dir": str(extraction["staging_dir"]),
+            "store_url": store.store_url(),
+            "s3": store.s3_settings_fields(),
+            "upload": store.uploader_fields(),
+            "tokenized_prefix": tokenized.prefix,
+            "tokenized_manifest": tokenized.manifest,
+            "read_cache_dir": str(store.read_cache_dir()),
+        },
+    )
+
+
+def _capture_over_devices(context, progress: RangeProgressReporter, job) -> _SplitCapture:
+    """The range captured by `job.tp` ranks, each holding a shard of the target on a device of its own
+    (`orchestration/execution/target_launch.py`); rank 0 writes the objects as one device would."""
+    from dflash_assets.extraction.monitor import ExtractionProgress
+    from dflash_assets.orchestration.execution.target_launch import run_target_ranks
+
+    reports = SimpleNamespace(
+        log=progress.log_line,
+        warn=context.log.warning,
+        status=progress.set_status,
+        progress=lambda snapshot: progress(ExtractionProgress(**snapshot)),
+    )
+    layers = job.work["target_layer_ids"]
+    progress.note(f"capturing over {job.tp} devices, one rank each (layers {layers})")
+    return _SplitCapture(run_target_ranks(job, reports))
 
 
 class RangeCheckConfig(Config):

@@ -1,0 +1,115 @@
+"""One rank of a range's capture from a target split over several devices (`DFLASH_TARGET_TP` > 1), as
+torch.distributed's launcher starts it: `python -m dflash_assets.extraction.rank JOB.json`.
+
+Rank 0 extracts the range exactly as one device does (`extract_range`: the same listing, staging,
+uploads and fingerprint), sending each batch to the other ranks before its forward; they run the same
+forward on their shards and keep nothing. Only rank 0 writes objects. The rank's life (lease, process
+group, shard, reports to the step) is `target/ranks.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.target.ranks import StepLink, TargetRankJob, die_with_parent, run_target_rank
+
+CAPTURE = "capture"
+
+
+class LeaderCapture(HiddenStateCapture):
+    """Rank 0's capture: each batch goes to the other ranks first, then through this rank's shard."""
+
+    def __init__(self, model: torch.nn.Module, target_layer_ids: list[int], group: Any) -> None:
+        super().__init__(model, target_layer_ids)
+        self.group = group
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.group.send(CAPTURE, input_ids.cpu(), attention_mask.cpu())
+        return super().__call__(input_ids, attention_mask)
+
+
+def lead(job: TargetRankJob) -> Any:
+    """Rank 0's work: the range's extraction; its outcome is what the step reports."""
+
+    def run(group: Any, model: torch.nn.Module, devices: list[str], link: StepLink) -> dict[str, Any]:
+        from dflash_assets.conversations.shard import load_shard
+        from dflash_assets.extraction.extract import extract_range
+        from dflash_assets.storage.manifest import StoredPartition
+        from dflash_assets.storage.open_store import open_store
+        from dflash_assets.storage.s3_store import S3Settings
+        from dflash_assets.storage.uploader import Uploader
+
+        work = job.work
+        store = open_store(work["store_url"], S3Settings(**work["s3"]) if work.get("s3") else None)
+        tokenized = StoredPartition(store, work["tokenized_prefix"], work["tokenized_manifest"])
+        samples = load_shard(tokenized, Path(work["read_cache_dir"]))
+        layer_ids = [int(i) for i in work["target_layer_ids"]]
+        progress = lambda snapshot: link.event("progress", _snapshot(snapshot))  # noqa: E731
+        with Uploader(store, **work["upload"]) as uploader:
+            result = extract_range(
+                model=model,
+                capture=LeaderCapture(model, layer_ids, group),
+                target_model_name=work["target_model_name"],
+                samples=samples,
+                target_layer_ids=layer_ids,
+                store=store,
+                prefix=work["prefix"],
+                staging_dir=Path(work["staging_dir"]),
+                uploader=uploader,
+                device=",".join(devices),
+                max_tokens_per_batch=int(work["max_tokens_per_batch"]),
+                max_batch_size=int(work["max_batch_size"]),
+                log=link.log,
+                warn=link.warn,
+                progress_every_s=float(work["progress_every_s"]),
+                on_progress=progress,
+                hidden_state_dtype=work["hidden_state_dtype"],
+                source=work["source"],
+            )
+        return {
+            "objects": result.objects,
+            "tokens": result.tokens,
+            "metadata": result.metadata(),
+            "summary": result.summary(),
+        }
+
+    return run
+
+
+def _snapshot(progress: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(progress)
+
+
+def handlers(job: TargetRankJob):
+    layer_ids = [int(i) for i in job.work["target_layer_ids"]]
+
+    def make(model: torch.nn.Module) -> dict[str, Any]:
+        capture = HiddenStateCapture(model, layer_ids)
+
+        def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+            capture(input_ids, attention_mask)  # the collectives inside meet rank 0's; the result is its
+
+        return {CAPTURE: run}
+
+    return make
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_assets.extraction.rank", description=__doc__)
+    parser.add_argument("job", help="the capture's TargetRankJob JSON")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    job = TargetRankJob.from_json(Path(args.job).read_text())
+    return run_target_rank(job, lead(job), handlers(job))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""One rank of a target split over several devices (`DFLASH_TARGET_TP` > 1) answering a regeneration's
+batches, as torch.distributed's launcher starts it: `python -m dflash_assets.generation.rank JOB.json`.
+
+The step runs the range (`regenerate_range`: batches, journal, chunks, uploads) with a
+`SplitTargetEngine`, which sends each batch's prompts here. Rank 0 takes the step's requests from the
+step's store and hands each batch to the other ranks before its own `generate` (they run the same
+`generate` on their shards, the same seed included, and keep nothing); it replies with the new tokens.
+The rank's life (lease, process group, shard, reports) is `target/ranks.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash_assets.generation.in_process import generate_rows
+from dflash_assets.target.ranks import StepLink, TargetRankJob, die_with_parent, run_target_rank
+
+GENERATE = "generate"
+
+
+def _generate(model: Any, prompts: list[list[int]], pad_id: int, config: dict, seed: int | None):
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    return generate_rows(model, prompts, pad_id, GenerationConfig.from_dict(config), seed, device)
+
+
+def lead(job: TargetRankJob):
+    """Rank 0: answer the step's requests until it says stop (or says nothing for the job's timeout)."""
+
+    def run(group: Any, model: Any, devices: list[str], link: StepLink) -> dict[str, Any]:
+        batches = 0
+        while True:
+            request = link.next_request(wait_s=job.timeout_s)
+            if request is None:
+                raise TimeoutError(
+                    f"the step sent no request for {job.timeout_s:.0f} s "
+                    "(DFLASH_TARGET_TP_TIMEOUT_S): stopping"
+                )
+            kind = request.get("kind", GENERATE)
+            if kind == "stop":
+                return {"batches": batches}
+            if kind == "ready":
+                link.reply({"ready": True, "devices": devices})
+                continue
+            payload = (request["prompts"], int(request["pad_id"]), request["config"], request["seed"])
+            group.send(GENERATE, *payload)
+            link.reply({"rows": _generate(model, *payload)})
+            batches += 1
+
+    return run
+
+
+def handlers(job: TargetRankJob):
+    return lambda model: {GENERATE: lambda *payload: _generate(model, *payload)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_assets.generation.rank", description=__doc__)
+    parser.add_argument("job", help="the regeneration's TargetRankJob JSON")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    job = TargetRankJob.from_json(Path(args.job).read_text())
+    return run_target_rank(job, lead(job), handlers(job))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
