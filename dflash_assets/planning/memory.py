@@ -21,6 +21,7 @@ from dflash_assets.storage.units import human_bytes
 from dflash_assets.target.memory import (
     forward_activation_bytes,
     kv_cache_bytes_per_token,
+    lm_head_parameters,
     logits_bytes,
     recurrent_state_bytes,
     target_config,
@@ -83,14 +84,16 @@ def extraction_bytes(
     tp: int = 1,
 ) -> int:
     """Extraction on one device of a target split over `tp` (rank 0, the busiest): its share of the
-    weights, one forward's activations at the token budget, the capture buffer in the model's dtype and
-    its encoded copy (bf16 cast, or fp8's float32 working copy + e4m3 + scales)."""
+    weights (on one device without the LM head, which capture never loads), one forward's activations at
+    the token budget, the capture buffer in the model's dtype and its encoded copy (bf16 cast, or fp8's
+    float32 working copy + e4m3 + scales)."""
     config = target_config(target.model_dir)
     element = _element(device)
     captured = max_tokens_per_batch * len(target.layer_ids) * target.hidden_size
     encoded = captured * (4 + 1) if hidden_state_dtype == "fp8" else (0 if element == 2 else captured * 2)
+    parameters = target.weight_bytes_bf16 // 2 - (lm_head_parameters(config) if tp == 1 else 0)
     return (
-        target.weight_bytes_bf16 // 2 * element // tp
+        parameters * element // tp
         + forward_activation_bytes(config, max_tokens_per_batch, element, tp)
         + captured * element
         + encoded

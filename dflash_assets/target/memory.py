@@ -77,6 +77,13 @@ def weight_bytes(model_dir: str | Path, device_type: str) -> int:
     return parameter_count(model_dir) * (2 if device_type == "cuda" else 4)
 
 
+def lm_head_parameters(config: dict[str, Any]) -> int:
+    """The LM head's parameters when it is a tensor of its own (none when tied to the embedding)."""
+    if config.get("tie_word_embeddings"):
+        return 0
+    return int(config["vocab_size"]) * int(config["hidden_size"])
+
+
 def target_config(model_dir: str | Path) -> dict[str, Any]:
     """The target's text config as a dict (multimodal checkpoints: their `text_config`)."""
     return text_config(json.loads((Path(model_dir) / "config.json").read_text()))

@@ -65,16 +65,21 @@ def load_target_model(
     model_dir: str | Path,
     device: str | torch.device | Sequence[str | torch.device],
     dtype: torch.dtype | None = None,
+    *,
+    lm_head: bool = True,
 ) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained` in eval mode, loaded straight onto its device (no copy of the
     whole target in host memory first: eight ranks of one host each loading a 55 GB target would hold
-    eight): bf16 on CUDA, float32 on the CPU unless `dtype`.
+    eight): bf16 on CUDA, float32 on the CPU unless `dtype`. `lm_head=False` loads the model without its
+    LM head (`AutoModel`): capturing hidden states never reads the logits, and at a 248 K vocabulary the
+    head is 2.5 GB of a device in bf16 (5 GB of a CPU host in float32).
 
     `device` may list several devices: the replica then spans them, its decoder layers split into
     contiguous blocks, one per device (a layer split inside this process: the memory of one device each,
     the speed of one device; see `target/tensor_parallel.py` for a split over processes)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
+    auto = AutoModelForCausalLM if lm_head else AutoModel
     devices = _distinct_devices(device)
     if dtype is None:
         dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
@@ -85,9 +90,9 @@ def load_target_model(
             f"target model directory {str(path)!r} {problem}; set {MODEL_SETTING} to a Hugging Face model "
             "directory (config.json + weights)"
         )
-    device_map: Any = devices[0] if len(devices) == 1 else layer_split_device_map(path, devices)
+    device_map: Any = devices[0] if len(devices) == 1 else layer_split_device_map(path, devices, auto)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+        model = auto.from_pretrained(path, dtype=dtype, device_map=device_map)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
         raise TargetModelError(
             f"cannot load the target model from {str(path)!r}: {error} (check {MODEL_SETTING})"
@@ -108,13 +113,17 @@ def _distinct_devices(device: str | torch.device | Sequence[str | torch.device])
     return distinct
 
 
-def layer_split_device_map(model_dir: str | Path, devices: Sequence[torch.device]) -> dict[str, str]:
+def layer_split_device_map(
+    model_dir: str | Path, devices: Sequence[torch.device], auto: Any = None
+) -> dict[str, str]:
     """A `device_map` spreading the decoder layers over `devices` in contiguous blocks (the first device
-    takes the remainder); every other module (embeddings, final norm, LM head) on the first device."""
+    takes the remainder); every other module (embeddings, final norm, LM head) on the first device.
+    `auto`: the transformers class the model loads with (default `AutoModelForCausalLM`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    auto = auto or AutoModelForCausalLM
     with torch.device("meta"):  # the architecture alone: module names, no weights
-        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(Path(model_dir).expanduser()))
+        meta = auto.from_config(AutoConfig.from_pretrained(Path(model_dir).expanduser()))
     _, layers = find_decoder(meta)
     count, parts = len(layers), len(devices)
     blocks: list[str] = []

@@ -117,6 +117,20 @@ group.close()
 """
 
 
+def test_capture_loads_the_target_without_its_lm_head_and_captures_the_same_layers(demo_model_dir):
+    ids = torch.tensor([[5, 9, 14, 3, 7, 21, 8, 2]])
+    whole = load_target_model(demo_model_dir, "cpu")
+    headless = load_target_model(demo_model_dir, "cpu", lm_head=False)
+    names = [name for name, _ in headless.named_parameters()]
+    assert not [name for name in names if "lm_head" in name]
+    assert sum(p.numel() for p in whole.parameters()) - sum(p.numel() for p in headless.parameters()) == (
+        whole.config.vocab_size * whole.config.hidden_size
+    )
+    layers = [1, 3, 5]
+    expected = HiddenStateCapture(whole, layers)(ids, torch.ones_like(ids))
+    assert torch.equal(HiddenStateCapture(headless, layers)(ids, torch.ones_like(ids)), expected)
+
+
 def test_two_ranks_capture_what_one_process_captures_to_float32_precision(demo_model_dir, tmp_path):
     torch.manual_seed(0)
     ids = torch.randint(0, 1500, (4, 40))

@@ -117,7 +117,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
                 progress.note(f"leased device {device}; loading the target, layers {layer_ids}")
                 with store.uploader() as uploader:
                     result = extract_range(
-                        model=load_target_model(target_model.model_dir(), device),
+                        model=load_target_model(target_model.model_dir(), device, lm_head=False),
                         samples=samples,
                         store=object_store,
                         uploader=uploader,
