@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_assets.target.devices import current_device
 from dflash_assets.target.layer_ids import resolve_target_layer_ids
 from dflash_assets.target.model import find_decoder, hidden_size_of
 from dflash_assets.target.tensor_parallel import full_tensor
@@ -77,7 +78,8 @@ class HiddenStateCapture:
             for slot, layer_id in enumerate(self.target_layer_ids)
         ]
         try:
-            with torch.inference_mode():
+            # This thread's current CUDA device is the model's (a replica's thread starts on GPU 0).
+            with current_device(device), torch.inference_mode():
                 self.base_model(
                     input_ids=_to_device(input_ids, device),
                     attention_mask=_to_device(attention_mask, device),

@@ -51,6 +51,29 @@ def check_device_name(device: str) -> str:
     return device.strip()
 
 
+def current_device(device: str | torch.device) -> contextlib.AbstractContextManager:
+    """`device` as this thread's current CUDA device for the block (and back after). A thread starts on
+    device 0, whatever its process set: a kernel launched without an explicit device (fused gated-delta-net
+    and conv kernels, flex attention) from a thread that never set one runs on, and allocates on, GPU 0."""
+    import torch
+
+    target = torch_device(device)
+    return torch.cuda.device(target) if target.type == "cuda" else contextlib.nullcontext()
+
+
+def thread_on_device(device: str | torch.device) -> Callable[[], None]:
+    """A thread pool's initializer that makes `device` its threads' current CUDA device."""
+    import torch
+
+    target = torch_device(device)
+
+    def initialize() -> None:
+        if target.type == "cuda":
+            torch.cuda.set_device(target)
+
+    return initialize
+
+
 def torch_device(device: str | torch.device) -> torch.device:
     """The torch device for a lease name; `cpu:N` names distinct leases but all map to the CPU."""
     import torch

@@ -21,6 +21,7 @@ from dflash_assets.extraction.object_size import estimate_num_tokens
 from dflash_assets.extraction.sample_format import HiddenStateSample, parse_sample_object_name
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.target.batching import pad_batch
+from dflash_assets.target.devices import thread_on_device
 from dflash_assets.training.sample_stream import SampleStream, partition_of
 from dflash_assets.training.settings import TrainSettings
 
@@ -213,8 +214,10 @@ class OnlineSource:
         if not self.data.overlap or not ids:
             return
         self.settle()
-        if self._ahead is None:
-            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="target-ahead")
+        if self._ahead is None:  # its thread's allocations go to the drafter's device, not GPU 0
+            self._ahead = ThreadPoolExecutor(
+                1, thread_name_prefix="target-ahead", initializer=thread_on_device(self.settings.device)
+            )
         samples = [self.samples[i] for i in ids]
         key = tuple(s.sample_index for s in samples)
         self._pending = (key, self._ahead.submit(self._collate_now, samples))

@@ -119,7 +119,7 @@ def launcher_command(arguments: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed.run import main as torchrun
 
-    from dflash_assets.training.rank import die_with_parent
+    from dflash_assets.target.ranks import die_with_parent
 
     die_with_parent()
     torchrun(list(sys.argv[1:] if argv is None else argv))

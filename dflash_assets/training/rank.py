@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import json
 import os
-import signal
 import sys
-import threading
-import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_assets import terminal
+from dflash_assets.target.ranks import die_with_parent
 from dflash_assets.training.distributed import ProcessGroup, Timeouts
 from dflash_assets.training.failures import restartable
 from dflash_assets.training.job import NodeResources, TrainingJob, run_job
@@ -157,29 +154,6 @@ class RankEvents(StoreEvents):
 
     def outcome(self, outcome: dict[str, Any]) -> None:
         pass
-
-
-# ------------------------------------------------------------------------------- dying with the launcher
-
-
-def die_with_parent() -> None:
-    """SIGKILL this process as soon as its parent dies (Linux: the kernel's parent-death signal; else a
-    thread that watches the parent)."""
-    parent = os.getppid()
-    armed = False
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0
-    if os.getppid() != parent or parent == 1:  # died before the signal was armed
-        os.kill(os.getpid(), signal.SIGKILL)
-    if not armed:
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=watch, name="dflash-parent-watch", daemon=True).start()
 
 
 # ----------------------------------------------------------------------------------------- the rank

@@ -408,3 +408,54 @@ def test_an_error_raised_from_a_transient_one_restarts():
             raise CheckpointError("checkpoint s3://b/c cannot be downloaded") from cause
     except CheckpointError as error:
         assert restartable(error)
+
+
+# ----------------------------------------------------------------------------- threads and their devices
+
+
+def test_a_background_thread_makes_its_device_current_before_it_runs_the_target(monkeypatch, target_dir):
+    """CUDA's current device is per thread and starts at 0: the replica threads and the thread running the
+    target ahead set theirs (on a GPU node, kernels without an explicit device would run on GPU 0)."""
+    import threading
+
+    import dflash_assets.extraction.capture as capture_module
+    from dflash_assets.extraction.capture import ReplicatedCapture
+    from dflash_assets.target.devices import current_device, thread_on_device
+    from dflash_assets_tests.support.drafter_fixtures import load_capture
+
+    set_to: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: set_to.append((threading.current_thread().name, d))
+    )
+    entered: list[torch.device] = []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    thread_on_device("cuda:1")()
+    with current_device("cuda:3"):
+        pass
+    with current_device("cpu:1"):  # a CPU lease: nothing to set
+        pass
+    assert [d for _, d in set_to] == [torch.device("cuda:1")] and entered == [torch.device("cuda:3")]
+
+    # Each replica runs its forward with its own device current, on a thread of its own.
+    replicas: list[tuple[str, torch.device]] = []
+    real = capture_module.current_device
+
+    def noted(device):
+        replicas.append((threading.current_thread().name, torch.device(device)))
+        return real(device)
+
+    monkeypatch.setattr(capture_module, "current_device", noted)
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    ReplicatedCapture([load_capture(target_dir), load_capture(target_dir)], "cpu")(ids, torch.ones_like(ids))
+    assert len(replicas) == 2 and all(name.startswith("target-replica") for name, _ in replicas)
