@@ -185,6 +185,9 @@ def run_plan(args: argparse.Namespace) -> int:
         samples=args.samples,
         mean_tokens=args.mean_tokens,
         online_target_devices=args.online_target_devices,
+        store_gbps=args.store_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+        store_result=args.store_result,
         log=log,
     )
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
@@ -204,6 +207,8 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         "--nodes": args.nodes,
         "--samples": args.samples,
         "--mean-tokens": args.mean_tokens,
+        "--store-gbps": args.store_gbps,
+        "--inter-node-gbps": args.inter_node_gbps,
     }
     for flag, value in positive.items():
         if value is not None and value <= 0:
@@ -227,6 +232,8 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--sample-rows {args.sample_rows} must be 0 (every row) or more")
     if args.gpu_result and not Path(args.gpu_result).expanduser().is_file():
         raise UsageError(f"--gpu-result {args.gpu_result}: no such file (`bench --gpu` saves one)")
+    if args.store_result and not Path(args.store_result).expanduser().is_file():
+        raise UsageError(f"--store-result {args.store_result}: no such file (`bench --only store` saves one)")
     if args.device:
         try:
             device_profile(
@@ -282,6 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--nodes", type=int, default=1, help="training split: nodes the run trains on")
     plan.add_argument("--samples", type=int, default=None, help="what-if: this many samples")
     plan.add_argument("--mean-tokens", type=float, default=None, help="what-if: tokens per sample on average")
+    plan.add_argument(
+        "--store-gbps",
+        type=float,
+        default=None,
+        help="GB/s (10^9 bytes a second) the store delivers to offline training, all nodes together "
+        "(default: what `bench --only store` measured from this node)",
+    )
+    plan.add_argument("--store-result", default=None, help="a saved `bench --only store` result to plan from")
+    plan.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=None,
+        help="GB/s of a node's link to the others, for the gradient all-reduce across --nodes "
+        "(default 25: 200 Gb/s; 8 x 400 Gb/s InfiniBand is 400)",
+    )
     plan.add_argument(
         "--online-target-devices",
         type=int,

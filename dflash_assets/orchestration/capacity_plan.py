@@ -31,18 +31,24 @@ def build_plan(
     samples: int | None = None,
     mean_tokens: float | None = None,
     online_target_devices: int | None = None,
+    store_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    store_result: str | Path | None = None,
     log: Callable[[str], None] = lambda message: None,
 ):
     """A `CapacityPlan` for the configured dataset, target and settings (see `planning/capacity.py`), with
     the training split for `gpus_per_node` devices (default: this node's) on `nodes` nodes
     (`planning/training_split.py`). `samples` and `mean_tokens` override the workload's counts (with both,
-    the dataset is not read)."""
+    the dataset is not read). Offline training reads the store at `store_gbps` (GB/s), else at the rate
+    `bench --only store` saved for this store (`store_result`), else at a rate the plan says it needs;
+    across nodes each step waits for the gradient all-reduce over `inter_node_gbps`."""
     from dflash_assets.extraction.object_size import check_hidden_state_dtype
     from dflash_assets.planning.capacity import PlanSettings, plan_capacity
     from dflash_assets.planning.gpu_result import gpu_result_path, load_gpu_result
     from dflash_assets.planning.inputs import device_profile, target_facts
     from dflash_assets.planning.memory import stage_memory
-    from dflash_assets.planning.training_split import SplitUnknown, training_split_for
+    from dflash_assets.planning.store_result import load_store_result, store_read_rate, store_result_path
+    from dflash_assets.planning.training_split import SplitUnknown, StoredHiddenStates, training_split_for
     from dflash_assets.planning.workload import build_workload, given_workload
     from dflash_assets.storage.store import StoreError
 
@@ -136,6 +142,20 @@ def build_plan(
         if online_target_devices is not None
         else "the target on each rank's device (run config online_target_devices unset)"
     )
+    saved_store = load_store_result(store_result or store_result_path(settings.cache_dir()))
+    store_rate, store_source, set_aside = store_read_rate(store_gbps, saved_store, store.store_url())
+    if set_aside:
+        plan.warnings.append(set_aside)
+    f = plan.figures
+    stored = [
+        StoredHiddenStates(
+            dtype=d,
+            bytes_per_token=f["hidden_state_bytes_by_dtype"][d] / f["tokens"] if f["tokens"] else 0.0,
+            total_bytes=f["hidden_state_bytes_by_dtype"][d],
+            extraction_hours=f["extraction_hours"]["devices_n_by_dtype"][d],
+        )
+        for d in f["hidden_state_bytes_by_dtype"]
+    ]
     try:
         split = training_split_for(
             target=facts,
@@ -152,6 +172,11 @@ def build_plan(
             stated=(nproc, online_target_devices or 0) if nproc else None,
             stated_from=stated_from,
             longest=longest,
+            inter_node_gbps=inter_node_gbps,
+            store_bytes_per_s=store_rate,
+            store_source=store_source,
+            stored=stored,
+            hidden_state_dtype=dtype,
         )
     except SplitUnknown as error:
         plan.figures["training_split"] = None
@@ -345,7 +370,7 @@ def format_plan(plan) -> str:
         ("upload to keep up", _rate(f["upload_bytes_per_s_needed"])),
         (
             "offline training reads",
-            f"{_rate(f['offline_read_bytes_per_s'])} at {training['tokens_per_s']:,.0f} tokens/s "
+            f"{_rate(f['offline_read_bytes_per_s'])} a rank at {training['tokens_per_s']:,.0f} tokens/s "
             f"({training['source']}); {human_bytes(training['bytes_read'])} over {training['epochs']} epochs",
         ),
         (
