@@ -194,6 +194,52 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_store_bench(args: argparse.Namespace) -> int:
+    """`dflash-assets bench --only store` (the configured store, saved for the plan, then the feed row) or
+    `--only feed` (the feed row alone), at the configured target's object size."""
+    from dflash_assets import settings
+    from dflash_assets.bench.store import DEFAULT_BENCH_BYTES, ObjectShape, bench_feed, bench_store
+    from dflash_assets.orchestration.capacity_plan import planned_object_bytes
+    from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
+    from dflash_assets.planning.store_result import store_result_path
+    from dflash_assets.target.memory import target_config
+    from dflash_assets.target.model import hidden_size_of
+
+    if args.mean_tokens is not None and args.mean_tokens < 1:
+        raise UsageError(f"--mean-tokens {args.mean_tokens:g} must be 1 or more")
+    target = TargetModelResource()
+    _, tokens, how = planned_object_bytes(
+        dataset=DatasetResource(), target_model=target, mean_tokens=args.mean_tokens
+    )
+    shape = ObjectShape(
+        num_tokens=tokens,
+        layer_ids=target.layer_ids(),
+        hidden_size=hidden_size_of(target_config(target.model_dir())),
+        dtype=settings.HIDDEN_STATE_DTYPE.get(),
+        target_model=target.name,
+        how=how,
+    )
+    total = DEFAULT_BENCH_BYTES // (4 if args.quick else 1)
+    figures: dict[str, float] = {}
+    if args.only == "store":
+        store = StoreResource()
+        figures.update(
+            bench_store(
+                store.check(),
+                store.store_url(),
+                shape,
+                uploader_fields=store.uploader_fields(),
+                total_bytes=total,
+                result_path=store_result_path(settings.cache_dir()),
+            )
+        )
+    figures.update(bench_feed(shape, total_bytes=total, rounds=2 if args.quick else 3))
+    print("")
+    for name, value in figures.items():
+        print(f"  {value:10.3f}  {name}")
+    return 0
+
+
 def _check_plan_flags(args: argparse.Namespace) -> None:
     """Every `plan` flag, before the dataset is read or a row tokenized."""
     from dflash_assets.planning.inputs import device_profile
@@ -253,7 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
     bench.add_argument(
-        "--only", choices=["extraction", "training", "scaling", "generation", "fidelity"], default=None
+        "--only",
+        choices=["extraction", "training", "scaling", "generation", "fidelity", "store", "feed"],
+        default=None,
+        help="store: the configured store's write and read rates from this node (saved for `plan`) and "
+        "the feed row; feed: the training reader against plain GETs through a 25 ms proxy",
+    )
+    bench.add_argument(
+        "--mean-tokens",
+        type=float,
+        default=None,
+        help="with --only store/feed: the objects' tokens (default: the plan's mean length)",
     )
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
     bench.add_argument(
@@ -410,6 +466,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 return 0
             if args.tiny or args.tokens or args.rounds or args.result:
                 parser.error("--tiny, --tokens, --rounds and --result go with --gpu")
+            if args.only in ("store", "feed"):
+                return run_store_bench(args)
+            if args.mean_tokens is not None:
+                parser.error("--mean-tokens goes with --only store or --only feed")
             from dflash_assets.bench.run import run_bench
 
             return run_bench(quick=args.quick, only=args.only, threads=args.threads)

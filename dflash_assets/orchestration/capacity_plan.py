@@ -188,6 +188,58 @@ def build_plan(
     return plan
 
 
+def planned_object_bytes(
+    *,
+    dataset: DatasetResource,
+    target_model: TargetModelResource,
+    mean_tokens: float | None = None,
+    sample_rows: int = 500,
+    log: Callable[[str], None] = lambda message: None,
+) -> tuple[int, int, str]:
+    """(bytes of one hidden-state object of the configured target at the plan's mean length, that
+    length, where it comes from): what `bench --only store` measures at. The mean is `mean_tokens`, else
+    the dataset's (`sample_rows` tokenized, as the plan estimates it), else the seeds' 2,017."""
+    from dflash_assets.extraction.object_size import check_hidden_state_dtype, sample_object_nbytes
+    from dflash_assets.planning.training_split import SEED_MEAN_TOKENS
+    from dflash_assets.planning.workload import build_workload
+    from dflash_assets.target.memory import target_config
+    from dflash_assets.target.model import hidden_size_of
+
+    dtype = check_hidden_state_dtype(settings.HIDDEN_STATE_DTYPE.get())
+    layer_ids = target_model.layer_ids()
+    hidden = hidden_size_of(target_config(target_model.model_dir()))
+    if mean_tokens:
+        mean, how = round(mean_tokens), "--mean-tokens"
+    else:
+        try:
+            workload = build_workload(
+                dataset_uri=dataset.uri(),
+                samples_per_partition=settings.samples_per_partition(),
+                max_length=settings.MAX_LENGTH.get_int(),
+                tokenizer=target_model.load_tokenizer(),
+                sample_rows=sample_rows,
+                cache_dir=settings.cache_dir(),
+                log=log,
+            )
+            mean, how = round(workload.tokens / max(workload.samples, 1)), "the plan's mean length"
+        except Exception as error:  # a config-only target has no tokenizer; an absent dataset no rows
+            mean = SEED_MEAN_TOKENS
+            how = f"the seeds' mean length: the dataset's could not be read ({type(error).__name__})"
+    size = sample_object_nbytes(
+        sample_index=0,
+        num_tokens=mean,
+        target_layer_ids=layer_ids,
+        target_model=target_model.name,
+        hidden_size=hidden,
+        dtype=dtype,
+    )
+    return (
+        size,
+        mean,
+        (f"{target_model.name}: {len(layer_ids)} layers × {hidden:,} in {dtype} × {mean:,} tokens ({how})"),
+    )
+
+
 def planned_drafter(target_model: TargetModelResource):
     """The drafter the configured target gets (`DFLASH_DRAFTER_SHAPE`, `DFLASH_NUM_DRAFT_LAYERS`); its mask
     token does not matter to a plan, so no tokenizer is needed."""

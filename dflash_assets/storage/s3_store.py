@@ -154,6 +154,19 @@ class S3Store(ObjectStore):
             client = build("path")
         return client
 
+    def count_requests(self) -> dict[str, int]:
+        """A live count, by HTTP method, of the requests this store sends from now on (attempts
+        included): what a benchmark reports as requests an object."""
+        counts: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def count(request: Any, **kwargs: Any) -> None:
+            with lock:
+                counts[request.method] = counts.get(request.method, 0) + 1
+
+        self._client.meta.events.register("before-send.s3", count)
+        return counts
+
     @property
     def description(self) -> str:
         return f"{self.url} (endpoint {self.endpoint_url})"
