@@ -198,7 +198,13 @@ def run_store_bench(args: argparse.Namespace) -> int:
     """`dflash-assets bench --only store` (the configured store, saved for the plan, then the feed row) or
     `--only feed` (the feed row alone), at the configured target's object size."""
     from dflash_assets import settings
-    from dflash_assets.bench.store import DEFAULT_BENCH_BYTES, ObjectShape, bench_feed, bench_store
+    from dflash_assets.bench.store import (
+        DEFAULT_BENCH_BYTES,
+        ObjectShape,
+        bench_feed,
+        bench_store,
+        bench_training_thread,
+    )
     from dflash_assets.orchestration.capacity_plan import planned_object_bytes
     from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
     from dflash_assets.planning.store_result import store_result_path
@@ -234,6 +240,7 @@ def run_store_bench(args: argparse.Namespace) -> int:
             )
         )
     figures.update(bench_feed(shape, total_bytes=total, rounds=2 if args.quick else 3))
+    figures.update(bench_training_thread(shape))
     print("")
     for name, value in figures.items():
         print(f"  {value:10.3f}  {name}")

@@ -202,6 +202,86 @@ def bench_store(
     }
 
 
+# ---------------------------------------------------------------------------------- the training thread
+
+
+def bench_training_thread(
+    shape: ObjectShape,
+    *,
+    objects: int = 8,
+    micro_batch: int = 2,
+    step_ms_per_object: float = 80.0,
+    log: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """What the training thread spends on data an object, as the trainer drives the offline source
+    (pull a step's samples, collate a micro-batch, prepare the next, train on it), with a step of
+    `step_ms_per_object` a sample standing in for the drafter (a rank at 25 K tokens/s spends ~80 ms on a
+    sample of 2,017 tokens); against decoding (`read_sample`) and collating on the training thread, as the
+    feed did before. Objects come from a local store: the store's rate is not the subject here."""
+    from dflash_assets.drafter.config import DrafterConfig
+    from dflash_assets.extraction.sample_format import read_sample
+    from dflash_assets.storage.open_store import open_store
+    from dflash_assets.training.data import OfflineData, OfflineSource, collate_hidden_state_samples
+    from dflash_assets.training.settings import TrainSettings
+
+    with tempfile.TemporaryDirectory(prefix="dflash-thread-bench-") as tmp:
+        store = open_store(str(Path(tmp) / "store"))
+        source_file = Path(tmp) / sample_object_name(0)
+        size = shape.write(source_file)
+        keys = [f"hidden-states/00000000-00000099/{sample_object_name(i)}" for i in range(objects)]
+        for key in keys:
+            store.put_file(key, source_file)
+        config = DrafterConfig(  # only its shape checks the samples: no drafter is built
+            hidden_size=shape.hidden_size,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=32,
+            intermediate_size=64,
+            vocab_size=100,
+            mask_token_id=99,
+            target_layer_ids=shape.layer_ids,
+            target_num_hidden_layers=max(shape.layer_ids) + 4,
+        )
+        settings = TrainSettings(mode="offline", eval_samples=0, max_length=max(shape.num_tokens, 1))
+        data = OfflineData(store, [(key, size) for key in keys], Path(tmp) / "cache", cache_budget_bytes=0)
+        source = OfflineSource(data, config, settings)
+        source.setup_streams([])
+        ids = list(range(objects))
+        steps = [ids[i : i + 2 * micro_batch] for i in range(0, objects, 2 * micro_batch)]
+        busy = 0.0
+        samples = source.iterate(ids)
+        for number, step in enumerate(steps):
+            started = time.perf_counter()
+            pulled = [next(samples) for _ in step]
+            busy += time.perf_counter() - started
+            micros = [step[i : i + micro_batch] for i in range(0, len(step), micro_batch)]
+            for index, micro in enumerate(micros):
+                started = time.perf_counter()
+                source.collate([pulled[step.index(i)] for i in micro])
+                if index + 1 < len(micros):
+                    following = micros[index + 1]
+                else:  # the next step's first micro-batch, as the trainer prepares it
+                    following = steps[number + 1][:micro_batch] if number + 1 < len(steps) else []
+                source.prepare(following)
+                busy += time.perf_counter() - started
+                time.sleep(step_ms_per_object * len(micro) / 1000)  # the drafter's forward and backward
+        samples.close()
+        before = time.perf_counter()
+        for key in keys:  # the feed before: read_sample and collation on the training thread
+            local = Path(tmp) / "store" / key
+            collate_hidden_state_samples([read_sample(local)], settings.max_length)
+        inline = time.perf_counter() - before
+    ahead_ms, inline_ms = 1000 * busy / objects, 1000 * inline / objects
+    log(
+        f"training thread: {ahead_ms:.1f} ms an object on data with reading, decoding and collating ahead, "
+        f"{inline_ms:.1f} ms decoding and collating there ({objects} objects of {human_bytes(size)})"
+    )
+    return {
+        "feed: training thread ms an object (read ahead, collated ahead)": ahead_ms,
+        "feed: training thread ms an object (decoded and collated there)": inline_ms,
+    }
+
+
 # ------------------------------------------------------------------------------------------ the feed row
 
 

@@ -93,17 +93,21 @@ def collate_hidden_state_samples(
     first = samples[0].hidden_states
     shape = (len(samples), input_ids.shape[1], *first.shape[1:])
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    hidden_states = torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
-    scale = torch.zeros(shape[:3], dtype=torch.float32, pin_memory=pin_memory) if fp8 else None
+    # Each row written once: its sample's states, then zeros on its padding (no zero-fill before the copy:
+    # at ~100 MB a sample, memory passes are what collation costs).
+    hidden_states = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    scale = torch.empty(shape[:3], dtype=torch.float32, pin_memory=pin_memory) if fp8 else None
     loss_mask = torch.zeros(input_ids.shape, dtype=torch.bool)
     for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
         if scale is not None:
             hidden_states[row, :length] = sample.hidden_states[:length]
             scale[row, :length] = sample.hidden_states_scale[:length]
+            scale[row, length:] = 0
         elif sample.hidden_state_dtype == "fp8":
             hidden_states[row, :length] = sample.dequantized(torch.bfloat16)[:length]
         else:
             hidden_states[row, :length] = sample.hidden_states[:length]
+        hidden_states[row, length:].view(torch.uint8).zero_()  # fp8 has no zero_ of its own
         loss_mask[row, :length] = sample.loss_mask[:length].bool()
     return DrafterBatch(
         input_ids=input_ids,
@@ -166,17 +170,18 @@ class OfflineSource:
         self.lengths = [min(n, settings.max_length) for n in lengths]
         parsed = [parse_sample_object_name(key.rsplit("/", 1)[-1]) for key, _ in self.objects]
         self.sample_indices = [index if index is not None else pos for pos, index in enumerate(parsed)]
-        self._source_id = {index: i for i, index in enumerate(self.sample_indices)}
         self.partitions = sorted({partition_of(key) for key, _ in self.objects})
         self.pin_memory = torch.device(settings.device).type == "cuda"
         self.layout: CacheLayout | None = None
         self.node_cache: NodeCache | None = None
         self._streams: dict[str, SampleStream] = {}
         # The training pass now read: its positions by source id, the samples it yielded and nobody
-        # collated yet, and the one micro-batch being collated ahead.
+        # collated yet (by position, and their positions by identity), and the one micro-batch being
+        # collated ahead.
         self._iteration: StreamIteration | None = None
         self._positions: dict[int, int] = {}
         self._yielded: dict[int, HiddenStateSample] = {}
+        self._position_of: dict[int, int] = {}
         self._ahead: ThreadPoolExecutor | None = None
         self._pending: _Pending | None = None
 
@@ -208,7 +213,7 @@ class OfflineSource:
             self._drop_pending()
             if self._iteration is not None:
                 self._iteration.close()
-            self._iteration, self._yielded = iteration, {}
+            self._iteration, self._yielded, self._position_of = iteration, {}, {}
             self._positions = {i: position for position, i in enumerate(ids)}
         return self._samples(iteration, track=stream == "train")
 
@@ -217,6 +222,7 @@ class OfflineSource:
             for position, (_, sample) in enumerate(iteration):
                 if track:
                     self._yielded[position] = sample
+                    self._position_of[id(sample)] = position
                 yield sample
         finally:
             iteration.close()
@@ -235,7 +241,7 @@ class OfflineSource:
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="collate-ahead")
         cancelled = threading.Event()
-        key = tuple(self.sample_indices[i] for i in ids)
+        key = tuple(positions)
 
         def collate_ahead() -> DrafterBatch:
             try:
@@ -256,12 +262,12 @@ class OfflineSource:
         """Nothing to wait for: collating ahead uses no device another part needs."""
 
     def collate(self, samples: Sequence[HiddenStateSample]) -> DrafterBatch:
-        for sample in samples:  # collated: the training pass no longer keeps it for `prepare`
-            position = self._positions.get(self._source_id.get(sample.sample_index, -1))
-            if position is not None:
-                self._yielded.pop(position, None)
+        # Collated: the training pass no longer keeps these samples for `prepare`.
+        positions = tuple(self._position_of.pop(id(sample), None) for sample in samples)
+        for position in positions:
+            self._yielded.pop(position, None)
         pending = self._pending
-        if pending is not None and pending.key == tuple(s.sample_index for s in samples):
+        if pending is not None and pending.key == positions:
             self._pending = None
             with contextlib.suppress(StreamClosed):
                 return pending.future.result()
@@ -275,7 +281,7 @@ class OfflineSource:
 
 @dataclass
 class _Pending:
-    key: tuple[int, ...]  # the sample indices collated
+    key: tuple[int, ...]  # the positions in the training pass of the samples collated
     future: Future[DrafterBatch]
     cancelled: threading.Event
 
