@@ -158,7 +158,6 @@ class OfflineSource:
 
     def __init__(self, data: OfflineData, config: DrafterConfig, settings: TrainSettings) -> None:
         self.data, self.config, self.settings = data, config, settings
-        self.cache_dir = Path(data.cache_dir)
         self.objects = list(data.objects)
         if data.num_tokens is not None:
             lengths = list(data.num_tokens)
@@ -245,7 +244,9 @@ class OfflineSource:
 
         def collate_ahead() -> DrafterBatch:
             try:
-                samples = [yielded.get(p) or iteration.sample_at(p, cancelled) for p in positions]
+                samples = [
+                    yielded[p] if p in yielded else iteration.sample_at(p, cancelled) for p in positions
+                ]
                 return self._collate_now(samples)
             finally:
                 iteration.release(later)

@@ -214,24 +214,6 @@ class CacheLayout:
     total_bytes: int  # the whole data set
     window_bytes: int  # each stream's read-ahead, in memory
 
-    @property
-    def holds_everything(self) -> bool:
-        return self.resident_bytes == self.total_bytes
-
-    def summary(self) -> str:
-        from dflash_assets.storage.units import human_bytes
-
-        share = (
-            "the whole data set: each object is downloaded once for the run"
-            if self.holds_everything
-            else f"{len(self.resident):,} objects ({human_bytes(self.resident_bytes)} of "
-            f"{human_bytes(self.total_bytes)}) stay; the rest is read from the store every epoch"
-        )
-        return (
-            f"node cache {human_bytes(self.budget_bytes)}: {share}; each stream reads "
-            f"{human_bytes(self.window_bytes)} ahead"
-        )
-
 
 def plan_node_cache(
     objects: Sequence[tuple[str, int]],
@@ -258,7 +240,8 @@ def plan_node_cache(
             f"({largest} bytes)"
         )
     first = list(dict.fromkeys(held_out))
-    order = first + [i for i in range(len(objects)) if i not in set(first)]
+    held = set(first)
+    order = first + [i for i in range(len(objects)) if i not in held]
     resident, used = {}, 0
     for index in order:
         key, size = objects[index]
@@ -278,10 +261,6 @@ class NodeCache:
         self.store = store
         self.directory = Path(directory)
         self.resident = dict(resident)
-        self._lock = threading.Lock()
-        self.downloaded = 0
-        self.downloaded_bytes = 0
-        self.reused = 0
 
     def local_path(self, key: str) -> Path:
         return self.directory.joinpath(*key.split("/"))
@@ -343,12 +322,7 @@ class NodeCache:
                 if not self._present(path, size):  # another rank may have fetched it meanwhile
                     path.parent.mkdir(parents=True, exist_ok=True)
                     self.store.download(key, path, size=size)
-                    with self._lock:
-                        self.downloaded += 1
-                        self.downloaded_bytes += size
                     return path, True
-        with self._lock:
-            self.reused += 1
         return path, False
 
 
