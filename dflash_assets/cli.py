@@ -185,9 +185,65 @@ def run_plan(args: argparse.Namespace) -> int:
         samples=args.samples,
         mean_tokens=args.mean_tokens,
         online_target_devices=args.online_target_devices,
+        store_gbps=args.store_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+        store_result=args.store_result,
         log=log,
     )
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
+    return 0
+
+
+def run_store_bench(args: argparse.Namespace) -> int:
+    """`dflash-assets bench --only store` (the configured store, saved for the plan, then the feed row) or
+    `--only feed` (the feed row alone), at the configured target's object size."""
+    from dflash_assets import settings
+    from dflash_assets.bench.store import (
+        DEFAULT_BENCH_BYTES,
+        ObjectShape,
+        bench_feed,
+        bench_store,
+        bench_training_thread,
+    )
+    from dflash_assets.orchestration.capacity_plan import planned_object_bytes
+    from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
+    from dflash_assets.planning.store_result import store_result_path
+    from dflash_assets.target.memory import target_config
+    from dflash_assets.target.model import hidden_size_of
+
+    if args.mean_tokens is not None and args.mean_tokens < 1:
+        raise UsageError(f"--mean-tokens {args.mean_tokens:g} must be 1 or more")
+    target = TargetModelResource()
+    _, tokens, how = planned_object_bytes(
+        dataset=DatasetResource(), target_model=target, mean_tokens=args.mean_tokens
+    )
+    shape = ObjectShape(
+        num_tokens=tokens,
+        layer_ids=target.layer_ids(),
+        hidden_size=hidden_size_of(target_config(target.model_dir())),
+        dtype=settings.HIDDEN_STATE_DTYPE.get(),
+        target_model=target.name,
+        how=how,
+    )
+    total = DEFAULT_BENCH_BYTES // (4 if args.quick else 1)
+    figures: dict[str, float] = {}
+    if args.only == "store":
+        store = StoreResource()
+        figures.update(
+            bench_store(
+                store.check(),
+                store.store_url(),
+                shape,
+                uploader_fields=store.uploader_fields(),
+                total_bytes=total,
+                result_path=store_result_path(settings.cache_dir()),
+            )
+        )
+    figures.update(bench_feed(shape, total_bytes=total, rounds=2 if args.quick else 3))
+    figures.update(bench_training_thread(shape))
+    print("")
+    for name, value in figures.items():
+        print(f"  {value:10.3f}  {name}")
     return 0
 
 
@@ -204,6 +260,8 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         "--nodes": args.nodes,
         "--samples": args.samples,
         "--mean-tokens": args.mean_tokens,
+        "--store-gbps": args.store_gbps,
+        "--inter-node-gbps": args.inter_node_gbps,
     }
     for flag, value in positive.items():
         if value is not None and value <= 0:
@@ -227,6 +285,8 @@ def _check_plan_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--sample-rows {args.sample_rows} must be 0 (every row) or more")
     if args.gpu_result and not Path(args.gpu_result).expanduser().is_file():
         raise UsageError(f"--gpu-result {args.gpu_result}: no such file (`bench --gpu` saves one)")
+    if args.store_result and not Path(args.store_result).expanduser().is_file():
+        raise UsageError(f"--store-result {args.store_result}: no such file (`bench --only store` saves one)")
     if args.device:
         try:
             device_profile(
@@ -246,7 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
     bench.add_argument(
-        "--only", choices=["extraction", "training", "scaling", "generation", "fidelity"], default=None
+        "--only",
+        choices=["extraction", "training", "scaling", "generation", "fidelity", "store", "feed"],
+        default=None,
+        help="store: the configured store's write and read rates from this node (saved for `plan`) and "
+        "the feed row; feed: the training reader against plain GETs through a 25 ms proxy",
+    )
+    bench.add_argument(
+        "--mean-tokens",
+        type=float,
+        default=None,
+        help="with --only store/feed: the objects' tokens (default: the plan's mean length)",
     )
     bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
     bench.add_argument(
@@ -282,6 +352,21 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--nodes", type=int, default=1, help="training split: nodes the run trains on")
     plan.add_argument("--samples", type=int, default=None, help="what-if: this many samples")
     plan.add_argument("--mean-tokens", type=float, default=None, help="what-if: tokens per sample on average")
+    plan.add_argument(
+        "--store-gbps",
+        type=float,
+        default=None,
+        help="GB/s (10^9 bytes a second) the store delivers to offline training, all nodes together "
+        "(default: what `bench --only store` measured from this node)",
+    )
+    plan.add_argument("--store-result", default=None, help="a saved `bench --only store` result to plan from")
+    plan.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=None,
+        help="GB/s of a node's link to the others, for the gradient all-reduce across --nodes "
+        "(default 25: 200 Gb/s; 8 x 400 Gb/s InfiniBand is 400)",
+    )
     plan.add_argument(
         "--online-target-devices",
         type=int,
@@ -423,6 +508,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 return 0
             if args.tiny or args.tokens or args.rounds or args.result:
                 parser.error("--tiny, --tokens, --rounds and --result go with --gpu")
+            if args.only in ("store", "feed"):
+                return run_store_bench(args)
+            if args.mean_tokens is not None:
+                parser.error("--mean-tokens goes with --only store or --only feed")
             from dflash_assets.bench.run import run_bench
 
             return run_bench(quick=args.quick, only=args.only, threads=args.threads)

@@ -32,18 +32,24 @@ def build_plan(
     mean_tokens: float | None = None,
     online_target_devices: int | None = None,
     num_anchors: int = 512,
+    store_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    store_result: str | Path | None = None,
     log: Callable[[str], None] = lambda message: None,
 ):
     """A `CapacityPlan` for the configured dataset, target and settings (see `planning/capacity.py`), with
     the training split for `gpus_per_node` devices (default: this node's) on `nodes` nodes
     (`planning/training_split.py`). `samples` and `mean_tokens` override the workload's counts (with both,
-    the dataset is not read)."""
+    the dataset is not read). Offline training reads the store at `store_gbps` (GB/s), else at the rate
+    `bench --only store` saved for this store (`store_result`), else at a rate the plan says it needs;
+    across nodes each step waits for the gradient all-reduce over `inter_node_gbps`."""
     from dflash_assets.extraction.object_size import check_hidden_state_dtype
     from dflash_assets.planning.capacity import PlanSettings, plan_capacity
     from dflash_assets.planning.gpu_result import gpu_result_path, load_gpu_result
     from dflash_assets.planning.inputs import device_profile, target_facts
     from dflash_assets.planning.memory import stage_memory, target_split
-    from dflash_assets.planning.training_split import SplitUnknown, training_split_for
+    from dflash_assets.planning.store_result import load_store_result, store_read_rate, store_result_path
+    from dflash_assets.planning.training_split import SplitUnknown, StoredHiddenStates, training_split_for
     from dflash_assets.planning.workload import build_workload, given_workload
     from dflash_assets.storage.store import StoreError
 
@@ -153,6 +159,20 @@ def build_plan(
         if online_target_devices is not None
         else "the target on each rank's device (run config online_target_devices unset)"
     )
+    saved_store = load_store_result(store_result or store_result_path(settings.cache_dir()))
+    store_rate, store_source, set_aside = store_read_rate(store_gbps, saved_store, store.store_url())
+    if set_aside:
+        plan.warnings.append(set_aside)
+    f = plan.figures
+    stored = [
+        StoredHiddenStates(
+            dtype=d,
+            bytes_per_token=f["hidden_state_bytes_by_dtype"][d] / f["tokens"] if f["tokens"] else 0.0,
+            total_bytes=f["hidden_state_bytes_by_dtype"][d],
+            extraction_hours=f["extraction_hours"]["devices_n_by_dtype"][d],
+        )
+        for d in f["hidden_state_bytes_by_dtype"]
+    ]
     try:
         split = training_split_for(
             target=facts,
@@ -170,6 +190,11 @@ def build_plan(
             stated_from=stated_from,
             longest=longest,
             target_span=split_target.chosen("online target"),
+            inter_node_gbps=inter_node_gbps,
+            store_bytes_per_s=store_rate,
+            store_source=store_source,
+            stored=stored,
+            hidden_state_dtype=dtype,
         )
     except SplitUnknown as error:
         plan.figures["training_split"] = None
@@ -179,6 +204,58 @@ def build_plan(
         plan.figures["training_split"] = split.as_dict()
         plan.warnings.extend(split.warnings)
     return plan
+
+
+def planned_object_bytes(
+    *,
+    dataset: DatasetResource,
+    target_model: TargetModelResource,
+    mean_tokens: float | None = None,
+    sample_rows: int = 500,
+    log: Callable[[str], None] = lambda message: None,
+) -> tuple[int, int, str]:
+    """(bytes of one hidden-state object of the configured target at the plan's mean length, that
+    length, where it comes from): what `bench --only store` measures at. The mean is `mean_tokens`, else
+    the dataset's (`sample_rows` tokenized, as the plan estimates it), else the seeds' 2,017."""
+    from dflash_assets.extraction.object_size import check_hidden_state_dtype, sample_object_nbytes
+    from dflash_assets.planning.training_split import SEED_MEAN_TOKENS
+    from dflash_assets.planning.workload import build_workload
+    from dflash_assets.target.memory import target_config
+    from dflash_assets.target.model import hidden_size_of
+
+    dtype = check_hidden_state_dtype(settings.HIDDEN_STATE_DTYPE.get())
+    layer_ids = target_model.layer_ids()
+    hidden = hidden_size_of(target_config(target_model.model_dir()))
+    if mean_tokens:
+        mean, how = round(mean_tokens), "--mean-tokens"
+    else:
+        try:
+            workload = build_workload(
+                dataset_uri=dataset.uri(),
+                samples_per_partition=settings.samples_per_partition(),
+                max_length=settings.MAX_LENGTH.get_int(),
+                tokenizer=target_model.load_tokenizer(),
+                sample_rows=sample_rows,
+                cache_dir=settings.cache_dir(),
+                log=log,
+            )
+            mean, how = round(workload.tokens / max(workload.samples, 1)), "the plan's mean length"
+        except Exception as error:  # a config-only target has no tokenizer; an absent dataset no rows
+            mean = SEED_MEAN_TOKENS
+            how = f"the seeds' mean length: the dataset's could not be read ({type(error).__name__})"
+    size = sample_object_nbytes(
+        sample_index=0,
+        num_tokens=mean,
+        target_layer_ids=layer_ids,
+        target_model=target_model.name,
+        hidden_size=hidden,
+        dtype=dtype,
+    )
+    return (
+        size,
+        mean,
+        (f"{target_model.name}: {len(layer_ids)} layers × {hidden:,} in {dtype} × {mean:,} tokens ({how})"),
+    )
 
 
 def planned_drafter(target_model: TargetModelResource):
@@ -364,7 +441,7 @@ def format_plan(plan) -> str:
         ("upload to keep up", _rate(f["upload_bytes_per_s_needed"])),
         (
             "offline training reads",
-            f"{_rate(f['offline_read_bytes_per_s'])} at {training['tokens_per_s']:,.0f} tokens/s "
+            f"{_rate(f['offline_read_bytes_per_s'])} a rank at {training['tokens_per_s']:,.0f} tokens/s "
             f"({training['source']}); {human_bytes(training['bytes_read'])} over {training['epochs']} epochs",
         ),
         (

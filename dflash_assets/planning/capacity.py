@@ -11,6 +11,7 @@ by model FLOPs per token; otherwise from FLOPs per token at a stated MFU of the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import shutil
@@ -26,11 +27,14 @@ from dflash_assets.extraction.object_size import (
     sample_object_nbytes,
 )
 from dflash_assets.planning.workload import RangeWorkload, Workload
+from dflash_assets.storage.s3_store import S3Settings
 from dflash_assets.storage.units import human_bytes
 from dflash_assets.target.batching import padding_fraction, plan_batches
 
-# S3 uploads of this size or more go multipart in parts of this size (`S3Settings` defaults).
-MULTIPART_BYTES = 64 * 2**20
+# S3 transfers of this size or more go in parts of this size (`S3Settings` defaults); smaller objects
+# are one PUT and one GET.
+MULTIPART_BYTES = S3Settings().multipart_threshold_bytes
+MULTIPART_CHUNK_BYTES = S3Settings().multipart_chunk_bytes
 LIST_PAGE = 1000
 STATED_MFU = 0.40  # extraction with writes, when nothing measured says otherwise
 # The seeds' measured offline training rate on one GPU (BRIEF.md): the default read-bandwidth basis.
@@ -219,20 +223,22 @@ def _quantile(sorted_values: list[int], q: float) -> float:
 
 
 def _s3_requests(ranges: list[dict[str, Any]], epochs: int) -> dict[str, int]:
-    puts = heads = lists = gets = 0
+    """Requests a run makes of the store. An upload is confirmed by the PUT's own answer and a download
+    knows its size from the manifest, so neither costs a HEAD; offline training reads every object once
+    an epoch (less what the node's cache keeps, a small share at this scale)."""
+    puts = lists = gets = 0
     for entry in ranges:
         objects = math.ceil(entry["objects"])
         if not objects:
             continue
         mean = entry["hidden_state_bytes"] / objects
-        per_object = 1 if mean < MULTIPART_BYTES else math.ceil(mean / MULTIPART_BYTES) + 2
+        # Multipart: create, the parts, complete.
+        per_object = 1 if mean < MULTIPART_BYTES else math.ceil(mean / MULTIPART_CHUNK_BYTES) + 2
         puts += objects * per_object + 2  # + the fingerprint and the manifest
-        heads += objects + 1  # each upload is confirmed; the manifest is checked
         lists += 3 * math.ceil(objects / LIST_PAGE)  # claim, verify, commit
-        gets += objects  # one download per object and epoch of offline training
+        gets += objects * (1 if mean < MULTIPART_BYTES else math.ceil(mean / MULTIPART_CHUNK_BYTES))
     return {
         "extraction_put": puts,
-        "extraction_head": heads,
         "extraction_list": lists,
         "training_get_per_epoch": gets,
         "training_get": gets * epochs,
@@ -285,6 +291,11 @@ def plan_capacity(
     parallel = max(1, min(settings.devices, len(workload.ranges)))
     hours_one = computed_tokens / rate / 3600 if rate else None
     hours_all = hours_one / parallel if hours_one is not None else None
+    hours_by_dtype = {}  # on all the devices, each dtype's own rate (fp8 quantises on the device)
+    for other in HIDDEN_STATE_DTYPES:
+        other_settings = dataclasses.replace(settings, hidden_state_dtype=other)
+        other_rate, _ = extraction_rate(target, device, other_settings, gpu_result)
+        hours_by_dtype[other] = computed_tokens / other_rate / 3600 / parallel if other_rate else None
     bytes_now = total_by_dtype[dtype]
     upload = bytes_now / (hours_all * 3600) if hours_all else None
     read = settings.train_tokens_per_s * bytes_now / tokens if tokens else 0.0
@@ -334,14 +345,16 @@ def plan_capacity(
             "tokens_per_s_per_device": rate,
             "computed_tokens": round(computed_tokens),
             "source": rate_source,
+            "devices_n_by_dtype": hours_by_dtype,
         },
         "upload_bytes_per_s_needed": upload,
         "offline_read_bytes_per_s": read,
         "offline_training": {
-            "tokens_per_s": settings.train_tokens_per_s,
+            "tokens_per_s": settings.train_tokens_per_s,  # one rank's
             "source": settings.train_tokens_per_s_source,
             "epochs": settings.epochs,
             "bytes_read": bytes_now * settings.epochs,
+            "bytes_per_token": bytes_now / tokens if tokens else 0.0,  # as stored, headers included
         },
         "s3_requests": _s3_requests(ranges, settings.epochs),
         "device": {

@@ -12,12 +12,30 @@ The shapes training runs, on each of N nodes of G devices (`training/job.py`, `t
 - offline: every device trains on stored hidden states (D = G): `G·d`.
 
 t is one device's target forward through the last captured layer (tokens/s), d one device's drafter
-training step; both count a sequence's tokens, as the trainer's tokens/s does. N nodes train N times as
-fast (the same split on each). The dedicated formula assumes the target's forward overlaps the drafter's
-step, so each split also carries its rate without any overlap, `D / (1/(k·t) + 1/d)`. The trainer
-overlaps them: with target devices of its own, a rank runs the target on its next micro-batch (the next
-step's first, after a step's last) on a thread of its own while the drafter trains on this one
-(`training/data.py`, `OnlineSource.prepare`). Co-location has no overlap to lose.
+training step; both count a sequence's tokens, as the trainer's tokens/s does. The dedicated formula
+assumes the target's forward overlaps the drafter's step, so each split also carries its rate without
+any overlap, `D / (1/(k·t) + 1/d)`. The trainer overlaps them: with target devices of its own, a rank
+runs the target on its next micro-batch (the next step's first, after a step's last) on a thread of its
+own while the drafter trains on this one (`training/data.py`, `OnlineSource.prepare`). Co-location has
+no overlap to lose.
+
+Across N > 1 nodes every step ends with the gradient all-reduce: a ring sends 2(N-1)/N of the drafter's
+float32 gradients (its trainable parameters × 4 bytes) through each node's link to the others
+(`--inter-node-gbps`, GB/s: 10^9 bytes a second, default `DEFAULT_INTER_NODE_GBPS`), after the step's
+compute (the trainer sums after a rank's last micro-batch: `training/distributed.py`). A step of B
+tokens (the global batch of `global_batch_size` samples of the mean length) that the N nodes compute at
+r tokens/s then takes B/r + A seconds: the split trains B / (B/r + A) tokens/s. Within a node the
+devices' own links are taken as free.
+
+Offline, every rank reads its samples from the store: at most S / b tokens/s, S the store's read rate
+(`--store-gbps`, GB/s, or `dflash-assets bench --only store`'s saved measurement; one figure for the
+whole run, however many nodes read) and b the stored bytes a token. Reading runs ahead of training, so
+a step takes the longer of its compute (with the all-reduce) and its bytes' reading. With S unknown the
+plan gives the ranks' compute rate and the read rate they need for it, and warns.
+
+The choice between online and offline in each stored dtype (`choose_mode`) is made from days, offline's
+extraction included, and within `CHOICE_TIE_FRACTION` of the fewest from the bytes stored; an offline
+rate that rests on an unmeasured store is never chosen.
 
 Ranking: the feasible splits (they fit the device's memory, with the trainer's own headroom of 10 % +
 256 MiB) by tokens/s; splits within `TIE_FRACTION` of the fastest count as equal (the figures are
@@ -31,8 +49,9 @@ drafter (CUDA devices); else FLOPs per token at a stated MFU of the device's pea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dflash_assets.drafter.config import DrafterConfig, drafter_shape
@@ -49,13 +68,19 @@ from dflash_assets.storage.units import human_bytes
 from dflash_assets.training.memory import TrainingMemory, training_memory, with_headroom
 
 TIE_FRACTION = 0.02
+CHOICE_TIE_FRACTION = 0.05  # days this close count as equal when choosing online, offline or fp8
 ALTERNATIVES = 2
+# A node's link to the others when none is given (--inter-node-gbps): 200 Gb/s, one common NIC. H200
+# nodes with InfiniBand or EFA have 8 × 400 Gb/s (400 GB/s): give the real figure.
+DEFAULT_INTER_NODE_GBPS = 25.0
+GB = 1e9  # the plan's GB/s are 10^9 bytes a second
 # The seeds' run: 25.1 K tokens/s for 5.1 days is 11.06 B tokens, 6 epochs of 914,000 samples: a mean of
 # 2,017 tokens a sample. Their drafter: Qwen3.6-27B's (hidden 5120, MLP 17408, vocabulary 248,320, the
 # published sliding-window shape, 5 layers over layers [1, 16, 31, 46, 61] of 64).
 SEED_MEAN_TOKENS = 2017
 SEED_NUM_ANCHORS = 512
 SEED_MAX_LENGTH = 3072
+SEED_GLOBAL_BATCH = 32  # sequences a step: the recipe's (`TrainSettings.global_batch_size`)
 
 
 def seed_drafter_config() -> DrafterConfig:
@@ -196,6 +221,19 @@ def _duration(days: float) -> str:
     return f"{days * 24:.1f} h" if days * 24 >= 1 else f"{days * 1440:.1f} min"
 
 
+def _rate(bytes_per_s: float) -> str:
+    """A read rate both ways users quote one: 9.6 GiB/s (10.3 GB/s)."""
+    return f"{human_bytes(bytes_per_s)}/s ({bytes_per_s / GB:,.1f} GB/s)"
+
+
+def _needs(bytes_per_s: float, ranks: int) -> str:
+    """What `ranks` read: "9.6 GiB/s from the store for 8 ranks (10.3 GB/s; 1.2 GiB/s a rank)"."""
+    return (
+        f"{human_bytes(bytes_per_s)}/s from the store for {_count(ranks, 'rank')} "
+        f"({bytes_per_s / GB:,.1f} GB/s; {human_bytes(bytes_per_s / max(1, ranks))}/s a rank)"
+    )
+
+
 def _tokens(count: float) -> str:
     for size, unit in ((1e9, "B"), (1e6, "M")):
         if count >= size:
@@ -218,6 +256,16 @@ class NodeFigures:
     # Devices one target replica spans (DFLASH_TARGET_TP): its layers split over them, one device's speed;
     # a rank's target devices then come in multiples of it, and the target never shares a device.
     target_span: int = 1
+    step_tokens: float = 0.0  # one global batch's tokens (with `allreduce_seconds`)
+    allreduce_seconds: float = 0.0  # the gradient all-reduce between nodes, a step (0: one node)
+    bytes_per_token: float = 0.0  # stored hidden-state bytes a token (offline reads)
+    store_bytes_per_s: float | None = None  # what the store delivers to the run (None: unknown)
+
+    def with_allreduce(self, compute_tokens_per_s: float) -> float:
+        """The run's tokens/s once every step also waits for the gradient all-reduce."""
+        if self.allreduce_seconds <= 0 or self.step_tokens <= 0 or compute_tokens_per_s <= 0:
+            return compute_tokens_per_s
+        return self.step_tokens / (self.step_tokens / compute_tokens_per_s + self.allreduce_seconds)
 
 
 @dataclass(frozen=True)
@@ -235,6 +283,9 @@ class Split:
     fits: bool
     days: float
     online: bool = True
+    compute_tokens_per_s: float = 0.0  # before the all-reduce and the store: what the devices compute
+    read_bytes_per_s_needed: float = 0.0  # offline: from the store, for every rank at its own pace
+    store_bytes_per_s: float | None = None  # offline: what the store delivers (None: unknown)
 
     @property
     def co_located(self) -> bool:
@@ -250,12 +301,32 @@ class Split:
             return f"{ranks}, {each} device with the target"
         return f"{ranks} × {_count(self.target_devices_per_rank, 'target device')} each"
 
+    @property
+    def store_bound(self) -> bool:
+        return self.bottleneck == "store"
+
     def summary(self, device_word: str = "GPU") -> str:
         return (
             f"{self.label}: {_count(self.gpus_per_node, device_word)} a node, "
             f"{self.tokens_per_s:,.0f} tokens/s, {_duration(self.days)}"
             + ("" if self.fits else f" — DOES NOT FIT ({human_bytes(self.bytes_per_device)} on a device)")
         )
+
+    def read_note(self, nodes: int) -> str:
+        """Offline: what its ranks need from the store, and whether the store gives it."""
+        need = f"needs {_needs(self.read_bytes_per_s_needed, self.drafter_ranks * nodes)}"
+        if self.store_bytes_per_s is None:
+            return (
+                f"{need} at that pace; the store's rate is unmeasured "
+                "(`dflash-assets bench --only store`, or --store-gbps)"
+            )
+        if self.store_bound:
+            return (
+                f"store-bound: the store's {self.store_bytes_per_s / GB:,.1f} GB/s carries "
+                f"{self.tokens_per_s:,.0f} of the {self.compute_tokens_per_s:,.0f} tokens/s the ranks "
+                f"compute, which {need}"
+            )
+        return f"{need}; the store's {self.store_bytes_per_s / GB:,.1f} GB/s keeps up"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -271,6 +342,9 @@ class Split:
             "fits": self.fits,
             "days": self.days,
             "label": self.label,
+            "compute_tokens_per_s": self.compute_tokens_per_s,
+            "read_bytes_per_s_needed": self.read_bytes_per_s_needed,
+            "store_bytes_per_s": self.store_bytes_per_s,
         }
 
 
@@ -290,18 +364,24 @@ def evaluate_split(figures: NodeFigures, drafter_ranks: int, target_devices_per_
         serial = D / (1 / (replicas * t) + 1 / d) if replicas else 0.0
         bottleneck = "drafter" if drafter_side <= target_side else "target"
         most = max(figures.target_device_bytes, training)
-    rate = per_node * figures.nodes
+    compute = per_node * figures.nodes
+    rate = figures.with_allreduce(compute)
     return Split(
         drafter_ranks=D,
         target_devices_per_rank=k,
         gpus_per_node=D * (1 + k),
         tokens_per_s=rate,
-        no_overlap_tokens_per_s=serial * figures.nodes,
+        no_overlap_tokens_per_s=figures.with_allreduce(serial * figures.nodes),
         bottleneck=bottleneck,
         bytes_per_device=most,
         fits=with_headroom(most) <= figures.device_memory_bytes,
-        days=figures.tokens_to_train / rate / 86400 if rate > 0 else float("inf"),
+        days=_days(figures.tokens_to_train, rate),
+        compute_tokens_per_s=compute,
     )
+
+
+def _days(tokens: float, rate: float) -> float:
+    return tokens / rate / 86400 if rate > 0 else float("inf")
 
 
 def online_splits(figures: NodeFigures, target_devices_per_rank: int | None = None) -> list[Split]:
@@ -319,20 +399,31 @@ def online_splits(figures: NodeFigures, target_devices_per_rank: int | None = No
 
 
 def offline_split(figures: NodeFigures) -> Split:
-    """Offline, every device of every node trains on stored hidden states: G·d a node."""
+    """Offline, every device of every node trains on stored hidden states: G·d a node, less the
+    all-reduce's wait, and no more than the store's rate carries."""
     gpus, training = figures.gpus_per_node, figures.training.step_bytes
-    rate = gpus * figures.drafter_tokens_per_s * figures.nodes
+    compute = gpus * figures.drafter_tokens_per_s * figures.nodes
+    ranks_pace = figures.with_allreduce(compute)
+    need = ranks_pace * figures.bytes_per_token
+    rate, bottleneck = ranks_pace, "drafter"
+    store = figures.store_bytes_per_s
+    if store is not None and figures.bytes_per_token > 0 and store / figures.bytes_per_token < ranks_pace:
+        # Whole tokens, rounded down: the figure never claims more than the store carries.
+        rate, bottleneck = math.floor(store / figures.bytes_per_token), "store"
     return Split(
         drafter_ranks=gpus,
         target_devices_per_rank=0,
         gpus_per_node=gpus,
         tokens_per_s=rate,
         no_overlap_tokens_per_s=rate,
-        bottleneck="drafter",
+        bottleneck=bottleneck,
         bytes_per_device=training,
         fits=with_headroom(training) <= figures.device_memory_bytes,
-        days=figures.tokens_to_train / rate / 86400 if rate > 0 else float("inf"),
+        days=_days(figures.tokens_to_train, rate),
         online=False,
+        compute_tokens_per_s=compute,
+        read_bytes_per_s_needed=need,
+        store_bytes_per_s=store,
     )
 
 
@@ -352,6 +443,100 @@ def rank_splits(splits: Sequence[Split]) -> list[Split]:
     return ranked
 
 
+@dataclass(frozen=True)
+class StoredHiddenStates:
+    """What offline training would read, stored in one dtype."""
+
+    dtype: str  # "bf16" or "fp8"
+    bytes_per_token: float  # the objects' bytes over their tokens, headers included
+    total_bytes: float
+    extraction_hours: float | None  # on the run's devices, before offline training can start
+
+
+@dataclass(frozen=True)
+class ModeOption:
+    """One way to train the run: online, or offline on hidden states stored in one dtype."""
+
+    name: str  # "online", "offline in bf16", "offline in fp8"
+    split: Split
+    extraction_hours: float = 0.0
+    stored_bytes: float = 0.0
+
+    @property
+    def days(self) -> float:
+        return self.split.days + self.extraction_hours / 24
+
+    @property
+    def known(self) -> bool:
+        """Offline without the store's rate: its days hold only if the store keeps up."""
+        return self.split.online or self.split.store_bytes_per_s is not None
+
+    def describe(self) -> str:
+        if self.split.online:
+            return f"online: {_duration(self.days)}, no hidden states stored ({self.split.label})"
+        training = _duration(self.split.days)
+        if self.split.store_bytes_per_s is None:
+            pace = f"if the store delivers {_rate(self.split.read_bytes_per_s_needed)}: unmeasured"
+        elif self.split.store_bound:
+            pace = f"store-bound at {self.split.store_bytes_per_s / GB:,.1f} GB/s"
+        else:
+            pace = "the store keeps up"
+        return (
+            f"{self.name}: {_duration(self.days)} = {_duration(self.extraction_hours / 24)} extraction + "
+            f"{training} training ({pace}), {human_bytes(self.stored_bytes)} stored"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "days": self.days,
+            "training_days": self.split.days,
+            "extraction_hours": self.extraction_hours,
+            "stored_bytes": self.stored_bytes,
+            "known": self.known,
+            "tokens_per_s": self.split.tokens_per_s,
+        }
+
+
+def choose_mode(options: Sequence[ModeOption], configured_dtype: str) -> tuple[ModeOption | None, str]:
+    """(the option to train with, why): the fewest days among those that are known; within
+    `CHOICE_TIE_FRACTION` of them, the fewest bytes stored. Offline without the store's rate is never
+    chosen on faith: the reason says what it would take."""
+    known = [option for option in options if option.known]
+    if not known:
+        return None, "no option can be timed"
+    fastest = min(option.days for option in known)
+    close = [option for option in known if option.days <= fastest * (1 + CHOICE_TIE_FRACTION)]
+    best = min(close, key=lambda option: (option.stored_bytes, option.days))
+    others = [option for option in known if option is not best]
+    against = "; ".join(
+        f"{o.name} {_duration(o.days)}, "
+        + (f"{human_bytes(o.stored_bytes)} stored" if o.stored_bytes else "nothing stored")
+        for o in others
+    )
+    why = f"{best.name}: {_duration(best.days)}" + (
+        f", {human_bytes(best.stored_bytes)} stored" if best.stored_bytes else ", nothing stored"
+    )
+    if others:
+        why += (
+            " (the fewest days"
+            if best.days == fastest
+            else f" (within {CHOICE_TIE_FRACTION:.0%} of the fewest days, with fewer bytes"
+        ) + f", against {against})"
+    if not best.split.online and not best.name.endswith(configured_dtype):
+        why += f"; set DFLASH_HIDDEN_STATE_DTYPE={best.name.rsplit(' ', 1)[-1]}"
+    unknown = [option for option in options if not option.known]
+    if unknown:
+        fastest_unknown = min(unknown, key=lambda option: option.days)
+        if fastest_unknown.days < best.days:
+            why += (
+                f"; {fastest_unknown.name} would take {_duration(fastest_unknown.days)} only if the store "
+                f"delivers {_rate(fastest_unknown.split.read_bytes_per_s_needed)}, unmeasured: "
+                "`dflash-assets bench --only store` measures it (or give --store-gbps)"
+            )
+    return best, why
+
+
 @dataclass
 class TrainingSplit:
     """The recommendation and what it is made of; `as_dict` is `plan --json`'s `training_split`."""
@@ -367,6 +552,12 @@ class TrainingSplit:
     flops_per_token: dict[str, float]
     warnings: list[str] = field(default_factory=list)
     device_word: str = "GPU"  # what the printed block calls a device ("device" on a CPU)
+    gradient_bytes: int = 0  # the drafter's float32 gradients: what the all-reduce sums a step
+    inter_node: str = ""  # where the link's rate comes from
+    store_source: str = ""  # where the store's rate comes from ("" unknown)
+    options: list[ModeOption] = field(default_factory=list)
+    choice: ModeOption | None = None
+    choice_reason: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         f = self.figures
@@ -390,6 +581,20 @@ class TrainingSplit:
             "stated": self.stated.as_dict() if self.stated else None,
             "stated_from": self.stated_from,
             "offline": self.offline.as_dict(),
+            "gradient_allreduce": {
+                "gradient_bytes": self.gradient_bytes,
+                "seconds_per_step": f.allreduce_seconds,
+                "step_tokens": f.step_tokens,
+                "inter_node": self.inter_node,
+            },
+            "store": {
+                "read_bytes_per_s": f.store_bytes_per_s,
+                "source": self.store_source or None,
+                "bytes_per_token": f.bytes_per_token,
+            },
+            "options": [option.as_dict() for option in self.options],
+            "choice": self.choice.name if self.choice else None,
+            "choice_reason": self.choice_reason,
             "warnings": list(self.warnings),
         }
 
@@ -436,6 +641,21 @@ class TrainingSplit:
         if self.stated is not None:
             rows.append(("  stated", f"{self.stated.summary(word)} ({self.stated_from})"))
         rows.append(("  offline", self.offline.summary(word)))
+        rows.append(("", self.offline.read_note(f.nodes)))
+        if self.store_source:
+            rows.append(("", f"the store's rate from {self.store_source}"))
+        if f.nodes > 1:
+            rows.append(
+                (
+                    "  gradient all-reduce",
+                    f"{human_bytes(self.gradient_bytes)} of float32 gradients a step between "
+                    f"{f.nodes} nodes: {f.allreduce_seconds:.2f} s a step at {self.inter_node}, in every "
+                    f"split's tokens/s above (a step of {f.step_tokens:,.0f} tokens)",
+                )
+            )
+        if self.options:
+            rows.append(("  choice", self.choice_reason))
+            rows += [("", option.describe()) for option in self.options]
         return rows
 
 
@@ -536,11 +756,22 @@ def training_split_for(
     target_devices_per_rank: int | None = None,
     longest: int | None = None,
     target_span: int = 1,
+    global_batch_size: int = SEED_GLOBAL_BATCH,
+    inter_node_gbps: float | None = None,
+    store_bytes_per_s: float | None = None,
+    store_source: str = "",
+    stored: Sequence[StoredHiddenStates] = (),
+    hidden_state_dtype: str = "bf16",
 ) -> TrainingSplit:
     """The training split for `target` and `drafter` on `gpus_per_node` of `device` × `nodes`, over
     samples of `lengths` (their distribution: the count does not matter). Raises `SplitUnknown` when a
     rate cannot be known (a device without a known peak). Memory is counted for one sequence of
-    `longest` tokens (default: the longest of `lengths`), the smallest micro-batch."""
+    `longest` tokens (default: the longest of `lengths`), the smallest micro-batch.
+
+    Across nodes each step waits for the gradient all-reduce over `inter_node_gbps` (GB/s; default
+    `DEFAULT_INTER_NODE_GBPS`). Offline reads `stored` in `hidden_state_dtype` at no more than
+    `store_bytes_per_s` (None: unknown); with `stored` in several dtypes the choice between online and
+    each offline one is made from days (extraction included) and bytes."""
     kept = [min(int(n), max_length) for n in lengths if n > 0] or [max_length]
     drafter_flops = drafter_flops_per_token(drafter, kept, num_anchors, max_length)
     t, target_source = forward_rate(target, device, gpu_result, "forward", mfu)
@@ -550,6 +781,11 @@ def training_split_for(
     if t is None or d is None:
         raise SplitUnknown(target_source if t is None else drafter_source)
     longest = min(longest or max(kept), max_length)
+    gradient_bytes = 4 * drafter_parameter_count(drafter)  # float32, the trainable weights only
+    link_gbps = inter_node_gbps or DEFAULT_INTER_NODE_GBPS
+    allreduce = 2 * (nodes - 1) / nodes * gradient_bytes / (link_gbps * GB) if nodes > 1 else 0.0
+    by_dtype = {entry.dtype: entry for entry in stored}
+    configured = by_dtype.get(hidden_state_dtype)
     figures = NodeFigures(
         gpus_per_node=gpus_per_node,
         nodes=nodes,
@@ -560,6 +796,10 @@ def training_split_for(
         training=training_memory(drafter, longest, num_anchors),
         tokens_to_train=tokens_to_train,
         target_span=target_span,
+        step_tokens=global_batch_size * sum(kept) / len(kept),
+        allreduce_seconds=allreduce,
+        bytes_per_token=configured.bytes_per_token if configured else 0.0,
+        store_bytes_per_s=store_bytes_per_s,
     )
     split = plan_training_split(
         figures,
@@ -571,6 +811,41 @@ def training_split_for(
         stated_from=stated_from,
         target_devices_per_rank=target_devices_per_rank,
     )
+    split.gradient_bytes = gradient_bytes
+    split.inter_node = (
+        f"{link_gbps:,.1f} GB/s between nodes ("
+        + ("--inter-node-gbps" if inter_node_gbps else "the default; --inter-node-gbps gives the link's")
+        + ")"
+    )
+    split.store_source = store_source if store_bytes_per_s is not None else ""
+    if configured is not None and store_bytes_per_s is None:
+        offline = split.offline
+        split.warnings.append(
+            f"offline training at {offline.tokens_per_s:,.0f} tokens/s needs "
+            f"{_needs(offline.read_bytes_per_s_needed, offline.drafter_ranks * nodes)}, and the store's "
+            "rate is unknown: measure it from this node with `dflash-assets bench --only store` or give "
+            "--store-gbps, or the offline figure may be one the store cannot feed"
+        )
+    if nodes > 1 and figures.step_tokens > 0:
+        one_node = split.offline.compute_tokens_per_s / nodes
+        compute_s = figures.step_tokens / split.offline.compute_tokens_per_s
+        if allreduce > compute_s:
+            split.warnings.append(
+                f"the gradient all-reduce takes {allreduce:.2f} s a step between {nodes} nodes, more than "
+                f"the step's {compute_s:.2f} s of compute offline: {nodes} nodes train "
+                f"{split.offline.tokens_per_s / one_node:.2f}× one node's {one_node:,.0f} tokens/s. Give the "
+                "link's real rate (--inter-node-gbps), or a larger global batch (run config "
+                "global_batch_size) spreads the all-reduce over more tokens"
+            )
+    options = [ModeOption("online", split.recommended)] if split.recommended is not None else []
+    for entry in stored:
+        offline = offline_split(replace(figures, bytes_per_token=entry.bytes_per_token))
+        options.append(
+            ModeOption(f"offline in {entry.dtype}", offline, entry.extraction_hours or 0.0, entry.total_bytes)
+        )
+    if len(options) > 1:
+        split.options = options
+        split.choice, split.choice_reason = choose_mode(options, hidden_state_dtype)
     for side, rate, flops in (
         ("target forward", t, target.flops_per_token),
         ("drafter step", d, drafter_flops),

@@ -20,6 +20,7 @@ from dflash_assets.storage.store import (
     TransientStoreError,
     atomic_write,
     check_key,
+    check_object_size,
     check_prefix,
     fsync_dir,
     partial_path,
@@ -123,20 +124,23 @@ class LocalStore(ObjectStore):
         size = atomic_write(self._path(key), lambda f: f.write(data))
         return ObjectInfo(key, size)
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, size: int | None = None) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            data = self._path(key).read_bytes()
         except FileNotFoundError:
             raise ObjectNotFound(f"object {key!r} not found in {self.description}") from None
+        check_object_size(self, key, size, len(data))
+        return data
 
-    def download(self, key: str, path: Path) -> Path:
+    def download(self, key: str, path: Path, size: int | None = None) -> Path:
         source = self._path(key)
         path = Path(path)
         try:
-            size = source.stat().st_size
+            found = source.stat().st_size  # a local stat costs no request: always checked
         except FileNotFoundError:
             raise ObjectNotFound(f"object {key!r} not found in {self.description}") from None
-        if path.is_file() and path.stat().st_size == size:
+        check_object_size(self, key, size, found)
+        if path.is_file() and path.stat().st_size == found:
             return path
         with open(source, "rb") as src:
             atomic_write(path, lambda f: shutil.copyfileobj(src, f, _COPY_CHUNK_BYTES))

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.storage.store import ObjectInfo, ObjectStore
+from dflash_assets.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_FORMAT = "dflash-assets.manifest/1"
@@ -119,10 +119,13 @@ def changed_since_commit(store: ObjectStore, prefix: str, manifest: dict[str, An
 
 
 def read_manifest(store: ObjectStore, prefix: str) -> dict[str, Any] | None:
+    """The partition's manifest, or None where it is not committed (one GET: no HEAD before it)."""
     key = manifest_key(prefix)
-    if store.head(key) is None:
+    try:
+        raw = store.get_bytes(key)
+    except ObjectNotFound:
         return None
-    manifest = json.loads(store.get_bytes(key))
+    manifest = json.loads(raw)
     if manifest.get("format") != MANIFEST_FORMAT:
         raise ManifestError(
             f"{store.uri(key)} has format {manifest.get('format')!r}, expected {MANIFEST_FORMAT!r}"
@@ -178,7 +181,8 @@ class StoredPartition:
                 else:
                     stale.unlink(missing_ok=True)
         local.parent.mkdir(parents=True, exist_ok=True)
-        self.store.download(f"{self.prefix}/{name}", local)
+        # The manifest has the size: one GET, no HEAD.
+        self.store.download(f"{self.prefix}/{name}", local, size=self.manifest["objects"][name])
         return local
 
 

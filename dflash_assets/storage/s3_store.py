@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from dflash_assets.storage.store import (
     StoreError,
     TransientStoreError,
     check_key,
+    check_object_size,
     check_prefix,
     partial_path,
 )
@@ -45,9 +47,14 @@ class S3Settings:
     # None: path-style for custom endpoints (S3-compatible servers rarely have wildcard DNS), boto3's
     # default for AWS itself. "path" / "virtual" / "auto" force a style.
     addressing_style: str | None = None
-    multipart_threshold_bytes: int = 64 * 2**20
-    multipart_chunk_bytes: int = 64 * 2**20
-    transfer_concurrency: int = 4  # threads per multipart transfer; small files use one request
+    # Sized for hidden-state objects of ~100 MB (5 layers x 5120 x bf16 x ~2,000 tokens): each is one
+    # PUT and one GET, never a multipart upload's four requests or a ranged download's several; their
+    # parallelism comes from many objects in flight (the uploader's workers, the training feed's reads).
+    # Only larger files (checkpoints, exports) go in parts of `multipart_chunk_bytes`, at most
+    # `transfer_concurrency` parts in flight over the store's one transfer manager, both directions.
+    multipart_threshold_bytes: int = 128 * 2**20
+    multipart_chunk_bytes: int = 32 * 2**20
+    transfer_concurrency: int = 8
     list_page_size: int = 1000
 
     def __post_init__(self) -> None:
@@ -118,6 +125,10 @@ class S3Store(ObjectStore):
             max_concurrency=self.settings.transfer_concurrency,
             use_threads=self.settings.transfer_concurrency > 1,
         )
+        # One transfer manager for every large file, made when the first one comes: a manager per
+        # call (boto3's upload_file / download_file) costs a thread pool and milliseconds of CPU each.
+        self._transfers: Any = None
+        self._transfers_lock = threading.Lock()
 
     def _make_client(self, *, max_attempts: int, connect_timeout_s: float, read_timeout_s: float) -> Any:
         from botocore.config import Config
@@ -142,6 +153,19 @@ class S3Store(ObjectStore):
             # so look at the resolved one before choosing path-style.
             client = build("path")
         return client
+
+    def count_requests(self) -> dict[str, int]:
+        """A live count, by HTTP method, of the requests this store sends from now on (attempts
+        included): what a benchmark reports as requests an object."""
+        counts: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def count(request: Any, **kwargs: Any) -> None:
+            with lock:
+                counts[request.method] = counts.get(request.method, 0) + 1
+
+        self._client.meta.events.register("before-send.s3", count)
+        return counts
 
     @property
     def description(self) -> str:
@@ -249,9 +273,14 @@ class S3Store(ObjectStore):
             ) from None
         if isinstance(cause, bx.BotoCoreError):
             # Dropped connections, read timeouts, truncated bodies: worth retrying.
+            # A checksum that does not match what was sent is a transfer damaged on the way.
             transient = isinstance(
                 cause,
-                bx.ConnectionError | bx.HTTPClientError | bx.IncompleteReadError | bx.ResponseStreamingError,
+                bx.ConnectionError
+                | bx.HTTPClientError
+                | bx.IncompleteReadError
+                | bx.ResponseStreamingError
+                | bx.FlexibleChecksumError,
             )
             raise (TransientStoreError if transient else StoreError)(
                 f"cannot {what} at {where}: {detail}"
@@ -281,16 +310,25 @@ class S3Store(ObjectStore):
         with self._errors("check bucket of", checking=True):
             client.head_bucket(Bucket=self.bucket)
 
+    def _transfer_manager(self) -> Any:
+        from boto3.s3.transfer import create_transfer_manager
+
+        with self._transfers_lock:
+            if self._transfers is None:
+                self._transfers = create_transfer_manager(self._client, self._transfer_config)
+            return self._transfers
+
     def put_file(self, key: str, path: Path) -> ObjectInfo:
         full_key = self._key(key)
         size = os.path.getsize(path)
         with self._errors("upload", key):
             if size < self.settings.multipart_threshold_bytes:
-                # One PUT: cheaper than a transfer manager per small file, which matters at 10^5 objects.
+                # One PUT, whose success answer is the confirmation: S3 reads after a write see it.
                 with open(path, "rb") as body:
                     response = self._client.put_object(Bucket=self.bucket, Key=full_key, Body=body)
                 return ObjectInfo(key, size, _etag(response.get("ETag")))
-            self._client.upload_file(str(path), self.bucket, full_key, Config=self._transfer_config)
+            # In parts; CompleteMultipartUpload's success (inside result()) is the confirmation.
+            self._transfer_manager().upload(str(path), self.bucket, full_key).result()
         return ObjectInfo(key, size)
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
@@ -299,35 +337,51 @@ class S3Store(ObjectStore):
             response = self._client.put_object(Bucket=self.bucket, Key=full_key, Body=data)
         return ObjectInfo(key, len(data), _etag(response.get("ETag")))
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, size: int | None = None) -> bytes:
         full_key = self._key(key)
         with self._errors("download", key):
             response = self._client.get_object(Bucket=self.bucket, Key=full_key)
+            check_object_size(self, key, size, int(response["ContentLength"]))
+            # Reading to the end checks the length and, where the object has one, its checksum.
             return response["Body"].read()
 
-    def download(self, key: str, path: Path) -> Path:
+    def download(self, key: str, path: Path, size: int | None = None) -> Path:
         path = Path(path)
-        remote = self.head(key)
-        if remote is None:
-            raise ObjectNotFound(f"object {key!r} not found in {self.description}")
-        if path.is_file() and path.stat().st_size == remote.size:
+        if size is None:
+            remote = self.head(key)
+            if remote is None:
+                raise ObjectNotFound(f"object {key!r} not found in {self.description}")
+            size = remote.size
+        if path.is_file() and path.stat().st_size == size:
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = partial_path(path)
         try:
             with self._errors("download", key):
-                self._client.download_file(
-                    self.bucket, self._key(key), str(partial), Config=self._transfer_config
-                )
+                if size < self.settings.multipart_threshold_bytes:
+                    self._get_to_file(key, size, partial)
+                else:
+                    # Ranged GETs, their size given so the transfer manager sends no HEAD of its own.
+                    self._transfer_manager().download(
+                        self.bucket, self._key(key), str(partial), subscribers=[_KnownSize(size)]
+                    ).result()
             got = partial.stat().st_size
-            if got != remote.size:
+            if got != size:
                 raise TransientStoreError(
-                    f"download of {key!r} from {self.description} got {got} bytes, expected {remote.size}"
+                    f"download of {key!r} from {self.description} got {got} bytes, expected {size}"
                 )
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
         return path
+
+    def _get_to_file(self, key: str, size: int, path: Path) -> None:
+        """One GET streamed into `path`; the last (empty) read checks the length and any checksum."""
+        response = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+        check_object_size(self, key, size, int(response["ContentLength"]))
+        with open(path, "wb") as file:
+            for chunk in response["Body"].iter_chunks(_READ_CHUNK_BYTES):
+                file.write(chunk)
 
     def head(self, key: str) -> ObjectInfo | None:
         full_key = self._key(key)
@@ -389,3 +443,17 @@ class S3Store(ObjectStore):
 
 def _etag(value: str | None) -> str | None:
     return value.strip('"') if value else None
+
+
+_READ_CHUNK_BYTES = 8 * 2**20
+
+
+class _KnownSize:
+    """A transfer subscriber telling the transfer manager an object's size (from a manifest), which it
+    would otherwise send a HEAD for."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def on_queued(self, future: Any, **kwargs: Any) -> None:
+        future.meta.provide_transfer_size(self._size)

@@ -51,6 +51,19 @@ class ObjectNotFound(StoreError):
     pass
 
 
+class ObjectSizeMismatch(StoreError):
+    """An object is not the size its manifest recorded: it changed after its range was committed."""
+
+
+def check_object_size(store: ObjectStore, key: str, expected: int | None, found: int) -> None:
+    """Raise `ObjectSizeMismatch` naming the object and both sizes unless `found` is the `expected`."""
+    if expected is not None and found != expected:
+        raise ObjectSizeMismatch(
+            f"object {key!r} in {store.description} is {found} bytes, but {expected} were recorded for it "
+            "(its range's manifest): it changed after the range was committed; materialise the range again"
+        )
+
+
 def check_key(key: str) -> str:
     """Return `key` if it is a safe relative object key, else raise ValueError saying why."""
     if not isinstance(key, str) or not key:
@@ -152,6 +165,11 @@ class ObjectStore(ABC):
         return self.url
 
     @property
+    def max_parallel_gets(self) -> int | None:
+        """How many reads at once can still help (None: as many as the caller allows)."""
+        return None
+
+    @property
     def max_parallel_puts(self) -> int | None:
         """How many `put_file` calls at once can still help (None: as many as the caller allows)."""
         return None
@@ -165,17 +183,25 @@ class ObjectStore(ABC):
         """Fail fast with StoreConfigError if the store is unusable (unreachable, missing, read-only)."""
 
     @abstractmethod
-    def put_file(self, key: str, path: Path) -> ObjectInfo: ...
+    def put_file(self, key: str, path: Path) -> ObjectInfo:
+        """Store the file at `key`. Returns once the store holds the whole object durably (S3: its
+        success answer, after which any read sees it; a local store: the fsynced rename), with its size:
+        that return is the confirmation the uploader deletes the local copy on."""
 
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
 
     @abstractmethod
-    def get_bytes(self, key: str) -> bytes: ...
+    def get_bytes(self, key: str, size: int | None = None) -> bytes:
+        """The object's bytes, in one request. With `size` (known from a manifest) an object of another
+        size is an error naming both: it changed since its size was recorded."""
 
     @abstractmethod
-    def download(self, key: str, path: Path) -> Path:
-        """Fetch `key` to `path` atomically; skip when `path` already has the object's size."""
+    def download(self, key: str, path: Path, size: int | None = None) -> Path:
+        """Fetch `key` to `path` atomically; skip when `path` already has the object's size.
+
+        With `size` known (from a manifest) the store is not asked for it first: one GET, no HEAD (an
+        object of another size is an error naming both). Without it, one HEAD learns the size."""
 
     @abstractmethod
     def head(self, key: str) -> ObjectInfo | None: ...

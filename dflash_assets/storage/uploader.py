@@ -1,8 +1,10 @@
 """Background uploads with bounded local staging: producers block instead of filling the disk.
 
 A file's bytes count as staged from `reserve()` (before it is written) until the store confirms the
-object (HEAD size == local size) and the local copy is deleted. Only counters are kept, so memory stays
-flat over hundreds of thousands of objects.
+object and the local copy is deleted. The confirmation is the store's own answer to the upload (S3's
+success answer to the PUT or the multipart completion, after which every read sees the object; a local
+store's fsynced rename), holding the size it stored: no HEAD after each PUT. Only counters are kept, so
+memory stays flat over hundreds of thousands of objects.
 """
 
 from __future__ import annotations
@@ -360,13 +362,11 @@ class Uploader:
             # This uploader deletes the file once confirmed and nobody rewrites it: a local store may link
             # it into place instead of copying the bytes.
             with source_will_be_deleted():
-                self.store.put_file(job.key, job.path)
+                confirmed = self.store.put_file(job.key, job.path)
         else:
-            self.store.put_file(job.key, job.path)
-        confirmed = self.store.head(job.key)
-        if confirmed is None or confirmed.size != size:
-            found = "no object" if confirmed is None else f"{confirmed.size} bytes"
-            raise _NotConfirmed(f"store has {found} for {job.key!r} right after uploading {size} bytes")
+            confirmed = self.store.put_file(job.key, job.path)
+        if confirmed.size != size:
+            raise _NotConfirmed(f"store stored {confirmed.size} bytes for {job.key!r} of {size} uploaded")
         return confirmed
 
     def _backoff(self, attempt: int) -> float:

@@ -45,7 +45,7 @@ class TrainingJob:
     data_source: dict[str, Any] = field(default_factory=dict)  # whose answers (the model card says)
     online_target_devices: int = 0  # online: devices per rank that run target replicas (0: share)
     target_span: int = 1  # online: devices one target replica spans (DFLASH_TARGET_TP), its layers split
-    cache_budget_bytes: int = 16 * 2**30  # offline: per node, split over its ranks
+    cache_budget_bytes: int = 16 * 2**30  # offline: per node, shared by its ranks
     s3: dict[str, Any] = field(default_factory=dict)  # S3Settings fields
     upload: dict[str, Any] = field(default_factory=dict)  # Uploader keywords
 
@@ -98,8 +98,9 @@ class JobEvents(Protocol):
 
 
 def offline_data(job: TrainingJob, store: ObjectStore, cache_dir: Path, local_world_size: int):
-    """The committed hidden-state objects of the job's ranges, streamed through this rank's own share of
-    the node's cache budget."""
+    """The committed hidden-state objects of the job's ranges (sizes from their manifests), read through
+    the node's cache: its ranks share the folder and the whole budget (`training/sample_stream.py`), so
+    each object is fetched once a node however the shares move between epochs."""
     from dflash_assets.extraction.sample_format import parse_sample_object_name  # imports torch
     from dflash_assets.training.data import OfflineData
 
@@ -115,11 +116,13 @@ def offline_data(job: TrainingJob, store: ObjectStore, cache_dir: Path, local_wo
             if parse_sample_object_name(key.rsplit("/", 1)[-1]) is not None:
                 objects.append((key, size))
                 dtypes.append(partition.manifest.get("hidden_state_dtype", "bf16"))  # bf16 before fp8 existed
+    # A launched rank's folder is `rank-<n>` in the node's (training/rank.py): the node's is shared.
+    node_dir = cache_dir.parent if cache_dir.name.startswith("rank-") else cache_dir
     return OfflineData(
         store=store,
         objects=objects,
-        cache_dir=cache_dir,
-        cache_budget_bytes=job.cache_budget_bytes // max(1, local_world_size),
+        cache_dir=node_dir,
+        cache_budget_bytes=job.cache_budget_bytes,
         hidden_state_dtypes=dtypes,
     )
 
@@ -150,6 +153,7 @@ def run_job(job: TrainingJob, node: NodeResources, *, collective: Any, events: J
     last) and returns the outcome (`outcome()`), the other ranks an empty dict."""
     from dflash_assets.drafter.speculative import TargetVerifier
     from dflash_assets.target.devices import torch_device
+    from dflash_assets.training.sample_stream import remove_node_cache
     from dflash_assets.training.train import train_drafter
 
     store = job.open_store()
@@ -190,6 +194,9 @@ def run_job(job: TrainingJob, node: NodeResources, *, collective: Any, events: J
             world=world,
             checkpoint_dir=node.checkpoint_dir,
         )
+        if job.mode == "offline" and collective.local_rank == 0:
+            # Trained: the node's cache is spent (a failed run keeps it, for its resumption to read).
+            remove_node_cache(data.node_cache_dir)
         if not collective.is_rank0:
             return {}
         metrics = export_and_upload(job, result, config, node.work_dir / "export", uploader)

@@ -235,6 +235,8 @@ class DrafterTrainer:
             collective=self.collective,
         )
         self.source.setup_streams(self.evaluator.share)  # this rank's held-out samples
+        if note := self.source.cache_note():
+            self.log(note)
         self.step, self.position = 0, DataPosition()
         self.resumed_from: int | None = None
         self.last_saved: int | None = None

@@ -48,3 +48,45 @@ def test_the_scaling_row_divides_two_launched_ranks_samples_per_second_by_one_ra
     assert "in this process" in runs[1] and "world size 1 on cpu:0 (rank 0's outcome)" in runs[1]
     assert "launched by torch.distributed.run" in runs[2]
     assert "world size 2 on cpu:0, cpu:1 (rank 0's outcome)" in runs[2]
+
+
+@pytest.mark.slow  # a moto server and a proxy process, 256 small objects a side over three rounds
+def test_the_store_bench_measures_the_configured_store_saves_it_for_the_plan_and_prints_the_feed_row(
+    capsys, monkeypatch, tmp_path, demo_model_dir, s3_store_url
+):
+    import json
+
+    from dflash_assets.planning.store_result import load_store_result, store_result_path
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(demo_model_dir.parent))
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    monkeypatch.setenv("DFLASH_STORE_URL", s3_store_url)
+    result_path = store_result_path(demo_model_dir.parent)
+    monkeypatch.setattr(
+        "dflash_assets.planning.store_result.store_result_path", lambda _: tmp_path / "s.json"
+    )
+    assert cli.main(["bench", "--quick", "--only", "store"]) == 0
+    out = capsys.readouterr().out
+
+    def figure(name: str) -> float:
+        found = re.search(rf"^\s+([\d.]+)\s+{re.escape(name)}$", out, re.M)
+        assert found, f"no row {name!r} in:\n{out}"
+        return float(found.group(1))
+
+    assert figure("store: read GB/s (training reader)") > 0 and figure("store: write objects/s") > 0
+    assert figure("feed: training reader / plain GETs, objects/s (25 ms proxy)") > 0
+    # One GET an object on both sides: no HEAD before a GET.
+    assert (
+        figure("feed: training reader requests an object")
+        == figure("feed: plain GETs requests an object")
+        == 1
+    )
+    assert figure("feed: training reader client CPU ms an object") > 0
+    saved = load_store_result(tmp_path / "s.json")
+    assert saved is not None and saved["store"] == s3_store_url and saved["read"]["bytes_per_s"] > 0
+    assert saved["read"]["requests"] == {"GET": saved["objects"]}  # the training reader: one GET each
+    assert not result_path.exists() or json.loads(result_path.read_text())["store"] != s3_store_url
+    # The plan takes the measured rate for this store.
+    assert cli.main(["plan", "--json", "--samples", "1000", "--mean-tokens", "100"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["training_split"]["offline"]["store_bytes_per_s"] == saved["read"]["bytes_per_s"]

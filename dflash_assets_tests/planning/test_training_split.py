@@ -4,6 +4,8 @@ drafter's rate and FLOPs come from."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -139,3 +141,50 @@ def test_the_drafter_rate_comes_from_a_measurement_then_the_seeds_then_a_stated_
     assert rate == pytest.approx(0.4 * 0.2e12 / 1e9) and "stated 40% MFU" in source
     assert drafter_rate(1e9, cpu, None, given=123.0) == (123.0, "the rate given with --train-tokens-per-s")
     assert seed_drafter_config().layer_types[-1] == "full_attention"
+
+
+def test_offline_trains_no_faster_than_the_store_carries_and_says_what_its_ranks_need():
+    # 8 ranks at 24 K tokens/s of 50 KB tokens need 9.6 GB/s; a 2 GB/s store carries 40 K tokens/s.
+    fed = plan_training_split(_figures(bytes_per_token=50_000.0, store_bytes_per_s=2e9), device_name="H200")
+    assert fed.offline.tokens_per_s == 40_000 and fed.offline.bottleneck == "store"
+    assert fed.offline.read_bytes_per_s_needed == pytest.approx(8 * 24_000 * 50_000)
+    assert fed.offline.days == pytest.approx(11e9 / 40_000 / 86400)
+    fast = plan_training_split(_figures(bytes_per_token=50_000.0, store_bytes_per_s=20e9), device_name="H200")
+    assert fast.offline.tokens_per_s == 8 * 24_000 and fast.offline.bottleneck == "drafter"
+    unknown = plan_training_split(_figures(bytes_per_token=50_000.0), device_name="H200").offline
+    assert (
+        unknown.tokens_per_s == 8 * 24_000
+        and "needs 8.9 GiB/s from the store for 8 ranks" in unknown.read_note(1)
+    )
+
+
+def test_across_nodes_every_step_waits_for_the_all_reduce():
+    # A step of 64 K tokens computed at 2 × 192 K tokens/s takes 1/6 s; an all-reduce of 1/3 s triples it.
+    figures = _figures(nodes=2, step_tokens=64_000.0, allreduce_seconds=1 / 3)
+    plan = plan_training_split(figures, device_name="H200")
+    assert plan.offline.compute_tokens_per_s == 2 * 8 * 24_000
+    assert plan.offline.tokens_per_s == pytest.approx(64_000 / (64_000 / 384_000 + 1 / 3))
+    assert plan.recommended.tokens_per_s == pytest.approx(
+        64_000 / (64_000 / plan.recommended.compute_tokens_per_s + 1 / 3)
+    )
+
+
+def test_the_choice_takes_the_fewest_days_then_the_fewest_bytes_and_never_an_unmeasured_store():
+    from dflash_assets.planning.training_split import ModeOption, choose_mode, offline_split
+
+    online = ModeOption("online", plan_training_split(_figures(), device_name="H200").recommended)
+    measured = _figures(bytes_per_token=50_000.0, store_bytes_per_s=20e9)
+    bf16 = ModeOption("offline in bf16", offline_split(measured), extraction_hours=10, stored_bytes=80e12)
+    fp8 = ModeOption(
+        "offline in fp8", offline_split(replace(measured, bytes_per_token=25_000.0)), 10, stored_bytes=40e12
+    )
+    best, _ = choose_mode([online, bf16, fp8], "bf16")
+    assert best is fp8  # compute-bound either way: as fast as bf16, in half the bytes
+    slower = ModeOption("offline in fp8", fp8.split, extraction_hours=30, stored_bytes=40e12)
+    assert choose_mode([online, bf16, slower], "bf16")[0] is bf16  # 20 h more is not worth the bytes
+    near = ModeOption("offline in fp8", fp8.split, extraction_hours=10.5, stored_bytes=40e12)
+    best, why = choose_mode([online, bf16, near], "bf16")
+    assert best is near and "fewer bytes" in why and "DFLASH_HIDDEN_STATE_DTYPE=fp8" in why  # within 5 %
+    blind = ModeOption("offline in bf16", offline_split(replace(measured, store_bytes_per_s=None)), 10, 80e12)
+    best, why = choose_mode([online, blind], "bf16")
+    assert best is online and "only if the store delivers" in why

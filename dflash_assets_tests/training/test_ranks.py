@@ -459,3 +459,34 @@ def test_a_background_thread_makes_its_device_current_before_it_runs_the_target(
     ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
     ReplicatedCapture([load_capture(target_dir), load_capture(target_dir)], "cpu")(ids, torch.ones_like(ids))
     assert len(replicas) == 2 and all(name.startswith("target-replica") for name, _ in replicas)
+
+
+def test_what_the_node_cache_keeps_and_what_each_epoch_reads_again_is_said_before_the_first_step(
+    offline_setup, tmp_path
+):
+    store = open_store(offline_setup["store"])
+    sizes = sorted(size for _, size in offline_setup["objects"])
+    lines: list[str] = []
+    for budget in (sum(sizes[:3]), 16 * 2**30):
+        DrafterTrainer(
+            tiny_drafter_config(Path(offline_setup["target_dir"])),
+            TrainSettings(**{**SETTINGS, "eval_samples": 0}),
+            OfflineData(
+                store,
+                offline_setup["objects"],
+                tmp_path / f"cache-{budget}",
+                num_tokens=offline_setup["num_tokens"],
+                cache_budget_bytes=budget,
+            ),  # fmt: skip
+            store=store,
+            run="cache-note",
+            work_dir=tmp_path / f"work-{budget}",
+            log=lines.append,
+        )
+    notes = [line for line in lines if line.startswith("offline cache:")]
+    assert len(notes) == 2
+    assert (
+        "of 12 hidden-state objects" in notes[0] and "are read from the store again every epoch" in notes[0]
+    )
+    assert "cache_budget_bytes" in notes[0]
+    assert notes[1].startswith("offline cache: 12 of 12") and "downloaded once for the run" in notes[1]
