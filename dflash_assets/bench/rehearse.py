@@ -29,7 +29,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -316,17 +315,6 @@ def run_stage(
     )
 
 
-def import_baseline(env: dict[str, str]) -> int:
-    """The anonymous resident memory of a process that has imported what every stage imports: what a
-    stage costs before it does any work."""
-    code = (
-        "import torch, transformers, dagster, dflash_assets.definitions, pathlib; print([l.split()[1] "
-        "for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon:')][0])"
-    )
-    answer = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return int(answer.stdout.split()[-1]) * 1024
-
-
 # ------------------------------------------------------------------------------------------ the rehearsal
 
 
@@ -479,8 +467,8 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
             ],  # fmt: skip
         ),
     ]
-    baseline = import_baseline(stage_env)
     plan = _plan(env, anchors)
+    baseline = 0  # a step's own memory before any model: the first stage's (it loads none)
     runs: dict[str, StageRun] = {}
     failed_stage = None
     try:
@@ -494,6 +482,7 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
             log(f"{name} ...")
             runs[name] = run = run_stage(name, command, stage_env, work / "log", log)
             log(f"  {name}: {'ok' if run.returncode == 0 else 'FAILED'} in {run.seconds:.0f} s")
+            baseline = baseline or run.peak_host_bytes
             if run.returncode != 0:
                 failed_stage = name
                 break
@@ -516,35 +505,32 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
     return 1 if worse else 0
 
 
-def _store_rates(store: Any, source_key: str, copies: int) -> tuple[float, float]:
-    """(write, read) bytes/s of the store at one real object's size: `copies` uploads of it through the
-    product's uploader, then as many downloads in parallel through the store's reader, all in flight at
-    once as extraction and the training feed keep them."""
-    from concurrent.futures import ThreadPoolExecutor
+def _store_rates(
+    resource: Any, plan: dict[str, Any], objects: list[tuple[str, int]], log: Callable[[str], None]
+) -> tuple[float, float]:
+    """(write, read) bytes/s of the store at the rehearsal's objects' size: `bench --only store`'s
+    measurement (the product's uploader, then its training reader), 8 objects' worth, not saved."""
+    from dflash_assets.bench.store import ObjectShape, bench_store
 
-    from dflash_assets.storage.uploader import Uploader
-
-    with tempfile.TemporaryDirectory(prefix="dflash-rehearsal-rates-") as scratch:
-        source = Path(scratch) / "object"
-        store.download(source_key, source)
-        size = source.stat().st_size
-        keys = [f"rates/object-{i}" for i in range(copies)]
-        files = []
-        for i in range(copies):
-            staged = Path(scratch) / f"staged-{i}"
-            shutil.copyfile(source, staged)
-            files.append(staged)
-        with Uploader(store, max_in_flight=copies) as uploader:
-            started = time.monotonic()
-            for key, path in zip(keys, files, strict=True):
-                uploader.submit(path, key)
-            uploader.flush()
-            write_s = time.monotonic() - started
-        started = time.monotonic()
-        with ThreadPoolExecutor(copies) as pool:
-            list(pool.map(lambda key: store.download(key, Path(scratch) / "read" / key), keys))
-        read_s = time.monotonic() - started
-    return copies * size / write_s, copies * size / read_s
+    mean = sum(size for _, size in objects) / len(objects)
+    tokens = round(plan["tokens"] / max(1, plan["samples"]))
+    shape = ObjectShape(
+        num_tokens=tokens,
+        layer_ids=list(plan["target"]["layer_ids"]),
+        hidden_size=int(plan["target"]["hidden_size"]),
+        dtype=plan["hidden_state_dtype"],
+        target_model=plan["target"]["name"],
+        how=f"the rehearsal's objects: {tokens:,} tokens",
+    )
+    figures = bench_store(
+        resource.open(),
+        resource.store_url(),
+        shape,
+        uploader_fields=resource.uploader_fields(),
+        total_bytes=round(8 * mean),
+        log=log,
+    )
+    return figures["store: write GB/s"] * 1e9, figures["store: read GB/s (training reader)"] * 1e9
 
 
 def _plan(env: dict[str, str], anchors: int) -> dict[str, Any]:
@@ -580,9 +566,9 @@ def _memory_short(plan: dict[str, Any], stage: str, baseline: int) -> str | None
     if needed <= available:
         return None
     return (
-        f"the plan's {planned} memory ({human_bytes(needed - baseline)}, and {human_bytes(baseline)} of "
-        f"imports) is more than this host has free now ({human_bytes(available)}); free memory, or rehearse "
-        "with fewer --anchors or a shorter --mean-tokens"
+        f"the plan's {planned} memory ({human_bytes(needed - baseline)}, and {human_bytes(baseline)} of a "
+        f"step's own) is more than this host has free now ({human_bytes(available)}); free memory, or "
+        "rehearse with fewer --anchors or a shorter --mean-tokens"
     )
 
 
@@ -610,8 +596,7 @@ def _figures(
             for key, size in StoredPartition(store, prefix, read_manifest(store, prefix)).object_keys()
             if key.rsplit("/", 1)[-1].startswith("hs_")
         ]
-        log(f"measuring the store's rates at the objects' size ({len(objects)} objects stored) ...")
-        write_rate, read_rate = _store_rates(store, objects[0][0], copies=4)
+        write_rate, read_rate = _store_rates(StoreResource(), plan, objects, log)
 
     memory = plan["device_memory"]
     on_device = plan["device"]["kind"] == "cuda"
@@ -634,7 +619,7 @@ def _figures(
         ),
         Figure(
             "hidden_state_partitions",
-            f"peak {host} memory above imports",
+            f"peak {host} memory above a step's own",
             (
                 runs["hidden_state_partitions"].peak_device_bytes
                 if on_device
@@ -645,7 +630,7 @@ def _figures(
         ),
         Figure(
             "drafter_checkpoints",
-            f"peak {host} memory above imports (a rank)",
+            f"peak {host} memory above a step's own (a rank)",
             (
                 runs["drafter_checkpoints"].peak_device_bytes
                 if on_device
@@ -667,7 +652,8 @@ def _figures(
             "store",
             "read bytes/s (objects of this size)",
             read_rate,
-            drafter_rate * ranks * plan["bytes_per_token"] if drafter_rate else None,
+            (split.get("offline") or {}).get("read_bytes_per_s_needed")
+            or (drafter_rate * ranks * plan["bytes_per_token"] if drafter_rate else None),
             "B/s",
             worse="below",
             note="the plan's: what its drafter rate on these ranks consumes",
