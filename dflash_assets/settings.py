@@ -19,15 +19,37 @@ logs or run config.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str | None]) -> Iterator[None]:
+    """`values` in this process's environment for the block (None removes a variable), restored after:
+    for what a process hands on to code that reads the environment itself (boto3, transformers,
+    torch.distributed), or a rehearsal run under settings of its own."""
+    saved = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class SettingError(ValueError):

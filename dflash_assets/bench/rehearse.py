@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_assets.settings import environment
+
 TOLERANCE = 0.10  # a figure worse than the plan's by more than this fails the rehearsal
 # Narrow insides for a host that cannot run the real layers: the width, vocabulary and depth stay.
 NARROW_INTERMEDIATE = 1024
@@ -328,21 +330,6 @@ class RehearsalOptions:
     keep: bool = False
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """`values` in this process's environment for the block (the settings are read at run time)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 CPU_FLOPS_A_SAMPLE = 2e12  # about a minute of a CPU's forward: more, and the layers are narrowed
 
 
@@ -539,7 +526,7 @@ def _plan(env: dict[str, str], anchors: int) -> dict[str, Any]:
     from dflash_assets.orchestration.capacity_plan import build_plan
     from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
 
-    with _environment(env):
+    with environment(env):
         return build_plan(
             store=StoreResource(),
             dataset=DatasetResource(),
@@ -585,7 +572,7 @@ def _figures(
     from dflash_assets.orchestration.resources import StoreResource
     from dflash_assets.storage.manifest import StoredPartition, read_manifest
 
-    with _environment(env):
+    with environment(env):
         store = StoreResource().open()
         with DagsterInstance.get() as instance:
             event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
@@ -705,7 +692,7 @@ def _clean(store_url: str, env: dict[str, str], work: Path | None) -> None:
     from dflash_assets import settings
     from dflash_assets.orchestration.resources import StoreResource
 
-    with _environment(env), contextlib.suppress(Exception):
+    with environment(env), contextlib.suppress(Exception):
         resource = StoreResource()
         store = resource.open()
         roots = [

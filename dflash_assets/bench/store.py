@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import tempfile
 import time
@@ -294,30 +293,16 @@ def bench_training_thread(
 # ------------------------------------------------------------------------------------------ the feed row
 
 
-@contextlib.contextmanager
-def _loopback_credentials() -> Iterator[None]:
+def _loopback_credentials():
     """Throwaway credentials for the loopback server, so no real ones are sent to it; restored after."""
-    names = (
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_PROFILE",
-        "AWS_DEFAULT_REGION",
-    )
-    saved = {name: os.environ.get(name) for name in names}
-    for name in names:
-        os.environ.pop(name, None)
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1"
-    )
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    from dflash_assets.settings import environment
+
+    throwaway = {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    return environment({"AWS_SESSION_TOKEN": None, "AWS_PROFILE": None, **throwaway})
 
 
 def _plain_gets(client: Any, bucket: str, keys: list[str], threads: int) -> None:

@@ -64,20 +64,23 @@ class StepLink:
     """The rank side of the step's store: rank 0's reports, and a server's requests and replies. A step
     that is gone is no reason for a report to fail the work: a failed report is dropped with one warning."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, events_queue: str = EVENTS_QUEUE) -> None:
         import torch.distributed as dist
 
         host, port = endpoint.rsplit(":", 1)
         self._store = dist.TCPStore(
             host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
         )
+        self._events_queue = events_queue  # training's ranks report to a queue of their own
         self._failed = False
         self._lock = threading.Lock()
 
     def event(self, kind: str, body: Any) -> None:
         try:
             with self._lock:
-                self._store.queue_push(EVENTS_QUEUE, json.dumps({"kind": kind, "body": body}, default=str))
+                self._store.queue_push(
+                    self._events_queue, json.dumps({"kind": kind, "body": body}, default=str)
+                )
         except Exception as error:  # noqa: BLE001 (any transport error)
             if not self._failed:
                 self._failed = True

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_assets.settings import environment as settings_environment
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.target.model import MODEL_SETTING, TargetModelError, config_value, text_config
 
@@ -209,7 +210,7 @@ def load_target_shard(model_dir: str | Path, device: torch.device, tp: int, dtyp
     # transformers binds a rank to the accelerator numbered LOCAL_RANK; a rank here leases whichever device
     # is free, so it says which one it leased.
     environment = {"LOCAL_RANK": str(device.index or 0)} if device.type == "cuda" else {}
-    with _environment(environment):
+    with settings_environment(environment):
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp)
@@ -219,20 +220,6 @@ def load_target_shard(model_dir: str | Path, device: torch.device, tp: int, dtyp
                 f"cannot load the target from {str(path)!r} over {tp} devices: {error} ({MODEL_SETTING})"
             ) from error
     return model.eval()
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def full_tensor(hidden: torch.Tensor) -> torch.Tensor:

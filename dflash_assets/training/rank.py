@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_assets import terminal
-from dflash_assets.target.ranks import die_with_parent
+from dflash_assets.target.ranks import StepLink, die_with_parent
 from dflash_assets.training.distributed import ProcessGroup, Timeouts
 from dflash_assets.training.failures import restartable
 from dflash_assets.training.job import NodeResources, TrainingJob, run_job
@@ -99,29 +98,19 @@ class NodeSpec:
 
 @dataclass
 class StoreEvents:
-    """Rank 0's reports, queued in the step's TCPStore as JSON (the step replays them in Dagster). A
-    step that is gone is no reason to stop training: a failed report is dropped with one warning."""
+    """Rank 0's reports, queued in the step's TCPStore as JSON (the step replays them in Dagster), over the
+    same link a split target's ranks report on. A step that is gone is no reason to stop training: a
+    failed report is dropped with one warning."""
 
     endpoint: str
     timeout_s: float = 30.0
-    _store: Any = field(default=None, init=False, repr=False)
-    _failed: bool = field(default=False, init=False, repr=False)
+    _link: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        import torch.distributed as dist
-
-        host, port = self.endpoint.rsplit(":", 1)
-        self._store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s)
-        )
+        self._link = StepLink(self.endpoint, self.timeout_s, events_queue=EVENTS_QUEUE)
 
     def _send(self, kind: str, body: Any) -> None:
-        try:
-            self._store.queue_push(EVENTS_QUEUE, json.dumps({"kind": kind, "body": body}, default=str))
-        except Exception as error:  # noqa: BLE001 (any transport error)
-            if not self._failed:
-                self._failed = True
-                print(f"WARNING: the step stopped hearing rank 0's reports ({error})", file=sys.stderr)
+        self._link.event(kind, body)
 
     def log(self, message: str) -> None:
         self._send("log", message)

@@ -15,16 +15,12 @@ ranks up as a server the step sends requests to (regeneration's batches).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,11 +29,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash_assets import settings
+from dflash_assets.orchestration.execution.launched import (
+    STOP_GRACE_S,
+    LauncherOutput,
+    stop_launcher,
+    wait_for_free_devices,
+)
 from dflash_assets.target.ranks import EVENTS_QUEUE, REPLIES_QUEUE, REQUESTS_QUEUE, TargetRankJob
 
 POLL_S = 0.1
-STOP_GRACE_S = 30.0
-REMIND_EVERY_S = 300.0
 
 
 class TargetRanksFailed(RuntimeError):
@@ -82,61 +82,13 @@ class _StepStore:
 
 def wait_for_devices(job: TargetRankJob, reports: Reports) -> None:
     """Return once `job.tp` of the host's devices are free; a host that could never offer them fails."""
-    from dflash_assets.target.devices import free_devices
-
     if len(job.devices) < job.tp:
         raise TargetRanksFailed(
             f"{settings.TARGET_TP.name}={job.tp} asks for {job.tp} devices and this host offers "
             f"{len(job.devices)} ({', '.join(job.devices)}): lower it, or list more devices in "
             f"{settings.DEVICES.name} (a CPU-only machine simulates them: DFLASH_DEVICES=cpu:0,cpu:1)"
         )
-    waiting_since, reminded = time.monotonic(), 0.0
-    while True:
-        free, held = free_devices(job.devices, job.lock_dir)
-        if len(free) >= job.tp:
-            return
-        waited = time.monotonic() - waiting_since
-        text = f"waiting for {job.tp} free devices: {len(free)} free, held: " + "; ".join(held)
-        reports.status(text)
-        if waited >= reminded:
-            reports.log(f"{text} ({waited:.0f} s so far)")
-            reminded = waited + REMIND_EVERY_S
-        time.sleep(1.0)
-
-
-class _Tail:
-    """The launcher's output, passed through to this process's stderr (the step's compute logs), the last
-    lines kept for the failure message."""
-
-    def __init__(self, stream) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=60)
-        self._thread = threading.Thread(
-            target=self._pump, args=(stream,), name="target-launcher", daemon=True
-        )
-        self._thread.start()
-
-    def _pump(self, stream) -> None:
-        for line in iter(stream.readline, ""):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-            self.lines.append(line.rstrip())
-
-    def join(self) -> None:
-        self._thread.join(timeout=5)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM (the agent stops its ranks), then SIGKILL past the grace."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        process.wait()
+    wait_for_free_devices(job.devices, job.lock_dir, job.tp, where="", status=reports.status, log=reports.log)
 
 
 class _Ranks:
@@ -158,7 +110,7 @@ class _Ranks:
         self.process = subprocess.Popen(
             launcher_command(job_file), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        self.tail = _Tail(self.process.stdout)
+        self.tail = LauncherOutput(self.process.stdout, "target-launcher")
         self.outcome: dict[str, Any] | None = None
         self.failure: str | None = None  # rank 0's error, as it said it
 
@@ -184,7 +136,7 @@ class _Ranks:
         """Wait up to `grace_s` for the launcher to end by itself, then stop it; replay what is left."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=grace_s)
-        _stop(self.process)
+        stop_launcher(self.process)
         self.tail.join()
         self.pump()
 
@@ -238,7 +190,7 @@ def run_target_ranks(job: TargetRankJob, reports: Reports) -> dict[str, Any]:
                 time.sleep(POLL_S)
             ranks.finish(grace_s=STOP_GRACE_S if ranks.failure is None else 5.0)
         finally:
-            _stop(ranks.process)
+            stop_launcher(ranks.process)
         if ranks.outcome is None or ranks.process.returncode != 0:
             raise TargetRanksFailed(ranks.failure_message())
         return ranks.outcome
@@ -296,6 +248,6 @@ def serve_target_ranks(job: TargetRankJob, reports: Reports, reply_timeout_s: fl
                 ranks.store.request({"kind": "stop"})
                 ranks.finish()
         finally:
-            _stop(ranks.process)
+            stop_launcher(ranks.process)
     finally:
         shutil.rmtree(launch_dir, ignore_errors=True)

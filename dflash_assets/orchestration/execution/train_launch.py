@@ -11,16 +11,12 @@ stopped stops its launcher, whose ranks die with it.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import datetime
 import json
 import os
-import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash_assets import settings
+from dflash_assets.orchestration.execution.launched import (
+    LauncherOutput,
+    stop_launcher,
+    wait_for_free_devices,
+)
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
 
 if TYPE_CHECKING:  # the code location loads this module; torch comes only with a run
@@ -36,8 +37,6 @@ if TYPE_CHECKING:  # the code location loads this module; torch comes only with 
     from dflash_assets.training.rank import NodeSpec
 
 POLL_S = 0.2
-STOP_GRACE_S = 30.0
-REMIND_EVERY_S = 300.0
 
 
 class TrainingFailed(RuntimeError):
@@ -122,20 +121,6 @@ class EventStore:
             yield json.loads(self._store.queue_pop(EVENTS_QUEUE, block=False))
 
 
-def free_devices(spec: NodeSpec) -> tuple[list[str], list[str]]:
-    """(free, held with their holders) among the node's devices, right now (nothing is kept)."""
-    from dflash_assets.target.devices import describe_holder, try_lease_device
-
-    free, held = [], []
-    for device in spec.devices:
-        with try_lease_device([device], lock_dir=spec.lock_dir, holder="probe") as leased:
-            if leased is None:
-                held.append(f"{device} ({describe_holder(spec.lock_dir, device)})")
-            else:
-                free.append(device)
-    return free, held
-
-
 def wait_for_devices(spec: NodeSpec, needed: int, reports: Reports, setting: str) -> None:
     """Return once `needed` of the node's devices are free; a node that could never offer them fails."""
     if len(spec.devices) < needed:
@@ -144,55 +129,14 @@ def wait_for_devices(spec: NodeSpec, needed: int, reports: Reports, setting: str
             f"{len(spec.devices)} ({', '.join(spec.devices)}): lower it, or list more devices in "
             "DFLASH_DEVICES (a CPU-only machine simulates them: DFLASH_DEVICES=cpu:0,cpu:1)"
         )
-    waiting_since, reminded = time.monotonic(), 0.0
-    while True:
-        free, held = free_devices(spec)
-        if len(free) >= needed:
-            return
-        waited = time.monotonic() - waiting_since
-        text = f"waiting for {needed} free devices on node {spec.node}: {len(free)} free, held: " + "; ".join(
-            held
-        )
-        reports.status(text)
-        if waited >= reminded:
-            reports.log(f"{text} ({waited:.0f} s so far)")
-            reminded = waited + REMIND_EVERY_S
-        time.sleep(2.0)
-
-
-class _Tail:
-    """The launcher's stderr, passed through to this process's stderr (the step's compute logs), last
-    lines kept for the failure message."""
-
-    def __init__(self, stream) -> None:
-        self.lines: collections.deque[str] = collections.deque(maxlen=60)
-        self._thread = threading.Thread(
-            target=self._pump, args=(stream,), name="launcher-stderr", daemon=True
-        )
-        self._thread.start()
-
-    def _pump(self, stream) -> None:
-        for line in iter(stream.readline, ""):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-            self.lines.append(line.rstrip())
-
-    def join(self) -> None:
-        self._thread.join(timeout=5)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM (the agent stops its ranks), then SIGKILL past the grace."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        process.wait()
+    wait_for_free_devices(
+        spec.devices,
+        spec.lock_dir,
+        needed,
+        where=f" on node {spec.node}",
+        status=reports.status,
+        log=reports.log,
+    )
 
 
 def failure_message(returncode: int, tail: list[str], last_error: str | None) -> str:
@@ -337,7 +281,7 @@ def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, 
         if watch is not None:
             watch.stop(grace_s=0)
         raise
-    tail = _Tail(process.stderr)
+    tail = LauncherOutput(process.stderr, "launcher-stderr")
     heard = _Heard()
     try:
         while heard.fatal is None:
@@ -349,12 +293,12 @@ def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, 
                 break
             time.sleep(POLL_S)
         if heard.fatal is not None:  # no restart would mend it: stop every rank now
-            _stop(process)
+            stop_launcher(process)
         tail.join()
         for event in events.drain():
             heard.dispatch(event, reports)
     finally:
-        _stop(process)
+        stop_launcher(process)
         if watch is not None:
             watch.stop(grace_s=30.0 if process.returncode == 0 else 0)
     if heard.fatal is not None:
@@ -495,7 +439,7 @@ def join_launch(launch: dict[str, Any], spec: NodeSpec, log: Callable[[str], Non
     try:
         return process.wait()
     finally:
-        _stop(process)
+        stop_launcher(process)
 
 
 def join_published(run: str, *, wait_s: float, log: Callable[[str], None]) -> int:
