@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.bench.rehearse import TOLERANCE, Figure, format_table, rehearsal_config
+from dflash_assets.bench.rehearsal_target import rehearsal_config
+from dflash_assets.bench.rehearse import TOLERANCE, Figure, format_table
 from dflash_assets.storage.units import human_bytes
 
 
