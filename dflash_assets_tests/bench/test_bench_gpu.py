@@ -17,6 +17,7 @@ from dflash_assets.planning.training_split import drafter_rate
 from dflash_assets.target.flops import forward_flops
 
 
+@pytest.mark.slow  # launches the tensor-parallel rows' ranks: processes of their own
 def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_ratios(
     capsys, monkeypatch, tmp_path
 ):

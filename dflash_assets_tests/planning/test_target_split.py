@@ -94,6 +94,7 @@ def test_a_count_that_does_not_divide_the_heads_is_named(seventy_b, tmp_path):
     )
 
 
+@pytest.mark.slow  # the plan command in a process of its own
 def test_the_plan_command_prints_the_split_for_a_70b_target_on_80_gb_cards(seventy_b, tmp_path):
     env = {
         **os.environ,

@@ -131,6 +131,7 @@ def test_capture_loads_the_target_without_its_lm_head_and_captures_the_same_laye
     assert torch.equal(HiddenStateCapture(headless, layers)(ids, torch.ones_like(ids)), expected)
 
 
+@pytest.mark.slow  # two ranks under torch.distributed's launcher
 def test_two_ranks_capture_what_one_process_captures_to_float32_precision(demo_model_dir, tmp_path):
     torch.manual_seed(0)
     ids = torch.randint(0, 1500, (4, 40))

@@ -155,6 +155,7 @@ def _train_with_an_inf_gradient_on_rank_1(collective, setup) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # ranks in processes of their own
 def test_a_finite_loss_with_an_inf_gradient_on_one_rank_is_skipped_on_every_rank_alike(offline_setup):
     setup = {**offline_setup, "case": "inf-gradient", "run": "inf-gradient"}
     ranks = run_ranks(_train_with_an_inf_gradient_on_rank_1, 2, setup)
@@ -275,6 +276,7 @@ def _resume_on_two_nodes(collective, setup) -> dict[str, Any]:
     return {"resumed_from": trainer.resumed_from, "weights": _fingerprint(trainer.model)["sums"]}
 
 
+@pytest.mark.slow  # ranks in processes of their own
 def test_a_resume_fetches_each_checkpoint_object_once_per_node_and_keeps_no_copy_but_rank_0_s(offline_setup):
     root = Path(offline_setup["root"])
     setup = {**offline_setup, "case": "resume", "run": "resume", "downloads": str(root / "downloads")}
@@ -321,6 +323,7 @@ def _disagree(collective, setup) -> list[str]:
     return messages
 
 
+@pytest.mark.slow  # ranks in processes of their own
 def test_ranks_whose_initial_weights_or_data_differ_are_named_before_the_first_step(offline_setup):
     ranks = run_ranks(_disagree, 2, {**offline_setup, "case": "disagree"})
     for messages in ranks:  # every rank stops, with the same words

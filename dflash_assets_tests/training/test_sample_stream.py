@@ -184,6 +184,7 @@ def _read_epochs(store_root: str, node_dir: str, objects, epochs, rank: int, que
     queue.put((rank, reader.stats.fetched, sorted(indices)))
 
 
+@pytest.mark.slow  # two processes
 def test_two_ranks_sharing_the_node_cache_download_each_object_once_as_their_shares_move(
     store: ObjectStore, tmp_path: Path
 ) -> None:
