@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -200,10 +201,16 @@ def train_launched(
             )
 
 
+def _launch_dir(spec: NodeSpec, run_id: str) -> Path:
+    """A launch's own folder, `<work_dir>/launch/<run_id>/`: the files its ranks read, deleted when the
+    launcher has ended."""
+    return Path(spec.work_dir) / "launch" / run_id
+
+
 def _rank_entry(job: TrainingJob, spec: NodeSpec, run_id: str) -> list[str]:
     """The ranks' entry for torchrun, with the job and node files it reads written under the launch's
-    own folder (`<work_dir>/launch/<run_id>/`)."""
-    launch_dir = Path(spec.work_dir) / "launch" / run_id
+    own folder."""
+    launch_dir = _launch_dir(spec, run_id)
     launch_dir.mkdir(parents=True, exist_ok=True)
     (launch_dir / "job.json").write_text(job.to_json())
     (launch_dir / "node.json").write_text(spec.to_json())
@@ -299,6 +306,7 @@ def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, 
             heard.dispatch(event, reports)
     finally:
         stop_launcher(process)
+        shutil.rmtree(_launch_dir(spec, run_id), ignore_errors=True)
         if watch is not None:
             watch.stop(grace_s=30.0 if process.returncode == 0 else 0)
     if heard.fatal is not None:
@@ -440,6 +448,7 @@ def join_launch(launch: dict[str, Any], spec: NodeSpec, log: Callable[[str], Non
         return process.wait()
     finally:
         stop_launcher(process)
+        shutil.rmtree(_launch_dir(spec, launch["run_id"]), ignore_errors=True)
 
 
 def join_published(run: str, *, wait_s: float, log: Callable[[str], None]) -> int:
