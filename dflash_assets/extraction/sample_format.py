@@ -374,10 +374,16 @@ def read_sample(source: str | Path | bytes) -> HiddenStateSample:
         metadata = read_sample_metadata(source)
         with safe_open(str(source), framework="pt") as handle:
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
-    required = ["input_ids", "loss_mask", "hidden_states"]
-    if metadata.get("hidden_state_dtype") == "fp8":
-        required.append(SCALE_TENSOR)
-    for key in required:
+    return sample_from_tensors(tensors, metadata, where)
+
+
+def sample_from_tensors(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], where: str
+) -> HiddenStateSample:
+    """The sample an object's tensors and (checked) metadata make; a tensor the format requires and the
+    object lacks is a `CorruptSampleError` naming it."""
+    fp8 = metadata.get("hidden_state_dtype") == "fp8"
+    for key in ("input_ids", "loss_mask", "hidden_states", *([SCALE_TENSOR] if fp8 else [])):
         if key not in tensors:
             raise CorruptSampleError(f"{where}: tensor {key!r} is missing")
     return HiddenStateSample(
@@ -389,9 +395,7 @@ def read_sample(source: str | Path | bytes) -> HiddenStateSample:
         target_model=metadata["target_model"],
         hidden_size=int(metadata["hidden_size"]),
         metadata=metadata,
-        hidden_states_scale=tensors.get(SCALE_TENSOR)
-        if metadata.get("hidden_state_dtype") == "fp8"
-        else None,
+        hidden_states_scale=tensors.get(SCALE_TENSOR) if fp8 else None,
     )
 
 

@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.extraction.object_size import READABLE_FORMATS, SAMPLE_FORMAT, SCALE_TENSOR
-from dflash_assets.extraction.sample_format import CorruptSampleError, HiddenStateSample
+from dflash_assets.extraction.object_size import READABLE_FORMATS, SAMPLE_FORMAT
+from dflash_assets.extraction.sample_format import CorruptSampleError, HiddenStateSample, sample_from_tensors
 from dflash_assets.storage.store import PARTIAL_SUFFIX, ObjectStore, StoreError
 
 START_IN_FLIGHT = 8
@@ -158,21 +158,7 @@ def decode_sample(buffer: bytes | bytearray | memoryview | mmap.mmap, where: str
         else torch.empty(shape, dtype=dtype)
         for name, (dtype, shape, start) in entries.items()
     }
-    fp8 = metadata.get("hidden_state_dtype") == "fp8"
-    for name in ("input_ids", "loss_mask", "hidden_states", *([SCALE_TENSOR] if fp8 else [])):
-        if name not in tensors:
-            raise CorruptSampleError(f"{where}: tensor {name!r} is missing")
-    return HiddenStateSample(
-        sample_index=int(metadata["sample_index"]),
-        input_ids=tensors["input_ids"],
-        loss_mask=tensors["loss_mask"],
-        hidden_states=tensors["hidden_states"],
-        target_layer_ids=[int(i) for i in json.loads(metadata["target_layer_ids"])],
-        target_model=metadata["target_model"],
-        hidden_size=int(metadata["hidden_size"]),
-        metadata=metadata,
-        hidden_states_scale=tensors.get(SCALE_TENSOR) if fp8 else None,
-    )
+    return sample_from_tensors(tensors, metadata, where)
 
 
 def _sample_metadata(metadata: dict, where: str) -> dict[str, str]:
