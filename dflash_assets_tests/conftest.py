@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,12 @@ import pytest
 
 from dflash_assets.storage.moto_server import MotoServer, start_moto_server
 from dflash_assets_tests.support.s3_server import FaultyProxy
+
+# pytest keeps each test module's assertion-rewritten bytecode beside it, unless the interpreter writes no
+# bytecode (PYTHONDONTWRITEBYTECODE, set on some CI machines): then every worker of every run parses and
+# rewrites the ~90 test modules again, a third of what collecting costs. The suite's own cache is wanted
+# whatever that variable says (setup compiles the package's; `.gitignore` leaves both out).
+sys.dont_write_bytecode = False
 
 # Dummy credentials moto accepts; tests assert this secret never shows up in messages.
 TEST_ACCESS_KEY_ID = "testing"

@@ -157,6 +157,7 @@ def test_training_on_the_targets_own_completions_raises_measured_acceptance(
     assert again["acceptance_length_tau"] == pytest.approx(result.acceptance_length_tau)
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_a_fresh_drafter_is_rarely_accepted(verifier: TargetVerifier, config: DrafterConfig) -> None:
     torch.manual_seed(0)
     drafter = DFlashDrafter.from_target(config)

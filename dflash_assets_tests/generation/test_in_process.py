@@ -36,6 +36,7 @@ def answer_all(engine: InProcessEngine, conversations: list[list[dict]]) -> list
     return plans
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_batched_greedy_answers_equal_generate_one_prompt_at_a_time(demo_target):
     model, tokenizer = demo_target
     settings = GenerationSettings(max_new_tokens=24)
@@ -65,6 +66,7 @@ def test_batched_greedy_answers_equal_generate_one_prompt_at_a_time(demo_target)
     assert sum(plan.turns for plan in answered) > len(answered)  # multi-turn rows among them
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_an_answer_ends_at_the_end_of_turn_token_or_at_max_new_tokens(demo_target):
     model, tokenizer = demo_target
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -114,6 +116,7 @@ def test_prompt_and_answer_stay_within_the_context_or_the_row_is_dropped_naming_
     )
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_sampled_answers_follow_the_seed(demo_target):
     model, tokenizer = demo_target
     conversations = bundled_conversations(4)

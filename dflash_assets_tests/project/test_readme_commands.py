@@ -3,9 +3,9 @@ each succeeds, and none rewrites what the demo stored (the demo, a shell and the
 defaults, so a shell continues the demo's ranges). `dg`, `dagster` and the UI see one asset graph.
 
 The demo runs here on the bundled data's first 101 rows (the README's two ranges, the second of one
-row) and 2 training steps of 4 sequences, so it costs a minute, not the demo's four. The README's
-training command (`dg launch --assets drafter_checkpoints`) is not run: the demo's training here is not
-the demo's.
+row), answers of at most 16 tokens and 2 training steps of 4 sequences, so it costs a minute, not the
+demo's four. The README's training command (`dg launch --assets drafter_checkpoints`) is not run: the
+demo's training here is not the demo's.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def after_up(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> 
         DFLASH_CACHE_DIR=str(demo_model_dir.parent),
         DFLASH_DATASET=str(dataset),
         DFLASH_SAMPLES_PER_PARTITION="100",  # the bundled data's size (a file of one's own: 10,000)
+        DFLASH_GENERATE_MAX_NEW_TOKENS="16",  # the demo target's 64 would cost 100 answers 4 times the CPU
         DFLASH_TRAIN_MAX_STEPS="2",
         DFLASH_TRAIN_GLOBAL_BATCH_SIZE="4",  # the bundled file's own default; a file of 101 rows gets 32
         DAGSTER_HOME=make_dagster_home(root / "dagster-home"),

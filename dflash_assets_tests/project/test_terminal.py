@@ -225,6 +225,7 @@ def test_the_newest_task_is_shown_and_a_finished_one_goes_away(tmp_path: Path) -
         os.close(child)
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_training_draws_every_step_with_its_loss_on_the_status_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -230,6 +230,31 @@ def test_s3_store_takes_the_endpoint_from_AWS_ENDPOINT_URL_S3_and_uses_path_styl
     assert [o["Key"] for o in listed] == [f"{prefix}/k"]
 
 
+def test_stores_of_a_process_parse_s3_s_service_model_once_and_each_still_works(
+    s3_store_url: str, monkeypatch
+) -> None:
+    import botocore.loaders
+
+    first = open_store(s3_store_url)
+    loader = first._session._session.get_component("data_loader")
+    paths = list(loader.search_paths)
+    read: list[str] = []
+    load_file = botocore.loaders.JSONFileLoader.load_file
+
+    def counted(self, file_path):
+        read.append(file_path)
+        return load_file(self, file_path)
+
+    monkeypatch.setattr(botocore.loaders.JSONFileLoader, "load_file", counted)
+    others = [open_store(s3_store_url) for _ in range(3)]
+    assert not read, read  # the service model, endpoint rules and partitions: parsed by the first store only
+    assert all(o._session._session.get_component("data_loader") is loader for o in others)
+    assert loader.search_paths == paths  # boto3's own data folder is not added again for each session
+    for number, store in enumerate(others):
+        store.put_bytes(f"k{number}", b"v")
+    assert sorted(info.key for info in first.list("")) == ["k0", "k1", "k2"]
+
+
 def test_an_explicit_endpoint_wins_over_the_environment(s3_store_url: str, monkeypatch) -> None:
     endpoint = os.environ["AWS_ENDPOINT_URL_S3"]
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")

@@ -91,6 +91,7 @@ def test_demo_model_predicts_the_bundled_conversations_far_better_than_chance(de
         assert not torch.allclose(before, after, atol=1e-3)
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_same_seed_builds_byte_identical_files_through_the_command_line(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -108,6 +109,7 @@ def test_building_into_a_non_empty_directory_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "something.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_concurrent_first_use_builds_once_and_clears_a_killed_build(
     demo_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -101,6 +101,7 @@ def test_tensorboard_reads_each_steps_scalars_and_each_evaluations_from_the_stor
     assert list((tmp_path / "w" / "tensorboard").iterdir()) == []  # local copies gone once uploaded
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_a_resumed_run_continues_the_same_curves_in_an_s3_store(
     s3_store_url: str,
     config: DrafterConfig,

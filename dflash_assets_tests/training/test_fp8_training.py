@@ -89,6 +89,7 @@ def test_lengths_are_estimated_from_fp8_object_sizes_when_the_manifest_gives_non
     assert sum(wrong.lengths) < 0.7 * sum(s.num_tokens for s in samples)
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_a_drafter_trained_on_fp8_objects_learns_as_one_trained_on_bf16_objects_of_the_same_samples(
     config, capture, samples, target_dir, tmp_path
 ):

@@ -190,6 +190,7 @@ class Killed(Exception):
     pass
 
 
+@pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_a_killed_run_resumes_from_the_store_and_ends_at_the_same_weights(
     s3_store_url: str,
     config: DrafterConfig,
