@@ -437,6 +437,12 @@ def _figures(
     tokens_per_step = plan["tokens"] / max(1, plan["samples"]) * ranks  # a sequence a rank a step
     steps_per_s = float(trained["tokens_per_s"]) / tokens_per_step if tokens_per_step else None
     host = "device" if on_device else "host"
+
+    def memory_figure(stage: str, suffix: str, planned: float) -> Figure:
+        run = runs[stage]
+        peak = run.peak_device_bytes if on_device else run.peak_host_bytes - baseline
+        return Figure(stage, f"peak {host} memory above a step's own{suffix}", peak, planned, "B")
+
     figures = [
         Figure(
             "hidden_state_partitions",
@@ -445,28 +451,8 @@ def _figures(
             per_object,
             "B",
         ),
-        Figure(
-            "hidden_state_partitions",
-            f"peak {host} memory above a step's own",
-            (
-                runs["hidden_state_partitions"].peak_device_bytes
-                if on_device
-                else runs["hidden_state_partitions"].peak_host_bytes - baseline
-            ),  # fmt: skip
-            memory["extraction"]["bytes"],
-            "B",
-        ),
-        Figure(
-            "drafter_checkpoints",
-            f"peak {host} memory above a step's own (a rank)",
-            (
-                runs["drafter_checkpoints"].peak_device_bytes
-                if on_device
-                else runs["drafter_checkpoints"].peak_host_bytes - baseline
-            ),  # fmt: skip
-            memory["training"]["bytes"],
-            "B",
-        ),
+        memory_figure("hidden_state_partitions", "", memory["extraction"]["bytes"]),
+        memory_figure("drafter_checkpoints", " (a rank)", memory["training"]["bytes"]),
         Figure(
             "store",
             "write bytes/s (uploader, objects of this size)",

@@ -9,7 +9,6 @@ group, shard, reports to the step) is `target/ranks.py`'s.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from dflash_assets.extraction.capture import HiddenStateCapture
-from dflash_assets.target.ranks import StepLink, TargetRankJob, die_with_parent, run_target_rank
+from dflash_assets.target.ranks import StepLink, TargetRankJob, rank_main
 
 CAPTURE = "capture"
 
@@ -103,12 +102,14 @@ def handlers(job: TargetRankJob):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_assets.extraction.rank", description=__doc__)
-    parser.add_argument("job", help="the capture's TargetRankJob JSON")
-    args = parser.parse_args(argv)
-    die_with_parent()
-    job = TargetRankJob.from_json(Path(args.job).read_text())
-    return run_target_rank(job, lead(job), handlers(job))
+    return rank_main(
+        argv,
+        prog="dflash_assets.extraction.rank",
+        description=__doc__,
+        what="capture",
+        lead=lead,
+        handlers=handlers,
+    )
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ __all__ = [
     "CorruptSampleError",
     "HiddenStateSample",
     "NonFiniteHiddenStates",
+    "check_sample_metadata",
     "estimate_sample_nbytes",
     "parse_sample_object_name",
     "read_sample",
@@ -321,8 +322,8 @@ def _parse_header(raw: bytes, where: str) -> tuple[dict[str, Any], int]:
     return header, 8 + header_length + data_end
 
 
-def _metadata_from_header(header: dict[str, Any], where: str) -> dict[str, str]:
-    metadata = header.get("__metadata__") or {}
+def check_sample_metadata(metadata: Mapping[str, Any], where: str) -> dict[str, str]:
+    """A hidden-state object's `__metadata__`, checked: its format, dtype and required keys."""
     if metadata.get("format") not in READABLE_FORMATS:
         raise CorruptSampleError(
             f"{where}: format {metadata.get('format')!r} is not {SAMPLE_FORMAT!r}; not a hidden-state object"
@@ -337,6 +338,10 @@ def _metadata_from_header(header: dict[str, Any], where: str) -> dict[str, str]:
     if missing:
         raise CorruptSampleError(f"{where}: metadata lacks {missing}")
     return dict(metadata)
+
+
+def _metadata_from_header(header: dict[str, Any], where: str) -> dict[str, str]:
+    return check_sample_metadata(header.get("__metadata__") or {}, where)
 
 
 def read_sample_metadata(path: str | Path) -> dict[str, str]:

@@ -10,13 +10,11 @@ The rank's life (lease, process group, shard, reports) is `target/ranks.py`'s.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from dflash_assets.generation.in_process import generate_rows
-from dflash_assets.target.ranks import StepLink, TargetRankJob, die_with_parent, run_target_rank
+from dflash_assets.target.ranks import StepLink, TargetRankJob, rank_main
 
 GENERATE = "generate"
 
@@ -59,12 +57,14 @@ def handlers(job: TargetRankJob):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_assets.generation.rank", description=__doc__)
-    parser.add_argument("job", help="the regeneration's TargetRankJob JSON")
-    args = parser.parse_args(argv)
-    die_with_parent()
-    job = TargetRankJob.from_json(Path(args.job).read_text())
-    return run_target_rank(job, lead(job), handlers(job))
+    return rank_main(
+        argv,
+        prog="dflash_assets.generation.rank",
+        description=__doc__,
+        what="regeneration",
+        lead=lead,
+        handlers=handlers,
+    )
 
 
 if __name__ == "__main__":

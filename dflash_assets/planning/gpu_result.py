@@ -21,11 +21,10 @@ kind of architecture), so the shapes measured need not be the target's own; the 
 
 from __future__ import annotations
 
-import json
-import os
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from dflash_assets.planning.saved_result import load_result, save_result
 
 GPU_RESULT_FORMAT = "dflash-assets.gpu-bench/1"
 GPU_RESULT_NAME = "gpu-bench.json"
@@ -37,23 +36,9 @@ def gpu_result_path(cache_dir: str | Path) -> Path:
 
 def save_gpu_result(path: str | Path, result: dict[str, Any]) -> Path:
     """Write `result` (the fields above, less `format` and `measured_at`) atomically to `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = {
-        "format": GPU_RESULT_FORMAT,
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        **result,
-    }
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(body, indent=1))
-    partial.replace(path)
-    return path
+    return save_result(path, GPU_RESULT_FORMAT, result)
 
 
 def load_gpu_result(path: str | Path) -> dict[str, Any] | None:
     """The saved result, or None when there is none (or it is not this format)."""
-    try:
-        result = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return result if isinstance(result, dict) and result.get("format") == GPU_RESULT_FORMAT else None
+    return load_result(path, GPU_RESULT_FORMAT)

@@ -18,11 +18,10 @@ The plan takes `read.bytes_per_s` as the rate the store delivers to offline trai
 
 from __future__ import annotations
 
-import json
-import os
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from dflash_assets.planning.saved_result import load_result, save_result
 
 STORE_RESULT_FORMAT = "dflash-assets.store-bench/1"
 STORE_RESULT_NAME = "store-bench.json"
@@ -34,26 +33,12 @@ def store_result_path(cache_dir: str | Path) -> Path:
 
 def save_store_result(path: str | Path, result: dict[str, Any]) -> Path:
     """Write `result` (the fields above, less `format` and `measured_at`) atomically to `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = {
-        "format": STORE_RESULT_FORMAT,
-        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        **result,
-    }
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(body, indent=1))
-    partial.replace(path)
-    return path
+    return save_result(path, STORE_RESULT_FORMAT, result)
 
 
 def load_store_result(path: str | Path) -> dict[str, Any] | None:
     """The saved result, or None when there is none (or it is not this format)."""
-    try:
-        result = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return result if isinstance(result, dict) and result.get("format") == STORE_RESULT_FORMAT else None
+    return load_result(path, STORE_RESULT_FORMAT)
 
 
 def store_read_rate(

@@ -17,6 +17,7 @@ generation server for the step's regeneration).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import datetime
@@ -29,6 +30,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 EVENTS_QUEUE = "dflash/target/events"
@@ -130,6 +132,19 @@ def die_with_parent() -> None:
 
 Lead = Callable[[Any, Any, list[str], StepLink], dict[str, Any]]
 Handlers = Callable[[Any], Mapping[str, Callable[..., Any]]]
+
+
+def rank_main(
+    argv: list[str] | None, *, prog: str, description: str | None, what: str,
+    lead: Callable[[TargetRankJob], Lead], handlers: Callable[[TargetRankJob], Handlers],
+) -> int:  # fmt: skip
+    """A rank module's command line: `python -m <prog> JOB`, JOB the `what`'s TargetRankJob JSON."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
+    parser.add_argument("job", help=f"the {what}'s TargetRankJob JSON")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    job = TargetRankJob.from_json(Path(args.job).read_text())
+    return run_target_rank(job, lead(job), handlers(job))
 
 
 def run_target_rank(job: TargetRankJob, lead: Lead, handlers: Handlers) -> int:

@@ -42,8 +42,12 @@ from pathlib import Path
 import torch
 
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.extraction.object_size import READABLE_FORMATS, SAMPLE_FORMAT
-from dflash_assets.extraction.sample_format import CorruptSampleError, HiddenStateSample, sample_from_tensors
+from dflash_assets.extraction.sample_format import (
+    CorruptSampleError,
+    HiddenStateSample,
+    check_sample_metadata,
+    sample_from_tensors,
+)
 from dflash_assets.storage.store import PARTIAL_SUFFIX, ObjectStore, StoreError
 
 START_IN_FLIGHT = 8
@@ -137,7 +141,7 @@ def decode_sample(buffer: bytes | bytearray | memoryview | mmap.mmap, where: str
         raise CorruptSampleError(f"{where}: unreadable safetensors header ({error})") from error
     if not isinstance(header, dict):
         raise CorruptSampleError(f"{where}: safetensors header is not an object")
-    metadata = _sample_metadata(header.pop("__metadata__", None) or {}, where)
+    metadata = check_sample_metadata(header.pop("__metadata__", None) or {}, where)
     base, entries = 8 + header_length, {}
     for name, entry in header.items():
         try:
@@ -159,21 +163,6 @@ def decode_sample(buffer: bytes | bytearray | memoryview | mmap.mmap, where: str
         for name, (dtype, shape, start) in entries.items()
     }
     return sample_from_tensors(tensors, metadata, where)
-
-
-def _sample_metadata(metadata: dict, where: str) -> dict[str, str]:
-    if metadata.get("format") not in READABLE_FORMATS:
-        raise CorruptSampleError(
-            f"{where}: format {metadata.get('format')!r} is not {SAMPLE_FORMAT!r}; not a hidden-state object"
-        )
-    if metadata.get("hidden_state_dtype", "bf16") not in ("bf16", "fp8"):
-        raise CorruptSampleError(f"{where}: unknown hidden_state_dtype {metadata['hidden_state_dtype']!r}")
-    missing = [
-        k for k in ("sample_index", "target_layer_ids", "target_model", "hidden_size") if k not in metadata
-    ]
-    if missing:
-        raise CorruptSampleError(f"{where}: metadata lacks {missing}")
-    return dict(metadata)
 
 
 def decode_file(path: Path) -> HiddenStateSample:
