@@ -165,11 +165,6 @@ class ObjectStore(ABC):
         return self.url
 
     @property
-    def max_parallel_gets(self) -> int | None:
-        """How many reads at once can still help (None: as many as the caller allows)."""
-        return None
-
-    @property
     def max_parallel_puts(self) -> int | None:
         """How many `put_file` calls at once can still help (None: as many as the caller allows)."""
         return None
