@@ -137,7 +137,6 @@ def online_target_bytes(target: TargetFacts, device: DeviceProfile, tokens: int,
 
 # ------------------------------------------------------------------------------------------ the split
 
-TARGET_STAGES = ("extraction", "regeneration", "online target")
 MAX_TARGET_TP = 8  # the ranks of one split run on one node
 
 
