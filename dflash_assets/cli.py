@@ -4,9 +4,11 @@ and the capacity plan."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -37,6 +39,44 @@ def _instance():
     return DagsterInstance.ephemeral()
 
 
+# The demo's speculative evaluations (the fresh drafter's, one at each checkpoint, the trained one's):
+# the same 8 held-out prompts as a run's default, each decoded 32 tokens instead of 64. Still measured by
+# speculative decoding with the target, at half the cost on a 2-core machine (docs/testing.md); users'
+# runs keep the recipe's 64 (`spec_eval_max_new_tokens`).
+DEMO_SPECULATIVE_EVALUATION = {"spec_eval_prompts": 8, "spec_eval_max_new_tokens": 32}
+
+
+class StageTimes:
+    """Seconds the demo spent in each stage, summed over its ranges, printed as a table at the end."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[float]] = {}  # stage -> [seconds, runs]
+
+    def add(self, stage: str, seconds: float) -> None:
+        row = self.rows.setdefault(stage, [0.0, 0])
+        row[0] += seconds
+        row[1] += 1
+
+    @contextlib.contextmanager
+    def timing(self, stage: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add(stage, time.monotonic() - started)
+
+    def add_training(self, seconds: float, evaluation_seconds: float | None) -> None:
+        """`drafter_checkpoints`, split into its held-out evaluations and the rest (steps, checkpoints)."""
+        self.add("drafter_checkpoints", seconds)
+        if evaluation_seconds is not None:
+            self.add("  of which evaluations (τ, held-out loss)", float(evaluation_seconds))
+            self.add("  of which steps and checkpoints", seconds - float(evaluation_seconds))
+
+    def print(self) -> None:
+        for stage, (seconds, runs) in self.rows.items():
+            print(f"  {stage:42s} {seconds:7.1f} s" + (f"  ({int(runs)} ranges)" if runs > 1 else ""))
+
+
 def run_demo(steps: int | None = None) -> int:
     """Materialise every asset end to end on the current settings and print where results are.
 
@@ -52,7 +92,11 @@ def run_demo(steps: int | None = None) -> int:
     defs = build_definitions(completions=None if settings.COMPLETIONS.is_set() else "target")
     # Training takes the settings a shell or the UI would (settings.train_max_steps: 240 steps of 4
     # sequences on the bundled data), so each continues the other's run; `--steps` is this command's own.
-    train_config: dict = {"max_steps": steps} if steps is not None else {}
+    # Its speculative evaluations are the demo's own (they never change what is trained).
+    train_config: dict = {
+        **DEMO_SPECULATIVE_EVALUATION,
+        **({"max_steps": steps} if steps is not None else {}),
+    }
     steps = steps or settings.train_max_steps()
     quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
     from transformers.utils import logging as transformers_logging
@@ -76,6 +120,9 @@ def run_demo(steps: int | None = None) -> int:
     store_url = store.store_url()
     print(f"store: {store_url}")
     started = time.monotonic()
+    stages = StageTimes()
+    with stages.timing("the target (built on first use)"):
+        resources["target_model"].model_dir()
     for key in partition_keys:
         for name in partitioned:
             t0 = time.monotonic()
@@ -90,6 +137,7 @@ def run_demo(steps: int | None = None) -> int:
                 tags=worker,
             )
             status = "ok" if result.success else "FAILED"
+            stages.add(name, time.monotonic() - t0)
             print(f"  {name:26s} {key}  {status}  {time.monotonic() - t0:6.1f}s  run {result.run_id}")
             if not result.success:
                 _print_failure(result)
@@ -115,6 +163,7 @@ def run_demo(steps: int | None = None) -> int:
         if not result.success:
             _print_failure(result)
             return 1
+        stages.add_training(time.monotonic() - t0, _training_metadata(result).get("evaluation_seconds"))
         _print_acceptance(result)
     print(f"done in {time.monotonic() - started:.0f}s. Results under {store_url}:")
     from dflash_assets.storage.open_store import open_store
@@ -129,7 +178,16 @@ def run_demo(steps: int | None = None) -> int:
         print(
             f"runs are in the Dagster instance at {os.environ['DAGSTER_HOME']} (see them with scripts/ui.sh)"
         )
+    print("time by stage:")  # last: scripts/up.sh adds its setup below
+    stages.print()
+    print(f"  {'the demo in all':42s} {time.monotonic() - started:7.1f} s")
     return 0
+
+
+def _training_metadata(result) -> dict:
+    for event in result.asset_materializations_for_node("drafter_checkpoints"):
+        return {k: v.value for k, v in event.metadata.items()}
+    return {}
 
 
 def _print_acceptance(result) -> None:

@@ -139,7 +139,15 @@ TARGET_MODEL = Setting(
 DATASET = Setting(
     "DFLASH_DATASET",
     "bundled",
-    "Chat conversations: local JSONL/Parquet path or `s3://bucket/key`. `bundled`: the shipped samples.",
+    "Chat conversations: a JSONL/Parquet file, a directory or glob of shards (local or "
+    "`s3://bucket/prefix/`), or `hf://datasets/<owner>/<name>[@revision]/<path>`. `bundled`: the shipped "
+    "samples.",
+)
+DATASET_FORMAT = Setting(
+    "DFLASH_DATASET_FORMAT",
+    "auto",
+    "The rows' layout: `messages` (OpenAI-style, with tools and tool calls), `sharegpt` "
+    "(`conversations: [{from, value}]`) or `auto` (decided per row by the fields it has).",
 )
 SAMPLES_PER_PARTITION = Setting(
     "DFLASH_SAMPLES_PER_PARTITION",
@@ -255,6 +263,37 @@ DRAFTER_SHAPE = Setting(
     "auto",
     "Drafter attention shape: `dflash` (32 query / 8 KV heads of 128, full attention; `auto`), "
     "`dflash-swa` (the Qwen3.6-27B drafter: sliding-window layers then a full one) or `target`.",
+)
+DRAFTER_ARCH = Setting(
+    "DFLASH_DRAFTER_ARCH",
+    "dflash",
+    "Drafter architecture: `dflash` (the DFlash paper's) or `dflash2` (a grouped dynamic convolution "
+    "around every attention and MLP sublayer and a candidate selector; served by vLLM and SGLang).",
+)
+DRAFTER_LOSS = Setting(
+    "DFLASH_DRAFTER_LOSS",
+    "dpace",
+    "Position weights of the drafter's loss: `dpace` (D-PACE: from the drafter's own confidences, each "
+    "position weighing what it adds to the expected accepted length) or `decay` (the paper's "
+    "exp(-(p-1)/7)).",
+)
+DPACE_ALPHA = Setting(
+    "DFLASH_DPACE_ALPHA",
+    "0.5",
+    "D-PACE's confidence smoothing, in [0, 1] (1: every position weighs the same).",
+)
+BLOCK_SIZE = Setting(
+    "DFLASH_BLOCK_SIZE",
+    "16",
+    "Drafter block: the anchor and the slots drafted after it in one forward (the published DFlash2 27B "
+    "drafter uses 8).",
+)
+DRAFTER_INIT = Setting(
+    "DFLASH_DRAFTER_INIT",
+    "",
+    "A drafter directory in z-lab's layout (a published DFlash or DFlash2 drafter, or an earlier export) to "
+    "start training from; its architecture, target layers, mask token, block size and widths must match "
+    "the run's. Empty: fresh weights.",
 )
 CHECKPOINT_EVERY_STEPS = Setting(
     "DFLASH_CHECKPOINT_EVERY_STEPS", "100", "Checkpoint every N steps (`0`: by time only)."
@@ -517,6 +556,7 @@ RUN_SETTINGS = (
     TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_GLOBAL_BATCH_SIZE, TRAIN_NPROC_PER_NODE, TRAIN_NNODES, TRAIN_RDZV_PORT,
     TRAIN_RDZV_TIMEOUT_S, TRAIN_COLLECTIVE_TIMEOUT_S, TRAIN_EVAL_TIMEOUT_S, TRAIN_MAX_RESTARTS, RUN_NAME,
     CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES, MASK_TOKEN_ID, DRAFTER_SHAPE, TARGET_TP,
+    DRAFTER_ARCH, DRAFTER_LOSS, DPACE_ALPHA, BLOCK_SIZE, DRAFTER_INIT,
 )  # fmt: skip
 
 

@@ -34,6 +34,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     fi
     python -m pip install -q -e ".[test]"
   fi
+  # z-lab's `dflash` package: the tests load and decode every export with it, the real client. Without its
+  # own pins (it would move huggingface_hub and tqdm under transformers): it needs only torch and
+  # transformers, which are here. Never a dependency of the product.
+  python -m pip install -q --no-deps "dflash==0.1.0"
   touch "$stamp"
 fi
 # The project's own bytecode, for the same reason (quick: only changed files are compiled again).

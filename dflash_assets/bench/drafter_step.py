@@ -3,8 +3,10 @@
 One step = forward, backward and AdamW update of a DFlash drafter under bf16 autocast, on random
 weights and random target hidden states (nothing downloaded): 512 anchors of a 16-token block per
 sequence of 3072 tokens, as the recipe trains. Reports seconds per step, tokens/s, peak memory above the
-weights and optimiser state, and MFU from an analytic FLOP count. On a CPU (tiny shapes) only the
-materialised path runs: flex attention has no CPU backward.
+weights and optimiser state (on a CPU from torch's profiler: its allocation events), the planner's estimate
+of it (`estimate_step_bytes` for the backend, plus the gradients) as a ratio to the measured peak, and MFU
+from an analytic FLOP count. On a CPU (tiny shapes) only the materialised path runs: flex attention has no
+CPU backward.
 """
 
 from __future__ import annotations
@@ -18,9 +20,20 @@ from typing import Any
 import torch
 
 from dflash_assets.bench.capture_ways import synchronize
-from dflash_assets.drafter.config import DrafterConfig, drafter_shape
-from dflash_assets.drafter.model import DFlashDrafter, drafter_parameter_count
-from dflash_assets.drafter.objective import DrafterBatch, anchor_generator, block_labels, sample_anchors
+from dflash_assets.drafter.config import DrafterConfig, dflash2_shape, drafter_shape
+from dflash_assets.drafter.model import (
+    DFlashDrafter,
+    dflash2_parameter_counts,
+    drafter_class,
+    drafter_parameter_count,
+)
+from dflash_assets.drafter.objective import (
+    DrafterBatch,
+    anchor_generator,
+    block_labels,
+    estimate_step_bytes,
+    sample_anchors,
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +51,9 @@ QWEN3_8B = DrafterShapeCase("Qwen3-8B drafter", 4096, 12288, 151936, 36, 3072, 5
 TINY = DrafterShapeCase("tiny drafter", 64, 176, 1536, 12, 256, 32)
 
 
-def build_drafter(case: DrafterShapeCase, device: torch.device) -> DFlashDrafter:
-    """The `dflash` preset for a target of this width, with random shared embedding and LM head."""
+def build_drafter(case: DrafterShapeCase, device: torch.device, arch: str = "dflash") -> DFlashDrafter:
+    """The `dflash` preset for a target of this width, with random shared embedding and LM head; `arch`
+    `dflash2` adds DFlash2's convolutions and selector at their published shape."""
     from dflash_assets.target.layer_ids import dflash_target_layer_ids
 
     target = {"hidden_size": case.hidden_size, "intermediate_size": case.intermediate_size}
@@ -49,14 +63,16 @@ def build_drafter(case: DrafterShapeCase, device: torch.device) -> DFlashDrafter
         mask_token_id=case.vocab_size - 1,
         target_layer_ids=dflash_target_layer_ids(case.num_target_layers, 5),
         target_num_hidden_layers=case.num_target_layers,
+        arch=arch,
         **drafter_shape(target, "dflash", 5),
+        **(dflash2_shape(case.hidden_size) if arch == "dflash2" else {}),
     )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embedding = torch.randn(case.vocab_size, case.hidden_size, device=device, dtype=dtype) * 0.02
     lm_head = torch.randn(case.vocab_size, case.hidden_size, device=device, dtype=dtype) * 0.02
     torch.manual_seed(0)
     with torch.device(device):
-        return DFlashDrafter(config, embedding, lm_head)
+        return drafter_class(config)(config, embedding, lm_head)
 
 
 def random_batch(case: DrafterShapeCase, batch_size: int, device: torch.device) -> DrafterBatch:
@@ -81,13 +97,41 @@ def step_flops(model: DFlashDrafter, batch: DrafterBatch, num_blocks: int, label
     kv = 2 * config.hidden_size * config.num_kv_heads * config.head_dim * config.num_layers
     width = config.num_heads * config.head_dim
     attention = 2 * 2 * slots * (length / 2 + config.block_size) * width * config.num_layers
+    _, selector_params = dflash2_parameter_counts(config)
+    labelled_share = labels * config.selector_rank * (config.hidden_size + config.selector_top_k)
     forward = (
-        2 * slots * (params - context_params)
+        2 * slots * (params - context_params - selector_params)
+        + (2 * labelled_share if config.has_selector else 0)
         + 2 * batch_size * length * (context_params + kv)
         + attention
         + 2 * labels * config.vocab_size * config.hidden_size
     )
     return 3 * forward
+
+
+def cpu_peak_bytes(step: Callable[[], object]) -> int:
+    """The most CPU tensor memory `step` holds at once above what was allocated when it began, from the
+    allocation events of torch's profiler (what `torch.cuda.max_memory_allocated` tells on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        step()
+    events = profiler.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in changes:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def planned_peak_bytes(model: DFlashDrafter, batch: DrafterBatch, num_anchors: int, backend: str) -> int:
+    """What the planner expects a step to hold above the weights and optimiser state: the activations
+    (`estimate_step_bytes`, as the trainer plans micro-batches) and the float32 gradients."""
+    batch_size, length = batch.input_ids.shape
+    blocks = min(num_anchors, max(length - 1, 1))
+    activations = estimate_step_bytes(model.config, batch_size, length, blocks, attention=backend)
+    return activations + 4 * drafter_parameter_count(model.config)
 
 
 def time_steps(
@@ -110,7 +154,7 @@ def time_steps(
 
     def one_step() -> float:
         with autocast:
-            output = dflash_loss(model, batch, anchors, gamma=7.0)
+            output = dflash_loss(model, batch, anchors, 7.0)
         output.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -127,12 +171,16 @@ def time_steps(
         loss = one_step()
         synchronize(device)
         times.append(time.perf_counter() - started)
+    peak = (
+        torch.cuda.max_memory_allocated(device) - idle if device.type == "cuda" else cpu_peak_bytes(one_step)
+    )
     _, _, labels = block_labels(batch, anchors, model.config.block_size)
     seconds = sorted(times)[len(times) // 2]
     return {
         "seconds": seconds,
         "tokens_per_s": batch.num_tokens / seconds,
-        "peak_bytes": torch.cuda.max_memory_allocated(device) - idle if device.type == "cuda" else None,
+        "peak_bytes": peak,
+        "planned_bytes": planned_peak_bytes(model, batch, num_anchors, backend),
         "flops": step_flops(model, batch, anchors.positions.shape[1], int(labels.sum())),
         "loss": loss,
     }
@@ -172,11 +220,11 @@ def drafter_step_lines(
                 continue
             results[(backend, batch_size)] = result
             mfu = result["flops"] / result["seconds"] / peak if peak else None
-            peak_bytes = result["peak_bytes"]
-            memory = f"{peak_bytes / 2**30:6.1f} GiB" if peak_bytes is not None else "   n/a"
+            peak_bytes, planned = result["peak_bytes"], result["planned_bytes"]
             lines.append(
                 f"  {backend:12s} {batch_size} x {case.sequence_length}: {result['seconds']:7.3f} s/step "
-                f"{result['tokens_per_s']:9,.0f} tok/s  peak {memory}  MFU "
+                f"{result['tokens_per_s']:9,.0f} tok/s  peak {peak_bytes / 2**30:6.2f} GiB (planned "
+                f"{planned / 2**30:.2f}, {planned / peak_bytes:.2f}x)  MFU "
                 + (f"{mfu:.0%}" if mfu is not None else "n/a")
                 + f"  loss {result['loss']:.3f}"
             )
@@ -198,6 +246,7 @@ def drafter_step_lines(
             flops_per_token=flops,
             mfu=best["tokens_per_s"] * flops / peak if peak else None,
         )
+    lines += dflash2_lines(case, device, trained_with, results.get((trained_with, 1)), steps, record)
     for batch_size in (1, 2):
         flex, dense = results.get(("flex", batch_size)), results.get(("materialised", batch_size))
         if flex and dense:
@@ -210,4 +259,53 @@ def drafter_step_lines(
                 f"  flex / materialised at {batch_size} x {case.sequence_length}: speed "
                 f"{dense['seconds'] / flex['seconds']:.2f}x (target >= 1.5){memory}"
             )
+    return lines
+
+
+def dflash2_lines(
+    case: DrafterShapeCase,
+    device: torch.device,
+    backend: str,
+    dflash: dict[str, Any] | None,
+    steps: int,
+    record: dict[str, Any] | None,
+) -> list[str]:
+    """DFlash2's step beside DFlash's (one sequence, the backend training uses): its whole step, and the
+    share of it its two additions take, each timed by leaving it out (the selector alone: DFlash2 without
+    its convolutions). Parameters are counted the same way."""
+    if dflash is None:
+        return []
+    full = build_drafter(case, device, "dflash2")
+    without_convolutions = build_drafter(case, device, "dflash2")
+    for layer in without_convolutions.layers:
+        layer.attention_conv = layer.mlp_conv = None
+    batch = random_batch(case, 1, device)
+    timed = {}
+    for name, model in (("dflash2", full), ("selector only", without_convolutions)):
+        timed[name] = time_steps(model, batch, case.num_anchors, backend, steps, device)
+        del model
+    total, selector_only = timed["dflash2"]["seconds"], timed["selector only"]["seconds"]
+    base = dflash["seconds"]
+    convolutions, selector = dflash2_parameter_counts(full.config)
+    parameters = drafter_parameter_count(full.config)
+    lines = [
+        f"  dflash2      1 x {case.sequence_length}: {total:7.3f} s/step "
+        f"{timed['dflash2']['tokens_per_s']:9,.0f} tok/s, {total / base:.2f}x DFlash's step; of it the "
+        f"selector {(selector_only - base) / total:.0%} and the convolutions "
+        f"{(total - selector_only) / total:.0%}",
+        f"  dflash2 parameters: {parameters / 1e6:,.1f} M, of which the selector {selector / 1e6:,.1f} M "
+        f"(two {full.config.vocab_size:,} x {full.config.selector_rank} codebooks) and the convolutions "
+        f"{convolutions / 1e6:,.1f} M",
+    ]
+    if record is not None:
+        record["dflash2"] = {
+            "seconds": total,
+            "tokens_per_s": timed["dflash2"]["tokens_per_s"],
+            "dflash_seconds": base,
+            "selector_share": (selector_only - base) / total,
+            "convolution_share": (total - selector_only) / total,
+            "parameters": parameters,
+            "selector_parameters": selector,
+            "convolution_parameters": convolutions,
+        }
     return lines

@@ -43,6 +43,40 @@ def _batched(engine: InProcessEngine, prompts: list[list[dict]]) -> tuple[int, l
     return sum(len(a) for a in answers), answers
 
 
+def _demo_range(engine: InProcessEngine, count: int) -> dict[str, float]:
+    """The first `count` bundled conversations, every turn, regenerated as a demo range is: its rate and
+    the widths of the batches the engine ran (counted at the target's forwards)."""
+    with open(bundled_dataset_path()) as handle:
+        plans = [
+            Regeneration(i, json.loads(line)["messages"])
+            for i, line in zip(range(count), handle, strict=False)
+        ]
+    widths: list[int] = []  # rows of every prefill: one per batch
+
+    def count_batch(module, args, kwargs) -> None:
+        rows, positions = kwargs["input_ids"].shape
+        if positions > 1:  # a prefill starts a batch; decoding steps feed one position a row
+            widths.append(rows)
+
+    hook = engine.model.register_forward_pre_hook(count_batch, with_kwargs=True)
+    started = time.perf_counter()
+    try:
+        engine.run(
+            TurnScheduler(plans, on_finished=lambda c: None, on_dropped=lambda c, d: None), tick=lambda: None
+        )
+    finally:
+        hook.remove()
+    seconds = time.perf_counter() - started
+    tokens = sum(answer.num_tokens() for plan in plans for answer in plan.answers)
+    return {
+        "conversations/s": len(plans) / seconds,
+        "tokens/s": tokens / seconds,
+        "turns": sum(plan.turns for plan in plans),
+        "batches": len(widths),
+        "mean width": statistics.mean(widths),
+    }
+
+
 def _one_at_a_time(model, tokenizer, prompts, generation: GenerationSettings) -> tuple[int, list[list[int]]]:
     answers = []
     for prompt in prompts:
@@ -55,7 +89,9 @@ def _one_at_a_time(model, tokenizer, prompts, generation: GenerationSettings) ->
     return sum(len(a) for a in answers), answers
 
 
-def bench_generation(count: int, rounds: int, max_new_tokens: int = 64) -> dict[str, float]:
+def bench_generation(
+    count: int, rounds: int, max_new_tokens: int = 64, range_size: int = 100
+) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     model_dir = ensure_demo_model(settings.cache_dir())
@@ -94,8 +130,18 @@ def bench_generation(count: int, rounds: int, max_new_tokens: int = 64) -> dict[
             flush=True,
         )
     print(f"  batched answers equal the one-at-a-time answers: {same}")
+    # A whole demo range (every turn of 100 conversations), as `target_completions` answers it.
+    ranges = [_demo_range(engine, range_size) for _ in range(rounds)]
+    middle = sorted(ranges, key=lambda r: r["conversations/s"])[len(ranges) // 2]
+    print(
+        f"  a demo range of {range_size} conversations ({middle['turns']:.0f} turns): "
+        f"{middle['batches']:.0f} batches of {middle['mean width']:.1f} turns on average, "
+        f"{middle['conversations/s']:.2f} conversations/s, {middle['tokens/s']:,.0f} tokens/s"
+    )
     return {
         BATCHED_FIGURE: statistics.median(ratios),
         "generation tokens/s, batched in-process engine": statistics.median(batched_rates),
         "generation tokens/s, one conversation at a time": statistics.median(single_rates),
+        f"generation conversations/s, a demo range of {range_size} (every turn)": middle["conversations/s"],
+        f"generation batches for that range's {middle['turns']:.0f} turns": middle["batches"],
     }

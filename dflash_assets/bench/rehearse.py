@@ -265,7 +265,7 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
         f"~{options.mean_tokens:,} tokens, {options.steps} training steps of {anchors} anchors a sequence "
         f"on {ranks} rank(s)"
     )
-    for note in [f"target: {why}", *target.notes]:
+    for note in [f"target: {why}", *target.notes, *_kernel_notes(cuda)]:
         log(f"  {note}")
     log(f"  store: {store_url} (deleted afterwards{'' if not options.keep else ': --keep'}); log: {work}/log")
 
@@ -331,6 +331,19 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
             f"{'above' if figure.worse == 'above' else 'below'})"
         )
     return 1 if worse else 0
+
+
+def _kernel_notes(cuda: bool) -> list[str]:
+    """What the host's kernels change: on a CPU without bf16 matrix units the LM head's bf16 products run
+    through float32 tiles (`target/bf16_matmul.py`), PyTorch's own kernel there taking minutes a step; the
+    weights and their bytes stay bf16."""
+    import torch
+
+    from dflash_assets.target.bf16_matmul import runs_through_float32_tiles
+
+    if cuda or not runs_through_float32_tiles(torch.empty(0, dtype=torch.bfloat16)):
+        return []
+    return ["this CPU has no bf16 matrix units: the LM head's bf16 products run through float32 tiles"]
 
 
 def _store_rates(

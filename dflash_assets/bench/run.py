@@ -39,7 +39,9 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
         figures.update(scaling)
     if only in (None, "generation"):
         figures.update(
-            bench_generation(8, rounds=2, max_new_tokens=32) if quick else bench_generation(64, rounds=3)
+            bench_generation(8, rounds=2, max_new_tokens=32, range_size=16)
+            if quick
+            else bench_generation(64, rounds=3)
         )
     if only in (None, "fidelity"):
         # As the demo trains: every bundled conversation, 240 steps of 4 (quick: a smoke run).

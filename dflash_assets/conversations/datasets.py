@@ -1,64 +1,73 @@
-"""Reading chat-conversation datasets: local JSONL (optionally gzipped), Parquet, or either on S3.
+"""Reading chat-conversation datasets: JSONL (optionally gzipped) or Parquet files, one file or a dataset
+repository's shards, on the local disk, on S3 or on the Hugging Face Hub.
 
-A row is one conversation, `{"messages": [{"role": ..., "content": ...}, ...]}`. Its index is its
-0-based position in the file — the physical line number for JSONL — so indices never shift when
-rows are dropped. A row that cannot be used comes back as `Dropped(reason, detail)` instead of its
-messages; the reasons are the keys of `DROP_REASONS`.
+What `DFLASH_DATASET` may name (`resolve_dataset`):
+- a file: `chat.jsonl`, `chat.jsonl.gz`, `chat.parquet` (local, `file://`, or `s3://bucket/key`);
+- a directory of shards (a Hugging Face dataset repository's layout, `data/train-00000-of-00004.parquet`)
+  or a glob (`data/train-*.parquet`, `**` across folders), local or under `s3://bucket/prefix/`;
+- `hf://datasets/<owner>/<name>[@revision]/<path or glob>`, read through `huggingface_hub` (its token,
+  cache and `HF_HUB_OFFLINE`).
+
+Shards are read as one dataset in sorted order: a row's index is its 0-based position in that sequence
+(the physical line number for JSONL), so indices never shift when rows are dropped, and a dataset that
+grows by a new last shard keeps every earlier index. A directory holding several splits
+(`train-…`, `test-…`) is refused: a glob chooses one.
+
+Each row becomes a `Conversation` or `Dropped` in `layouts.py` (which holds `DROP_REASONS`), the one
+place layouts are read.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
+from dflash_assets.conversations.layouts import (
+    ALLOWED_ROLES,
+    DROP_REASONS,
+    Conversation,
+    Dropped,
+    Messages,
+    check_dataset_format,
+    conversation_from_row,
+    parse_messages,
+    row_layout,
+)
 from dflash_assets.conversations.sample_range import SampleRange
 
+__all__ = [
+    "ALLOWED_ROLES",
+    "DROP_REASONS",
+    "Conversation",
+    "DatasetError",
+    "DatasetFiles",
+    "DatasetNotFound",
+    "Dropped",
+    "Messages",
+    "count_rows",
+    "iter_rows",
+    "iter_rows_at",
+    "parse_messages",
+    "resolve_dataset",
+    "row_location",
+]
+
 DATASET_SETTING = "DFLASH_DATASET"
-ALLOWED_ROLES = ("system", "user", "assistant", "tool")
-
-# Every reason a row can be dropped for, here and in tokenize.py: the one list to document.
-DROP_REASONS: dict[str, str] = {
-    "not_utf8": "the line is not valid UTF-8",
-    "empty_line": "the line is blank",
-    "malformed_json": "the line (or a Parquet `messages` string) is not valid JSON",
-    "missing_messages": "the row is not an object with a `messages` field",
-    "messages_not_a_list": "`messages` is not a list",
-    "bad_message": "a message is not an object with a string `content`",
-    "unknown_role": f"a message's role is missing or not one of {', '.join(ALLOWED_ROLES)}",
-    "empty_assistant": "an assistant message has empty content",
-    "no_assistant": "the conversation has no assistant message",
-    "template_error": "the tokenizer's chat template failed on the conversation",
-    "assistant_not_located": "an assistant message could not be found in the rendered chat template",
-    "overlong": "longer than max_length tokens and overlong='drop'",
-    "overlong_no_assistant": "truncating to max_length left no assistant token",
-    # Regeneration (target_completions): why the target gave no usable answer for a row.
-    "no_prompt": "the conversation has no user or tool turn for the target to answer",
-    "generation_failed": "the inference server refused the request for good (e.g. a prompt too long)",
-    "exceeds_context": "the prompt fills the target's context (max_position_embeddings): no room to answer",
-    "truncated_answer": "an answer hit max_new_tokens and truncated='drop'",
-}
-
-Messages = list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Dropped:
-    """Why a row was left out: `reason` is a key of DROP_REASONS, `detail` says what exactly."""
-
-    reason: str
-    detail: str = ""
-
-    def __post_init__(self) -> None:
-        if self.reason not in DROP_REASONS:
-            raise ValueError(f"unknown drop reason {self.reason!r}; known: {sorted(DROP_REASONS)}")
-
-    def __str__(self) -> str:
-        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+FORMAT_SETTING = "DFLASH_DATASET_FORMAT"
+# What a directory's data files end with (a glob takes whatever it matches).
+SHARD_SUFFIXES = (".parquet", ".pq", ".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
+# Fields a Parquet shard's rows are read from (other columns, an image say, are never read).
+ROW_COLUMNS = ("messages", "conversations", "tools", "system")
+_SPLIT_SHARD = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}$")
+_GLOB = re.compile(r"[*?\[]")
 
 
 class DatasetError(ValueError):
@@ -67,6 +76,27 @@ class DatasetError(ValueError):
 
 class DatasetNotFound(DatasetError, FileNotFoundError):
     pass
+
+
+@dataclass(frozen=True)
+class DatasetFiles:
+    """A dataset as the local files read, in order, as one: `names` are the shards as a person finds
+    them (relative to the directory, prefix or repository; None for a single file)."""
+
+    uri: str
+    files: tuple[Path, ...]
+    names: tuple[str, ...] | None = None
+
+    def stamp(self) -> str:
+        """Who the files are (path, size, modification time each): a cache key for their row count."""
+        digest = hashlib.sha256()
+        for path in self.files:
+            stat = path.stat()
+            digest.update(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+        return digest.hexdigest()
+
+
+DatasetSource = str | Path | DatasetFiles | None
 
 
 def bundled_dataset_path() -> Path:
@@ -79,169 +109,359 @@ def dataset_uri(name: str) -> str:
     return str(bundled_dataset_path()) if name == "bundled" else name
 
 
-def resolve_dataset(uri: str | Path | None = None, *, s3: Any = None, cache_dir: Path | None = None) -> Path:
-    """A local path for `uri`: None/"" -> the bundled sample; s3://bucket/key -> downloaded once into the
-    cache (`s3` is an optional store.S3Settings); a path or file:// URL -> checked to exist."""
-    if uri is None or str(uri).strip() == "":
-        return bundled_dataset_path()
-    text = str(uri).strip()
+def resolve_dataset(
+    source: DatasetSource = None, *, s3: Any = None, cache_dir: Path | None = None
+) -> DatasetFiles:
+    """The local files of a dataset (see the module docstring): None/"" -> the bundled sample; `s3://`
+    objects downloaded once per version into `cache_dir` (`s3` is an optional store.S3Settings); `hf://`
+    through huggingface_hub's own cache; local paths checked to exist."""
+    if isinstance(source, DatasetFiles):
+        return source
+    if source is None or str(source).strip() == "":
+        return DatasetFiles(str(bundled_dataset_path()), (bundled_dataset_path(),))
+    text = str(source).strip()
     if text.startswith("s3://"):
-        return _download_s3_dataset(text, s3=s3, cache_dir=cache_dir)
+        return _s3_files(text, s3=s3, cache_dir=cache_dir)
+    if text.startswith("hf://"):
+        return _hub_files(text)
     if text.startswith("file://"):
         text = text[len("file://") :]
     elif "://" in text:
         raise DatasetError(
             f"dataset {text!r} has an unsupported scheme: set {DATASET_SETTING} to a local path, "
-            "file:///path or s3://bucket/key"
+            "file:///path, s3://bucket/key or hf://datasets/<owner>/<name>/<path>"
         )
-    path = Path(text).expanduser()
-    if not path.is_file():
-        raise DatasetNotFound(
-            f"dataset {path} does not exist or is not a file: set {DATASET_SETTING} to a JSONL or Parquet "
-            "file (local path or s3://bucket/key), or unset it to use the bundled sample conversations"
-        )
-    return path
+    return _local_files(text, uri=str(source))
 
 
-def _download_s3_dataset(uri: str, *, s3: Any, cache_dir: Path | None) -> Path:
+def _local_files(spec: str, *, uri: str, root: Path | None = None) -> DatasetFiles:
+    """A file, a directory's data files or a glob's matches; `root` is what names are relative to."""
+    path = Path(spec).expanduser()
+    if _GLOB.search(spec):
+        base = _glob_base(path)
+        matches = sorted(p for p in base.glob(str(path.relative_to(base))) if p.is_file())
+        if not matches:
+            raise DatasetNotFound(f"dataset {uri}: no file matches {spec}: fix {DATASET_SETTING}")
+        return _shards(uri, matches, root or base)
+    if path.is_file():
+        return DatasetFiles(uri, (path,)) if root is None else _shards(uri, [path], root)
+    if path.is_dir():
+        found = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and p.name.lower().endswith(SHARD_SUFFIXES)
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not found:
+            raise DatasetNotFound(
+                f"dataset {uri}: the directory {path} holds no data file ({', '.join(SHARD_SUFFIXES)}): fix "
+                f"{DATASET_SETTING}"
+            )
+        return _shards(uri, found, root or path)
+    raise DatasetNotFound(
+        f"dataset {path} does not exist or is not a file: set {DATASET_SETTING} to a JSONL or Parquet "
+        "file, a directory or glob of them (local, s3://bucket/key or hf://datasets/<owner>/<name>), or "
+        "unset it to use the bundled sample conversations"
+    )
+
+
+def _glob_base(path: Path) -> Path:
+    """The folder a glob is matched under: its longest leading part without wildcards."""
+    parts = []
+    for part in path.parts:
+        if _GLOB.search(part):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
+
+
+def _shards(uri: str, files: list[Path], root: Path) -> DatasetFiles:
+    names = [p.relative_to(root).as_posix() if p.is_relative_to(root) else p.name for p in files]
+    _check_one_split(uri, names)
+    return DatasetFiles(uri, tuple(files), tuple(names))
+
+
+def _check_one_split(uri: str, names: Iterable[str]) -> None:
+    """Refuse shards of several splits (`train-00000-of-00002`, `test-00000-of-00001`) read as one."""
+    splits = set()
+    for name in names:
+        stem = name.rsplit("/", 1)[-1].split(".", 1)[0]
+        match = _SPLIT_SHARD.match(stem)
+        if match:
+            splits.add(match["split"])
+    if len(splits) > 1:
+        raise DatasetError(
+            f"dataset {uri} holds shards of several splits ({', '.join(sorted(splits))}): set "
+            f"{DATASET_SETTING} to a glob of one, e.g. …/{sorted(splits)[-1]}-*.parquet"
+        )
+
+
+def _s3_files(uri: str, *, s3: Any, cache_dir: Path | None) -> DatasetFiles:
     from dflash_assets.storage.open_store import open_store
-    from dflash_assets.storage.store import ObjectNotFound
 
     bucket, _, key = uri[len("s3://") :].partition("/")
-    if not bucket or not key or key.endswith("/"):
+    if not bucket:
         raise DatasetError(
-            f"dataset {uri!r} must name one object, s3://<bucket>/<key>: fix {DATASET_SETTING}"
+            f"dataset {uri!r} names no bucket: write s3://<bucket>/<key>; fix {DATASET_SETTING}"
         )
-    store = open_store(f"s3://{bucket}", s3)
-    info = store.head(key)
-    if info is None:
-        raise DatasetNotFound(
-            f"dataset {uri} does not exist (endpoint {getattr(store, 'endpoint_url', 'default')}): "
-            f"fix {DATASET_SETTING} or upload the file"
-        )
-    # The ETag is part of the cached path so a replaced object is fetched again even at equal size.
-    version = "".join(ch for ch in (info.etag or "no-etag") if ch.isalnum())[:32]
     if cache_dir is None:
         raise ValueError(f"dataset {uri}: an s3:// dataset needs a cache directory to download into")
-    local = cache_dir / "datasets" / "s3" / bucket / version / key
+    store = open_store(f"s3://{bucket}", s3)
+    endpoint = getattr(store, "endpoint_url", "default")
+    info = store.head(key) if key and not key.endswith("/") and not _GLOB.search(key) else None
+    if info is not None:
+        return DatasetFiles(uri, (_download_s3_object(store, bucket, info, cache_dir, uri),))
+    wildcard = _GLOB.search(key)
+    if wildcard is None:  # a folder of shards, written with or without its trailing "/"
+        base = key if not key or key.endswith("/") else key + "/"
+        infos = [
+            i
+            for i in store.list(base)
+            if i.key.lower().endswith(SHARD_SUFFIXES)
+            and not any(part.startswith(".") for part in i.key[len(base) :].split("/"))
+        ]
+    else:
+        base = key[: wildcard.start()].rpartition("/")[0]
+        base = base + "/" if base else ""
+        pattern = _glob_regex(key)
+        infos = [i for i in store.list(base) if pattern.fullmatch(i.key)]
+    if not infos:
+        raise DatasetNotFound(
+            f"dataset {uri} does not exist (endpoint {endpoint}): fix {DATASET_SETTING} or upload the file"
+        )
+    names = tuple(i.key[len(base) :] for i in infos)
+    _check_one_split(uri, names)
+    files = tuple(_download_s3_object(store, bucket, i, cache_dir, uri) for i in infos)
+    return DatasetFiles(uri, files, names)
+
+
+def _download_s3_object(store: Any, bucket: str, info: Any, cache_dir: Path, uri: str) -> Path:
+    from dflash_assets.storage.store import ObjectNotFound
+
+    # The ETag is part of the cached path so a replaced object is fetched again even at equal size.
+    version = "".join(ch for ch in (info.etag or "no-etag") if ch.isalnum())[:32]
+    local = cache_dir / "datasets" / "s3" / bucket / version / info.key
     local.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return store.download(key, local)
+        return store.download(info.key, local)
     except ObjectNotFound as err:
         raise DatasetNotFound(f"dataset {uri} disappeared while downloading: {err}") from None
 
 
-def dataset_format(path: Path) -> str:
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """A glob over keys as `pathlib` globs paths: `*` and `?` stay within a folder, `**/` spans folders."""
+    out, position = [], 0
+    while position < len(pattern):
+        if pattern.startswith("**/", position):
+            out.append("(?:.*/)?")
+            position += 3
+        elif pattern.startswith("**", position):
+            out.append(".*")
+            position += 2
+        elif pattern[position] == "*":
+            out.append("[^/]*")
+            position += 1
+        elif pattern[position] == "?":
+            out.append("[^/]")
+            position += 1
+        elif pattern[position] == "[" and "]" in pattern[position + 1 :]:
+            close = pattern.index("]", position + 1)
+            out.append("[" + pattern[position + 1 : close].replace("!", "^", 1) + "]")
+            position = close + 1
+        else:
+            out.append(re.escape(pattern[position]))
+            position += 1
+    return re.compile("".join(out))
+
+
+def _hub_files(uri: str) -> DatasetFiles:
+    """`hf://datasets/<owner>/<name>[@revision]/<path or glob>` through huggingface_hub's cache."""
+    kind, owner, name, path = ([*uri[len("hf://") :].split("/", 3), "", "", ""])[:4]
+    if kind != "datasets" or not owner or not name:
+        raise DatasetError(
+            f"dataset {uri!r} is not a Hugging Face dataset: write hf://datasets/<owner>/<name>[@revision]/"
+            f"<path or glob>; fix {DATASET_SETTING}"
+        )
+    name, _, revision = name.partition("@")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise DatasetError(
+            f"dataset {uri} is on the Hugging Face Hub, which needs the huggingface_hub package: "
+            "pip install huggingface_hub (or set DFLASH_DATASET to a local copy)"
+        ) from None
+    patterns = None if not path else [path] if _GLOB.search(path) else [path, path.rstrip("/") + "/*"]
+    try:
+        local = Path(
+            snapshot_download(
+                repo_id=f"{owner}/{name}",
+                repo_type="dataset",
+                revision=unquote(revision) or None,
+                allow_patterns=patterns,
+            )
+        )
+    except Exception as error:  # noqa: BLE001 - every hub failure means the same to the user
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        raise DatasetNotFound(
+            f"dataset {uri} cannot be read from the Hugging Face Hub ({type(error).__name__}: {first_line}): "
+            f"check {DATASET_SETTING}, HF_TOKEN for a private or gated dataset, and HF_HUB_OFFLINE=1 only "
+            "when the files are in the cache"
+        ) from None
+    return _local_files(str(local / path) if path else str(local), uri=uri, root=local)
+
+
+def file_format(path: Path) -> str:
     """'parquet' or 'jsonl', from the file name, else from the Parquet magic bytes."""
     name = path.name.lower()
     if name.endswith((".parquet", ".pq")):
         return "parquet"
-    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".json")):
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".json")):
         return "jsonl"
     with path.open("rb") as handle:
         return "parquet" if handle.read(4) == b"PAR1" else "jsonl"
 
 
-def count_rows(uri: str | Path | None = None, *, s3: Any = None, cache_dir: Path | None = None) -> int:
-    """Number of rows without parsing any: newlines for JSONL, footer metadata for Parquet."""
-    path = resolve_dataset(uri, s3=s3, cache_dir=cache_dir)
-    if dataset_format(path) == "parquet":
+_ROW_COUNTS: dict[tuple[str, int, int], int] = {}
+
+
+def file_rows(path: Path) -> int:
+    """Rows of one file without parsing any: newlines for JSONL, footer metadata for Parquet (remembered
+    per file version, so the shards before a range are counted once per process)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _ROW_COUNTS:
+        return _ROW_COUNTS[key]
+    if file_format(path) == "parquet":
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
-    count, last_byte = 0, b"\n"
-    with _open_binary(path) as handle:
-        while chunk := handle.read(8 * 2**20):
-            count += chunk.count(b"\n")
-            last_byte = chunk[-1:]
-    # A last line without a trailing newline is still a row (iteration yields it too).
-    return count + (last_byte != b"\n")
+        count = pq.ParquetFile(path).metadata.num_rows
+    else:
+        count, last_byte = 0, b"\n"
+        with _open_binary(path) as handle:
+            while chunk := handle.read(8 * 2**20):
+                count += chunk.count(b"\n")
+                last_byte = chunk[-1:]
+        # A last line without a trailing newline is still a row (iteration yields it too).
+        count += last_byte != b"\n"
+    _ROW_COUNTS[key] = count
+    return count
+
+
+def count_rows(source: DatasetSource = None, *, s3: Any = None, cache_dir: Path | None = None) -> int:
+    """Number of rows over every shard, without parsing any."""
+    return sum(file_rows(path) for path in resolve_dataset(source, s3=s3, cache_dir=cache_dir).files)
 
 
 def iter_rows(
-    uri: str | Path | None = None,
+    source: DatasetSource = None,
     sample_range: SampleRange | None = None,
     *,
     s3: Any = None,
     cache_dir: Path | None = None,
     require_assistant: bool = True,
-) -> Iterator[tuple[int, Messages | Dropped]]:
-    """Yield `(index, messages or Dropped)` for the rows of `sample_range` (all rows when None) that
-    exist; a range running past the end of the data simply stops early. `require_assistant`: see
-    `parse_messages`.
+    layout: str = "auto",
+) -> Iterator[tuple[int, Conversation | Dropped]]:
+    """Yield `(index, Conversation or Dropped)` for the rows of `sample_range` (all rows when None) that
+    exist; a range running past the end of the data simply stops early. `layout` is
+    `DFLASH_DATASET_FORMAT`'s value; `require_assistant`: see `layouts.conversation_from_row`.
 
     The dataset is resolved (and downloaded) before this returns, so a missing file fails here and
     not at the first `next()`.
     """
-    path = resolve_dataset(uri, s3=s3, cache_dir=cache_dir)
+    check_dataset_format(layout)
+    dataset = resolve_dataset(source, s3=s3, cache_dir=cache_dir)
     start = sample_range.start if sample_range else 0
     end = sample_range.end if sample_range else None
-    if dataset_format(path) == "parquet":
-        return _iter_parquet(path, start, end, require_assistant)
-    return _iter_jsonl(path, start, end, require_assistant)
+    return _iter_range(dataset, start, end, layout, require_assistant)
+
+
+def _iter_range(
+    dataset: DatasetFiles, start: int, end: int | None, layout: str, require_assistant: bool
+) -> Iterator[tuple[int, Conversation | Dropped]]:
+    offset = 0
+    for number, path in enumerate(dataset.files):
+        if end is not None and offset > end:
+            return
+        last = number == len(dataset.files) - 1
+        rows = None if last else file_rows(path)  # the last shard's count is never needed
+        if rows is not None and offset + rows <= start:
+            offset += rows
+            continue
+        local_end = None if end is None else end - offset
+        for local, row in _iter_file(path, max(0, start - offset), local_end, layout, require_assistant):
+            yield offset + local, row
+        offset += rows or 0
 
 
 def iter_rows_at(
-    uri: str | Path | None, indices: Iterable[int], *, s3: Any = None, cache_dir: Path | None = None
-) -> Iterator[tuple[int, Messages | Dropped]]:
-    """`(index, messages or Dropped)` for the given row indices that exist, in ascending order, in one
-    pass: only the chosen rows are parsed (JSONL) or read (Parquet: their row groups). For sampling a
+    source: DatasetSource,
+    indices: Iterable[int],
+    *,
+    s3: Any = None,
+    cache_dir: Path | None = None,
+    layout: str = "auto",
+) -> Iterator[tuple[int, Conversation | Dropped]]:
+    """`(index, Conversation or Dropped)` for the given row indices that exist, in ascending order, in
+    one pass: only the chosen rows are parsed (JSONL) or read (Parquet: their row groups). For sampling a
     large dataset, e.g. the capacity plan's estimate."""
-    path = resolve_dataset(uri, s3=s3, cache_dir=cache_dir)
+    check_dataset_format(layout)
+    dataset = resolve_dataset(source, s3=s3, cache_dir=cache_dir)
     wanted = sorted(set(indices))
     if not wanted:
         return iter(())
-    if dataset_format(path) == "parquet":
-        return _iter_parquet_at(path, wanted)
-    return _iter_jsonl_at(path, wanted)
+    return _iter_rows_at(dataset, wanted, layout)
 
 
-def _iter_jsonl_at(path: Path, wanted: list[int]) -> Iterator[tuple[int, Messages | Dropped]]:
-    chosen = set(wanted)
-    with _open_binary(path) as handle:
-        for index, raw_line in enumerate(handle):
-            if index in chosen:
-                yield index, parse_jsonl_line(raw_line, first_line=index == 0)
-            if index >= wanted[-1]:
-                return
-
-
-def _iter_parquet_at(path: Path, wanted: list[int]) -> Iterator[tuple[int, Messages | Dropped]]:
-    import pyarrow.parquet as pq
-
-    parquet = pq.ParquetFile(path)
-    if "messages" not in parquet.schema_arrow.names:
-        raise DatasetError(
-            f"Parquet dataset {path} has no 'messages' column (columns: {parquet.schema_arrow.names})"
-        )
-    group_start, position = 0, 0
-    for group in range(parquet.num_row_groups):
-        group_end = group_start + parquet.metadata.row_group(group).num_rows - 1
+def _iter_rows_at(
+    dataset: DatasetFiles, wanted: list[int], layout: str
+) -> Iterator[tuple[int, Conversation | Dropped]]:
+    offset, position = 0, 0
+    for path in dataset.files:
+        rows = file_rows(path)
         here = []
-        while position < len(wanted) and wanted[position] <= group_end:
-            here.append(wanted[position])
+        while position < len(wanted) and wanted[position] < offset + rows:
+            here.append(wanted[position] - offset)
             position += 1
         if here:
-            column = parquet.read_row_group(group, columns=["messages"]).column("messages")
-            for index in here:
-                yield index, _parse_parquet_value(column[index - group_start].as_py())
+            reader = _parquet_at if file_format(path) == "parquet" else _jsonl_at
+            for local, row in reader(path, here, layout):
+                yield offset + local, row
         if position == len(wanted):
             return
-        group_start = group_end + 1
+        offset += rows
 
 
-def row_location(path: Path, index: int) -> str:
-    """How a person finds a row: 'line 8' (1-based) in JSONL, 'row 7' (0-based position) in Parquet."""
-    return f"row {index}" if dataset_format(path) == "parquet" else f"line {index + 1}"
+def row_location(dataset: DatasetSource, index: int) -> str:
+    """How a person finds a row: 'line 8' (1-based) in JSONL, 'row 7' (0-based position) in Parquet,
+    after the shard's name when the dataset has several: 'data/train-00001-of-00002.parquet row 7'."""
+    files = resolve_dataset(dataset) if not isinstance(dataset, DatasetFiles) else dataset
+    offset = 0
+    for number, path in enumerate(files.files):
+        rows = file_rows(path) if number < len(files.files) - 1 else index - offset + 1
+        if index < offset + rows:
+            local = index - offset
+            where = f"row {local}" if file_format(path) == "parquet" else f"line {local + 1}"
+            return f"{files.names[number]} {where}" if files.names else where
+        offset += rows
+    return f"row {index}"
 
 
 def _open_binary(path: Path) -> Any:
     return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else path.open("rb")
 
 
+def _iter_file(
+    path: Path, start: int, end: int | None, layout: str, require_assistant: bool
+) -> Iterator[tuple[int, Conversation | Dropped]]:
+    if file_format(path) == "parquet":
+        return _iter_parquet(path, start, end, layout, require_assistant)
+    return _iter_jsonl(path, start, end, layout, require_assistant)
+
+
 def _iter_jsonl(
-    path: Path, start: int, end: int | None, require_assistant: bool = True
-) -> Iterator[tuple[int, Messages | Dropped]]:
+    path: Path, start: int, end: int | None, layout: str, require_assistant: bool
+) -> Iterator[tuple[int, Conversation | Dropped]]:
     with _open_binary(path) as handle:
         # Binary lines, decoded one at a time, so one bad byte drops one row instead of the file.
         for index, raw_line in enumerate(handle):
@@ -251,13 +471,25 @@ def _iter_jsonl(
                 return
             yield (
                 index,
-                parse_jsonl_line(raw_line, first_line=index == 0, require_assistant=require_assistant),
+                parse_jsonl_line(
+                    raw_line, first_line=index == 0, layout=layout, require_assistant=require_assistant
+                ),
             )
 
 
+def _jsonl_at(path: Path, wanted: list[int], layout: str) -> Iterator[tuple[int, Conversation | Dropped]]:
+    chosen = set(wanted)
+    with _open_binary(path) as handle:
+        for index, raw_line in enumerate(handle):
+            if index in chosen:
+                yield index, parse_jsonl_line(raw_line, first_line=index == 0, layout=layout)
+            if index >= wanted[-1]:
+                return
+
+
 def parse_jsonl_line(
-    raw_line: bytes, *, first_line: bool = False, require_assistant: bool = True
-) -> Messages | Dropped:
+    raw_line: bytes, *, first_line: bool = False, layout: str = "auto", require_assistant: bool = True
+) -> Conversation | Dropped:
     line = raw_line.rstrip(b"\n").rstrip(b"\r")
     if first_line and line.startswith(b"\xef\xbb\xbf"):
         line = line[3:]  # a UTF-8 byte-order mark some editors add
@@ -273,85 +505,63 @@ def parse_jsonl_line(
         return Dropped("malformed_json", f"{err.msg} at column {err.colno}")
     except RecursionError:
         return Dropped("malformed_json", "nested too deeply")
-    if not isinstance(row, dict):
-        return Dropped("missing_messages", f"the line is a JSON {type(row).__name__}, not an object")
-    if "messages" not in row or row["messages"] is None:
-        return Dropped("missing_messages", f"no 'messages' field (keys: {sorted(row)[:8]})")
-    return parse_messages(row["messages"], require_assistant=require_assistant)
+    return conversation_from_row(row, layout, require_assistant=require_assistant)
+
+
+def _parquet_columns(path: Path, parquet: Any, layout: str) -> list[str]:
+    """The columns rows are read from; a shard without the layout's column is refused as a whole."""
+    names = parquet.schema_arrow.names
+    chosen = row_layout(names, layout)
+    needed = {"messages": "messages", "sharegpt": "conversations"}.get(chosen or "")
+    if needed is None or needed not in names:
+        wanted = f"{needed!r} column" if needed else "'messages' or ShareGPT 'conversations' column"
+        raise DatasetError(
+            f"Parquet dataset {path} has no {wanted} (columns: {names}); it needs list<struct<role, "
+            f"content>> or a JSON string per row (or set {FORMAT_SETTING} for its layout)"
+        )
+    return [name for name in ROW_COLUMNS if name in names]
 
 
 def _iter_parquet(
-    path: Path, start: int, end: int | None, require_assistant: bool = True
-) -> Iterator[tuple[int, Messages | Dropped]]:
+    path: Path, start: int, end: int | None, layout: str, require_assistant: bool
+) -> Iterator[tuple[int, Conversation | Dropped]]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
-    if "messages" not in parquet.schema_arrow.names:
-        raise DatasetError(
-            f"Parquet dataset {path} has no 'messages' column (columns: {parquet.schema_arrow.names}); "
-            "it needs list<struct<role, content>> or a JSON string per row"
-        )
+    columns = _parquet_columns(path, parquet, layout)
     group_start = 0
     for group in range(parquet.num_row_groups):
         group_rows = parquet.metadata.row_group(group).num_rows
         group_end = group_start + group_rows - 1
         if group_end >= start and (end is None or group_start <= end):
-            # Only the row groups that overlap the range are read, and only the one column.
-            column = parquet.read_row_group(group, columns=["messages"]).column("messages")
+            # Only the row groups that overlap the range are read, and only the conversation's columns.
+            table = parquet.read_row_group(group, columns=columns)
             first = max(start, group_start)
             last = group_end if end is None else min(end, group_end)
-            values = column.slice(first - group_start, last - first + 1).to_pylist()
-            for offset, value in enumerate(values):
-                yield first + offset, _parse_parquet_value(value, require_assistant)
+            rows = table.slice(first - group_start, last - first + 1).to_pylist()
+            for offset, row in enumerate(rows):
+                yield first + offset, conversation_from_row(row, layout, require_assistant=require_assistant)
         if end is not None and group_end >= end:
             return
         group_start = group_end + 1
 
 
-def _parse_parquet_value(value: Any, require_assistant: bool = True) -> Messages | Dropped:
-    if value is None:
-        return Dropped("missing_messages", "'messages' is null")
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as err:
-            return Dropped("not_utf8", f"'messages' byte offset {err.start} is not UTF-8")
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            return Dropped("malformed_json", f"'messages' string: {err.msg} at column {err.colno}")
-    return parse_messages(value, require_assistant=require_assistant)
+def _parquet_at(path: Path, wanted: list[int], layout: str) -> Iterator[tuple[int, Conversation | Dropped]]:
+    import pyarrow.parquet as pq
 
-
-def parse_messages(messages: Any, *, require_assistant: bool = True) -> Messages | Dropped:
-    """Check one conversation's message list; return it (messages copied) or why it is unusable.
-
-    `require_assistant=False` is for conversations the target answers itself: a prompts-only row and
-    an empty assistant message are fine there."""
-    if not isinstance(messages, list):
-        return Dropped("messages_not_a_list", f"'messages' is a {type(messages).__name__}")
-    checked: Messages = []
-    has_assistant = False
-    for position, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return Dropped("bad_message", f"message {position} is a {type(message).__name__}, not an object")
-        role = message.get("role")
-        if role not in ALLOWED_ROLES:
-            return Dropped("unknown_role", f"message {position} has role {role!r}")
-        content = message.get("content")
-        if role == "assistant":
-            if require_assistant and (content is None or (isinstance(content, str) and not content.strip())):
-                return Dropped("empty_assistant", f"message {position} (assistant) has no content")
-            has_assistant = True
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            return Dropped(
-                "bad_message", f"message {position} content is a {type(content).__name__}, not text"
-            )
-        # Parquet structs carry every field of the schema, mostly null; the template only wants real ones.
-        checked.append({k: v for k, v in message.items() if v is not None} | {"content": content})
-    if require_assistant and not has_assistant:
-        return Dropped("no_assistant", f"roles: {[m['role'] for m in checked]}")
-    return checked
+    parquet = pq.ParquetFile(path)
+    columns = _parquet_columns(path, parquet, layout)
+    group_start, position = 0, 0
+    for group in range(parquet.num_row_groups):
+        group_end = group_start + parquet.metadata.row_group(group).num_rows - 1
+        here = []
+        while position < len(wanted) and wanted[position] <= group_end:
+            here.append(wanted[position])
+            position += 1
+        if here:
+            table = parquet.read_row_group(group, columns=columns)
+            for index in here:
+                yield index, conversation_from_row(table.slice(index - group_start, 1).to_pylist()[0], layout)
+        if position == len(wanted):
+            return
+        group_start = group_end + 1

@@ -14,17 +14,17 @@ from typing import Any
 from dflash_assets import settings
 from dflash_assets.conversations.datasets import (
     DatasetError,
-    Dropped,
-    Messages,
+    DatasetSource,
     iter_rows,
-    parse_messages,
     resolve_dataset,
     row_location,
 )
+from dflash_assets.conversations.layouts import Conversation, Dropped, Messages, as_conversation
 from dflash_assets.conversations.loss_mask import (
+    Rendered,
+    TemplateLayout,
     check_tokenizer,
     end_of_turn_id,
-    locate_assistant_spans,
     mask_from_spans,
     render_with_spans,
     template_layout,
@@ -122,13 +122,14 @@ def check_bad_rows(
 
 def tokenize_conversation(
     tokenizer: Any,
-    messages: Messages,
+    messages: Messages | Conversation,
     max_length: int = DEFAULT_MAX_LENGTH,
     overlong: str = "truncate",
     *,
     sample_index: int = 0,
 ) -> TokenizedSample | Dropped:
-    """Tokenize one conversation with the tokenizer's chat template; Dropped says why it cannot be used."""
+    """Tokenize one conversation (its messages, or a Conversation with its tools) with the tokenizer's
+    chat template; Dropped says why it cannot be used."""
     check_tokenizer(tokenizer)
     _check_overlong(overlong, max_length)
     return _tokenize_batch(tokenizer, [(sample_index, messages)], max_length, overlong)[0][0]
@@ -136,18 +137,19 @@ def tokenize_conversation(
 
 def tokenize_rows(
     tokenizer: Any,
-    rows: Iterable[tuple[int, Messages | Dropped]],
-    path: Path,
+    rows: Iterable[tuple[int, Conversation | Messages | Dropped]],
+    dataset: DatasetSource,
     dataset_name: str,
     *,
     max_length: int = DEFAULT_MAX_LENGTH,
     overlong: str = "truncate",
     on_progress: Callable[[int, int], None] | None = None,
 ) -> TokenizeResult:
-    """Tokenize `(index, messages or Dropped)` rows of the dataset at `path` (e.g. `iter_rows`, or a
-    sample of rows from `iter_rows_at`), in batches the Rust tokenizer encodes together."""
+    """Tokenize `(index, Conversation or Dropped)` rows of `dataset` (e.g. `iter_rows`, or a sample of
+    rows from `iter_rows_at`), in batches the Rust tokenizer encodes together."""
     check_tokenizer(tokenizer)
     _check_overlong(overlong, max_length)
+    dataset = resolve_dataset(dataset)
     result = TokenizeResult()
     drop_counts: Counter[str] = Counter()
 
@@ -155,10 +157,10 @@ def tokenize_rows(
         result.dropped[index] = dropped.reason
         drop_counts[dropped.reason] += 1
         if result.first_bad is None:
-            location = row_location(path, index)
+            location = row_location(dataset, index)
             result.first_bad = BadRow(dataset_name, index, location, dropped.reason, dropped.detail)
 
-    batch: list[tuple[int, Messages | Dropped]] = []
+    batch: list[tuple[int, Conversation | Messages | Dropped]] = []
 
     def run_batch() -> None:
         outcomes = _tokenize_batch(tokenizer, batch, max_length, overlong)
@@ -187,7 +189,7 @@ def tokenize_rows(
 
 def tokenize_range(
     tokenizer: Any,
-    dataset_uri: str | Path | None,
+    dataset_uri: DatasetSource,
     sample_range: SampleRange,
     *,
     max_length: int = DEFAULT_MAX_LENGTH,
@@ -196,19 +198,27 @@ def tokenize_range(
     s3: Any = None,
     cache_dir: Path | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    layout: str = "auto",
 ) -> TokenizeResult:
-    """Tokenize the rows of `sample_range` that exist in the dataset (None = the bundled sample).
+    """Tokenize the rows of `sample_range` that exist in the dataset (None = the bundled sample), read
+    in `layout` (`DFLASH_DATASET_FORMAT`).
 
     Raises TooManyBadRows, naming the file and its first bad line, when more than `max_bad_fraction`
     of the range's rows are dropped. `on_progress(rows_done, rows_kept)` is called after each batch.
     """
     check_tokenizer(tokenizer)
     _check_overlong(overlong, max_length)
-    path = resolve_dataset(dataset_uri, s3=s3, cache_dir=cache_dir)
-    dataset_name = str(dataset_uri) if dataset_uri else str(path)
-    rows = iter_rows(path, sample_range)
+    dataset = resolve_dataset(dataset_uri, s3=s3, cache_dir=cache_dir)
+    dataset_name = dataset.uri if dataset_uri is not None else str(dataset.files[0])
+    rows = iter_rows(dataset, sample_range, layout=layout)
     result = tokenize_rows(
-        tokenizer, rows, path, dataset_name, max_length=max_length, overlong=overlong, on_progress=on_progress
+        tokenizer,
+        rows,
+        dataset,
+        dataset_name,
+        max_length=max_length,
+        overlong=overlong,
+        on_progress=on_progress,
     )
     check_bad_rows(
         result.rows,
@@ -268,24 +278,34 @@ class AnswerTokenizer:
         completion_token_ids: Sequence[int] | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         sample_index: int = 0,
+        tools: list[dict[str, Any]] | None = None,
     ) -> AnsweredSample:
         tokenizer = self.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                history, tokenize=False, add_generation_prompt=True, **self.kwargs
-            )
-        except Exception as err:
-            return AnsweredSample(Dropped("template_error", f"{type(err).__name__}: {err}"[:300]))
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).encodings[0]
-        ids = list(encoding.ids)
-        spans = locate_assistant_spans(text, history, self.layout.header) or []
-        mask = mask_from_spans(spans, encoding.offsets, encoding.ids, self.layout.end_token_ids, text)
+        rendered = render_with_spans(
+            tokenizer,
+            self.layout,
+            history,
+            tools,
+            add_generation_prompt=True,
+            chat_template_kwargs=self.kwargs,
+        )
+        if isinstance(rendered, Dropped):
+            if rendered.reason == "template_error":
+                return AnsweredSample(rendered)
+            # Earlier answers that cannot be located are left out of the mask; the last answer still counts.
+            rendered = self._prompt_only(history, tools)
+            if isinstance(rendered, Dropped):
+                return AnsweredSample(rendered)
+        ids, mask = _encoded(tokenizer, self.layout, rendered)
         if prompt_token_ids is not None and list(prompt_token_ids) != ids:
             ids, mask = [int(i) for i in prompt_token_ids], [0] * len(prompt_token_ids)
         if completion_token_ids is not None:
             completion = [int(i) for i in completion_token_ids]
         else:
-            completion = list(tokenizer(_answer_text(answer), add_special_tokens=False)["input_ids"])
+            text = self._answer_text(history, answer, tools)
+            if isinstance(text, Dropped):
+                return AnsweredSample(text)
+            completion = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             if stopped and self.end_of_turn_id is not None:
                 completion.append(self.end_of_turn_id)
         if not completion:
@@ -294,6 +314,42 @@ class AnswerTokenizer:
             sample_index, ids + completion, mask + [1] * len(completion), self.max_length, self.overlong
         )
         return AnsweredSample(sample, truncated, exact=completion_token_ids is not None)
+
+    def _prompt_only(self, history: Messages, tools: list[dict[str, Any]] | None) -> Rendered | Dropped:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                history, tools=tools, tokenize=False, add_generation_prompt=True, **self.kwargs
+            )
+        except Exception as err:
+            return Dropped("template_error", f"{type(err).__name__}: {err}"[:300])
+        return Rendered(text, [])
+
+    def _answer_text(
+        self, history: Messages, answer: dict[str, Any], tools: list[dict[str, Any]] | None
+    ) -> str | Dropped:
+        """The text the target wrote: its reasoning block (as Qwen3-style templates open it), then the
+        answer; an answer with tool calls as the template renders the turn (what the conversation gains
+        from it after the generation prompt), up to its end-of-turn token."""
+        if not answer.get("tool_calls"):
+            return _answer_text(answer)
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                history, tools=tools, tokenize=False, add_generation_prompt=True, **self.kwargs
+            )
+            whole = self.tokenizer.apply_chat_template(
+                [*history, answer], tools=tools, tokenize=False, **self.kwargs
+            )
+        except Exception as err:
+            return Dropped("template_error", f"{type(err).__name__}: {err}"[:300])
+        end = (
+            None if self.end_of_turn_id is None else self.tokenizer.convert_ids_to_tokens(self.end_of_turn_id)
+        )
+        if not whole.startswith(prompt) or not end or end not in whole[len(prompt) :]:
+            return Dropped(
+                "assistant_not_located",
+                "the answer's tool calls: the template does not render the turn after its generation prompt",
+            )
+        return whole[len(prompt) :].rsplit(end, 1)[0]
 
 
 def _answer_text(answer: dict[str, Any]) -> str:
@@ -306,18 +362,33 @@ def _answer_text(answer: dict[str, Any]) -> str:
 # --- one batch of conversations -------------------------------------------------------------------
 
 
+def _encoded(tokenizer: Any, layout: TemplateLayout, rendered: Rendered) -> tuple[list[int], list[int]]:
+    """One rendering's ids and mask (a template with `{% generation %}` has both already)."""
+    if rendered.input_ids is not None and rendered.loss_mask is not None:
+        return list(rendered.input_ids), list(rendered.loss_mask)
+    encoding = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True).encodings[0]
+    mask = mask_from_spans(
+        rendered.spans, encoding.offsets, encoding.ids, layout.end_token_ids, rendered.text
+    )
+    return list(encoding.ids), mask
+
+
 def _tokenize_batch(
-    tokenizer: Any, rows: Sequence[tuple[int, Messages | Dropped]], max_length: int, overlong: str
+    tokenizer: Any,
+    rows: Sequence[tuple[int, Conversation | Messages | Dropped]],
+    max_length: int,
+    overlong: str,
 ) -> list[tuple[TokenizedSample | Dropped, bool]]:
     """Render and locate assistant spans per row in Python, then encode all texts in one Rust call."""
     layout = template_layout(tokenizer)
-    prepared: list[tuple[str, list[tuple[int, int]]] | Dropped] = []
+    prepared: list[Rendered | Dropped] = []
     for _, row in rows:
-        messages = row if isinstance(row, Dropped) else parse_messages(row)
-        if not isinstance(messages, Dropped):
-            messages = render_with_spans(tokenizer, layout, messages)
-        prepared.append(messages)
-    texts = [item[0] for item in prepared if not isinstance(item, Dropped)]
+        conversation = as_conversation(row)
+        if isinstance(conversation, Dropped):
+            prepared.append(conversation)
+        else:
+            prepared.append(render_with_spans(tokenizer, layout, conversation.messages, conversation.tools))
+    texts = [item.text for item in prepared if isinstance(item, Rendered) and item.input_ids is None]
     encodings = (
         iter(tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True).encodings)
         if texts
@@ -329,12 +400,18 @@ def _tokenize_batch(
         if isinstance(item, Dropped):
             outcomes.append((item, False))
             continue
-        encoding = next(encodings)
-        loss_mask = mask_from_spans(item[1], encoding.offsets, encoding.ids, layout.end_token_ids, item[0])
+        if item.input_ids is not None and item.loss_mask is not None:
+            input_ids, loss_mask = item.input_ids, item.loss_mask
+        else:
+            encoding = next(encodings)
+            input_ids = list(encoding.ids)
+            loss_mask = mask_from_spans(
+                item.spans, encoding.offsets, encoding.ids, layout.end_token_ids, item.text
+            )
         if not any(loss_mask):
             outcomes.append((Dropped("assistant_not_located", "no token overlaps an assistant reply"), False))
             continue
-        outcomes.append(_fit_length(index, list(encoding.ids), loss_mask, max_length, overlong))
+        outcomes.append(_fit_length(index, input_ids, loss_mask, max_length, overlong))
     return outcomes
 
 

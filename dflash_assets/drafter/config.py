@@ -1,8 +1,9 @@
-"""The drafter's config: its shape presets, the mask token, and the reference `config.json` layout.
+"""The drafter's config: its architecture and shape presets, the mask token, and the reference
+`config.json` layout.
 
 A drafter is described by `DrafterConfig`; `to_reference_dict` is the Qwen3-style config the engines
-read (z-lab/dflash `DFlashDraftModel`, SGLang `models/dflash.py`, vLLM `qwen3_dflash.py`), so checkpoints
-and exports carry one format.
+read (z-lab/dflash `DFlashDraftModel` / `DFlash2DraftModel`, SGLang `models/dflash.py`, vLLM
+`qwen3_dflash.py`), so checkpoints and exports carry one format.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 DRAFTER_FORMAT = "dflash-assets.drafter/2"  # our provenance block inside the reference config
 ARCHITECTURE = "DFlashDraftModel"  # what SGLang, vLLM and z-lab/dflash dispatch on
+# DFLASH_DRAFTER_ARCH -> `architectures[0]`: DFlash2 is DFlash's backbone with a grouped dynamic
+# convolution around every attention and MLP sublayer and a candidate selector over the unary top-k.
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+ARCH_SETTING = "DFLASH_DRAFTER_ARCH"
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 MASK_TOKEN_SETTING = "DFLASH_MASK_TOKEN_ID"
 # SGLang's name for the mask token when `dflash_config.mask_token` is absent; it looks the name up in the
@@ -68,6 +73,17 @@ class DrafterConfig:
     sliding_window: int | None = None  # tokens a sliding layer sees, its own included
     extra: dict[str, Any] = field(default_factory=dict)  # provenance: tokenizer, run, mask-token source...
     mask_token: str = DEFAULT_MASK_TOKEN  # its text, `dflash_config.mask_token`: see mask_token_text
+    arch: str = "dflash"  # a key of ARCHITECTURES
+    # DFlash2 only: taps of each sublayer's causal convolution along the block, channels sharing one
+    # content-dependent tap weight, and the candidate selector's pair rank and candidates per slot.
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    # The target's own transform of its LM head's output, applied to the drafter's logits too (z-lab's
+    # `dflash_config.output_multiplier` / `final_logit_softcapping`): 1.0 and None for Qwen targets.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -103,6 +119,37 @@ class DrafterConfig:
             )
         if SLIDING_ATTENTION in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
             raise ValueError("sliding_attention layers need a positive sliding_window")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(
+                f"drafter architecture {self.arch!r} ({ARCH_SETTING}) is not one of {list(ARCHITECTURES)}"
+            )
+        if self.arch == "dflash2":
+            self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size {self.conv_group_size} does not divide the hidden size {self.hidden_size}"
+            )
+        if not 1 <= self.conv_kernel_size <= self.block_size:
+            raise ValueError(
+                f"conv_kernel_size {self.conv_kernel_size} must be between 1 and the block size "
+                f"{self.block_size}"
+            )
+        if not 1 <= self.selector_top_k <= self.vocab_size or self.selector_rank < 1:
+            raise ValueError(
+                f"selector_top_k {self.selector_top_k} must be between 1 and the vocabulary "
+                f"({self.vocab_size}) and selector_rank {self.selector_rank} positive"
+            )
+
+    @property
+    def architecture(self) -> str:
+        """`architectures[0]` of the reference config: what the engines dispatch on."""
+        return ARCHITECTURES[self.arch]
+
+    @property
+    def has_selector(self) -> bool:
+        return self.arch == "dflash2"
 
     @property
     def num_context_layers(self) -> int:
@@ -116,11 +163,33 @@ class DrafterConfig:
 
     # -- the reference layout
 
+    def reference_dflash_config(self) -> dict[str, Any]:
+        """`dflash_config`: what z-lab's `_draft_value` reads first (DFlash2's fields only for DFlash2, the
+        logit transform only where the target has one)."""
+        dflash: dict[str, Any] = {
+            "target_layer_ids": list(self.target_layer_ids),
+            "mask_token_id": self.mask_token_id,
+            "mask_token": self.mask_token,
+            "block_size": self.block_size,
+        }
+        if self.arch == "dflash2":
+            dflash.update(
+                conv_kernel_size=self.conv_kernel_size,
+                conv_group_size=self.conv_group_size,
+                selector_rank=self.selector_rank,
+                selector_top_k=self.selector_top_k,
+            )
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        return dflash
+
     def to_reference_dict(self) -> dict[str, Any]:
         """A Qwen3 `config.json` plus DFlash's fields, as z-lab/dflash, SGLang and vLLM read it."""
         sliding = SLIDING_ATTENTION in self.layer_types
         return {
-            "architectures": [ARCHITECTURE],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -146,24 +215,29 @@ class DrafterConfig:
             "block_size": self.block_size,
             "num_target_layers": self.target_num_hidden_layers,
             "target_hidden_size": self.target_hidden_size,
-            "dflash_config": {
-                "target_layer_ids": list(self.target_layer_ids),
-                "mask_token_id": self.mask_token_id,
-                "mask_token": self.mask_token,
-                "block_size": self.block_size,
-            },
+            "dflash_config": self.reference_dflash_config(),
             "torch_dtype": "bfloat16",
             "dflash_assets": {"format": DRAFTER_FORMAT, "target_model": self.target_model, **self.extra},
         }
 
     @classmethod
     def from_reference_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
-        if ARCHITECTURE not in (raw.get("architectures") or []):
+        archs = [
+            name
+            for name, architecture in ARCHITECTURES.items()
+            if architecture in (raw.get("architectures") or [])
+        ]
+        if not archs:
             raise ValueError(
-                f"config architectures {raw.get('architectures')!r} are not [{ARCHITECTURE!r}]: not a DFlash "
-                "drafter config"
+                f"config architectures {raw.get('architectures')!r} are not one of "
+                f"{[[a] for a in ARCHITECTURES.values()]}: not a DFlash drafter config"
             )
         dflash = raw.get("dflash_config") or {}
+
+        def value(name: str, default: Any) -> Any:  # as z-lab's `_draft_value`: dflash_config, then top level
+            return dflash.get(name, raw.get(name, default))
+
+        softcap = value("final_logit_softcapping", None)
         provenance = dict(raw.get("dflash_assets") or {})
         provenance.pop("format", None)
         rope = raw.get("rope_parameters") or {}
@@ -187,6 +261,13 @@ class DrafterConfig:
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             extra=provenance,
             mask_token=str(dflash.get("mask_token") or DEFAULT_MASK_TOKEN),
+            arch=archs[-1],
+            conv_kernel_size=int(value("conv_kernel_size", 2)),
+            conv_group_size=int(value("conv_group_size", 16)),
+            selector_rank=int(value("selector_rank", 256)),
+            selector_top_k=int(value("selector_top_k", 16)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
         )
 
     def to_json(self) -> str:
@@ -216,12 +297,13 @@ class DrafterConfig:
         mask_token_id: int | None = None,
         block_size: int = 16,
         shape: str = "auto",
+        arch: str = "dflash",
     ) -> DrafterConfig:
         """A drafter for `target_model` (a Hugging Face model directory), shaped by a preset.
 
         `shape`: a name in `DRAFTER_SHAPES` (`auto` = `dflash`), or `target` for the target's own
-        attention shape. `mask_token_id=None` resolves one with `resolve_mask_token` (the reason goes
-        to `extra["mask_token_source"]`).
+        attention shape. `arch`: `dflash` or `dflash2` (`ARCHITECTURES`). `mask_token_id=None` resolves
+        one with `resolve_mask_token` (the reason goes to `extra["mask_token_source"]`).
         """
         target = text_config(json.loads(_target_file(target_model, CONFIG_NAME).read_text()))
         hidden_size = int(target["hidden_size"])
@@ -245,7 +327,10 @@ class DrafterConfig:
             max_position_embeddings=int(target.get("max_position_embeddings", 32768)),
             extra={"mask_token_source": mask_source, "shape": shape},
             mask_token=mask_token,
+            arch=arch,
             **drafter_shape(target, shape, num_layers),
+            **(dflash2_shape(hidden_size) if arch == "dflash2" else {}),
+            **logit_transform(target),
         )
 
 
@@ -311,6 +396,44 @@ def drafter_shape(target: dict[str, Any], shape: str, num_layers: int) -> dict[s
         "layer_types": layer_types,
         "sliding_window": preset.sliding_window if SLIDING_ATTENTION in layer_types else None,
     }
+
+
+# DFlash2's published shape (z-lab's fixture and the speculators trainer): two taps, 16 channels a tap
+# weight, 16 candidates a slot, pair rank 256. A toy target narrower than FULL_PRESET_MIN_HIDDEN gets a
+# rank no wider than itself: 256 would outweigh the rest of a 64-wide drafter.
+DFLASH2_CONV_KERNEL_SIZE, DFLASH2_CONV_GROUP_SIZE = 2, 16
+DFLASH2_SELECTOR_RANK, DFLASH2_SELECTOR_TOP_K = 256, 16
+
+
+def dflash2_shape(hidden_size: int) -> dict[str, int]:
+    """DFlash2's convolution and selector fields of `DrafterConfig` for a target of `hidden_size`."""
+    rank = (
+        DFLASH2_SELECTOR_RANK
+        if hidden_size >= FULL_PRESET_MIN_HIDDEN
+        else min(DFLASH2_SELECTOR_RANK, hidden_size)
+    )
+    group = DFLASH2_CONV_GROUP_SIZE
+    while hidden_size % group:  # odd toy widths: the largest power of two that divides them
+        group //= 2
+    return {
+        "conv_kernel_size": DFLASH2_CONV_KERNEL_SIZE,
+        "conv_group_size": group,
+        "selector_rank": rank,
+        "selector_top_k": DFLASH2_SELECTOR_TOP_K,
+    }
+
+
+def logit_transform(target: dict[str, Any]) -> dict[str, Any]:
+    """The target's own scaling and soft cap of its LM head's output (its text config), which the
+    drafter's logits get too: Gemma's `final_logit_softcapping`, Granite's `logits_scaling` (a divisor),
+    Cohere's `logit_scale` (a multiplier). Qwen targets have none."""
+    multiplier = 1.0
+    if target.get("logits_scaling"):
+        multiplier = 1.0 / float(target["logits_scaling"])
+    elif target.get("logit_scale"):
+        multiplier = float(target["logit_scale"])
+    softcap = target.get("final_logit_softcapping")
+    return {"output_multiplier": multiplier, "final_logit_softcapping": float(softcap) if softcap else None}
 
 
 def _target_file(target_model: str | Path, filename: str) -> Path:

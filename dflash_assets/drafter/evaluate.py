@@ -19,6 +19,7 @@ from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.objective import (
     BlockLossOutput,
     DrafterBatch,
+    Objective,
     anchor_generator,
     dflash_loss,
     sample_anchors,
@@ -37,17 +38,22 @@ class BlockMetrics:
         self.num_blocks = 0
         self.num_samples = 0
         self.num_tokens = 0
+        self.ce_sum = 0.0  # plain cross-entropy over the labels, whatever the objective weighs
+        self.num_labels = 0
 
     def add(self, output: BlockLossOutput, batch: DrafterBatch) -> None:
+        # The figures come as device tensors (the trainer sums them there); an evaluation reads them here.
         self.add_totals(
-            weighted_ce_sum=output.weighted_ce_sum,
-            weight_sum=output.weight_sum,
-            correct=output.correct,
-            counted=output.counted,
-            accepted_sum=output.accepted_sum,
+            weighted_ce_sum=float(output.weighted_ce_sum),
+            weight_sum=float(output.weight_sum),
+            correct=output.correct.cpu(),
+            counted=output.counted.cpu(),
+            accepted_sum=float(output.accepted_sum),
             num_blocks=output.num_blocks,
             num_samples=len(batch.sample_indices),
             num_tokens=batch.num_tokens,
+            ce_sum=float(output.ce_sum),
+            num_labels=output.num_labels,
         )
 
     def add_totals(
@@ -61,6 +67,8 @@ class BlockMetrics:
         num_blocks: int,
         num_samples: int,
         num_tokens: int,
+        ce_sum: float = 0.0,
+        num_labels: int = 0,
     ) -> None:
         """Sums already made elsewhere (e.g. over the ranks of a data-parallel step)."""
         self.weighted_ce_sum += weighted_ce_sum
@@ -71,6 +79,8 @@ class BlockMetrics:
         self.num_blocks += int(num_blocks)
         self.num_samples += int(num_samples)
         self.num_tokens += int(num_tokens)
+        self.ce_sum += ce_sum
+        self.num_labels += int(num_labels)
 
     @property
     def loss(self) -> float | None:
@@ -95,6 +105,8 @@ class BlockMetrics:
             "num_blocks": self.num_blocks,
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
+            "ce_sum": self.ce_sum,
+            "num_labels": self.num_labels,
         }
 
     @classmethod
@@ -110,6 +122,7 @@ class BlockMetrics:
     def as_dict(self) -> dict[str, Any]:
         return {
             "loss": self.loss,
+            "ce": self.ce_sum / self.num_labels if self.num_labels else None,
             "per_position_accuracy": self.per_position_accuracy,
             "teacher_forced_tau": self.teacher_forced_tau,
             "num_blocks": self.num_blocks,
@@ -122,7 +135,7 @@ def evaluate_drafter(
     model: DFlashDrafter,
     batches: Iterable[DrafterBatch],
     *,
-    gamma: float = 7.0,
+    objective: Objective | float = Objective(),
     num_anchors: int = 512,
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -131,14 +144,14 @@ def evaluate_drafter(
     Anchors come from a generator fixed by `seed` and the sample's index, so successive evaluations
     of one run score the same blocks and are comparable, however the samples are batched or shared.
     """
-    return block_metrics(model, batches, gamma=gamma, num_anchors=num_anchors, seed=seed).as_dict()
+    return block_metrics(model, batches, objective=objective, num_anchors=num_anchors, seed=seed).as_dict()
 
 
 def block_metrics(
     model: DFlashDrafter,
     batches: Iterable[DrafterBatch],
     *,
-    gamma: float = 7.0,
+    objective: Objective | float = Objective(),
     num_anchors: int = 512,
     seed: int = 0,
 ) -> BlockMetrics:
@@ -151,7 +164,7 @@ def block_metrics(
             for batch in batches:
                 generators = [anchor_generator(seed, "eval", index) for index in batch.sample_indices]
                 anchors = sample_anchors(batch.loss_mask, num_anchors, generators)
-                metrics.add(dflash_loss(model, batch, anchors, gamma), batch)
+                metrics.add(dflash_loss(model, batch, anchors, objective), batch)
     finally:
         model.train(was_training)
     return metrics

@@ -21,12 +21,16 @@ from dflash_assets.drafter.config import (
     DrafterConfig,
     load_target_embeddings,
 )
-from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.drafter.model import DFlashDrafter, drafter_class
 from dflash_assets.drafter.weights_file import save_weights
 
 MODEL_CARD_NAME = "README.md"
 MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")  # torch + transformers only
-AUTO_MAP = {"AutoModel": f"{MODELING_FILE.stem}.DFlashDraftModel"}
+
+
+def auto_map(config: DrafterConfig) -> dict[str, str]:
+    """`config.json`'s `auto_map`: the class of `modeling_dflash.py` named as the architecture."""
+    return {"AutoModel": f"{MODELING_FILE.stem}.{config.architecture}"}
 
 
 def export_drafter(
@@ -38,9 +42,9 @@ def export_drafter(
     model_card: str | None = None,
 ) -> Path:
     """Write the drafter as the engines load it: `config.json` (Qwen3 config with `architectures:
-    ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, `dflash_config`, and an `auto_map` for
-    `AutoModel` with `trust_remote_code`), `model.safetensors` with the reference weight names in `dtype`
-    (bfloat16), `modeling_dflash.py`, and a model card `README.md`.
+    ["DFlashDraftModel"]` or `["DFlash2DraftModel"]`, `block_size`, `num_target_layers`, `dflash_config`,
+    and an `auto_map` for `AutoModel` with `trust_remote_code`), `model.safetensors` with the reference
+    weight names in `dtype` (bfloat16), `modeling_dflash.py`, and a model card `README.md`.
 
     The weights are the drafter's own, like the published drafters: the shared embedding and LM head
     stay in the target checkpoint. `provenance` is merged into the config's `dflash_assets` block.
@@ -52,7 +56,7 @@ def export_drafter(
     if model_card is not None:
         (directory / MODEL_CARD_NAME).write_text(model_card)
     shutil.copyfile(MODELING_FILE, directory / MODELING_FILE.name)
-    reference = {**config.to_reference_dict(), "auto_map": AUTO_MAP}
+    reference = {**config.to_reference_dict(), "auto_map": auto_map(config)}
     (directory / CONFIG_NAME).write_text(json.dumps(reference, indent=2) + "\n")  # last: marks it complete
     return directory
 
@@ -75,7 +79,7 @@ def load_drafter(
             "(the target checkpoint the drafter was trained for)"
         )
     embedding, lm_head = load_target_embeddings(source)
-    model = DFlashDrafter(config, embedding, lm_head)
+    model = drafter_class(config)(config, embedding, lm_head)
     tensors = load_file(str(directory / WEIGHTS_NAME))
     missing = sorted(set(model.state_dict()) - set(tensors))
     unexpected = sorted(set(tensors) - set(model.state_dict()))

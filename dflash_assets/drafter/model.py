@@ -1,4 +1,5 @@
-"""The DFlash drafter model, top to bottom: norms, rotary embeddings, block attention, the layers.
+"""The DFlash drafter model, top to bottom: norms, rotary embeddings, block attention, the layers, and
+DFlash2's two additions around that backbone (a convolution around each sublayer, a candidate selector).
 
 The config and its shape presets are in `config.py`, the block objective in `objective.py`, the
 export in `export.py`.
@@ -18,6 +19,12 @@ before the anchor. A `sliding_attention` layer is causal with a window, as SGLan
 published Qwen3.6 drafter's sliding layers (SGLang: decoder attention with `sliding_window - 1` to the
 left; vLLM: causal for sliding layers): slot j at position q sees positions p with q - window < p <= q,
 its own block included only up to itself.
+
+DFlash2 (z-lab / Inco AI) is the same backbone: `DFlash2Drafter` wraps every attention and MLP sublayer
+in a grouped dynamic causal convolution along the block (`GroupedDynamicConv`, started as the identity),
+and drafts through a `CandidateSelector` instead of each slot's argmax: the top-k of every slot under
+the target's head, rescored with a low-rank bilinear term on the token chosen before it, walked greedily
+from the anchor.
 
 Names: modules are named as the reference checkpoints name their weights (`layers.N.self_attn.q_proj`,
 `input_layernorm`, `fc`, `hidden_norm`, ...), so `state_dict()` is the published layout itself and an
@@ -40,6 +47,7 @@ from dflash_assets.drafter.config import (
     DrafterConfig,
     load_target_embeddings,
 )
+from dflash_assets.target.bf16_matmul import bf16_linear
 
 # --------------------------------------------------------------------------------------------------
 # Layers
@@ -105,20 +113,53 @@ def block_masks(
 
 
 FLEX_TILE = 128  # flex attention's tile: lengths are padded to a multiple of it
-_compiled_flex_attention: Any = None
+# Where flex attention and its block masks run compiled: Inductor's fused kernel on CUDA; elsewhere flex
+# runs uncompiled (it then materialises the scores itself). FLEX_COMPILE_BACKEND None: torch.compile's
+# default (Inductor). Tests compile on the CPU with "aot_eager" to count the compiled versions.
+FLEX_COMPILED_DEVICES = {"cuda"}
+FLEX_COMPILE_BACKEND: str | None = None
+FULL_WINDOW = 2**62  # the window a full-attention layer's rule runs with: wider than any position
+_compiled_flex: dict[str | None, tuple[Any, Any]] = {}
 
 
-def _flex_attention() -> Any:
-    """flex attention, compiled on first use (the fused kernel; uncompiled it materialises the scores).
+def _flex_functions(compiled: bool) -> tuple[Any, Any]:
+    """(create_block_mask, flex_attention), compiled on first use (`FLEX_COMPILE_BACKEND`) or not.
 
-    Compiled with automatic dynamic shapes: the first shape compiles a static kernel, the second a
-    dynamic one that serves every later length, so a run compiles twice, not once per batch shape."""
-    global _compiled_flex_attention
-    from torch.nn.attention.flex_attention import flex_attention
+    Compiled with dynamic shapes, so lengths and micro-batch sizes never recompile: what varies per
+    micro-batch reaches the mask as tensors (`_block_rule`), and the block mask is always built without
+    gradients. What still compiles a version of its own: a batch of one sequence (dynamo specialises a size
+    of 1) and, for the attention, gradients on or off; at most 2 versions of the mask and 4 of the
+    attention, whatever the layer mix (the trainer's warm-up compiles them all before its first step)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention)
-    return _compiled_flex_attention
+    if not compiled:
+        return create_block_mask, flex_attention
+    backend = FLEX_COMPILE_BACKEND
+    if backend not in _compiled_flex:
+        chosen = {"backend": backend} if backend else {}
+        _compiled_flex[backend] = tuple(
+            _distinct_sizes(torch.compile(function, dynamic=True, **chosen))
+            for function in (create_block_mask, flex_attention)
+        )
+    return _compiled_flex[backend]
+
+
+def _distinct_sizes(compiled: Callable) -> Callable:
+    """`compiled`, traced without duck sizing: by default sizes equal at the first call (a batch of 4 beside
+    4 heads, as many key tiles as query tiles) share one symbol for good, and the first call where they
+    differ compiles another version."""
+    from torch.fx.experimental import _config as fx_config
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def flex_compiled(device: torch.device) -> bool:
+    """Whether flex attention runs compiled on `device`."""
+    return device.type in FLEX_COMPILED_DEVICES
 
 
 def flex_attention_available() -> bool:
@@ -129,8 +170,32 @@ def flex_attention_available() -> bool:
     return True
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def _tiles(n: int) -> int:
+    """`n` padded to whole flex tiles, two at the least: dynamo specialises a size of 1, and a block mask
+    one tile long (a drafted block over a short context) would compile versions of its own."""
+    return max(2, -(-n // FLEX_TILE)) * FLEX_TILE
+
+
+def _block_rule(
+    size: torch.Tensor,  # 0-dim: slots per block
+    context_length: torch.Tensor,  # 0-dim: C
+    query_ends: torch.Tensor,  # [B, Q]: the context a query sees ends before this (its block's anchor)
+    query_positions: torch.Tensor,  # [B, Q]: a query's absolute position
+    window: torch.Tensor,  # 0-dim: FULL_WINDOW on a full-attention layer
+    causal: torch.Tensor,  # 0-dim bool: inside the block, only slots at or before the query (sliding)
+) -> Callable:
+    """The attention rule as a flex mask function. Every value it reads is a tensor, none a Python number:
+    torch.compile guards on the Python values a function closes over (one compiled version per window,
+    per length), while tensors are inputs of one compiled version."""
+
+    def mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        in_context = (kv < context_length) & (kv < query_ends[b, q]) & (query_positions[b, q] - kv < window)
+        key_slot = kv - context_length
+        behind = q % size - key_slot % size  # query slot - key slot, within a block
+        own_block = (kv >= context_length) & (key_slot // size == q // size) & (behind < window)
+        return in_context | (own_block & ((behind >= 0) | ~causal))
+
+    return mask
 
 
 class FlexMask:
@@ -140,6 +205,7 @@ class FlexMask:
     Query q is slot `q % S` of block `q // S`; it sees context key c when c < its block's anchor (and,
     on a sliding layer, its position minus c is inside the window), and block key j when j is in its
     own block (on a sliding layer: at or before it, inside the window). Context positions are 0..C-1.
+    Padded queries (up to the tile) read as the last block's; their outputs are dropped.
     """
 
     def __init__(
@@ -151,43 +217,40 @@ class FlexMask:
         *,
         compiled: bool,
     ) -> None:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
         batch, num_blocks, size = block_positions.shape
+        device = block_positions.device
         queries = num_blocks * size
-        self.query_length = _round_up(queries, FLEX_TILE)
-        self.key_length = _round_up(context_length + queries, FLEX_TILE)
-        self._attention = _flex_attention() if compiled else flex_attention
-        last_block = num_blocks - 1
-        ends = context_end.contiguous()
-        positions = F.pad(block_positions.reshape(batch, queries), (0, self.query_length - queries))
+        self.query_length = _tiles(queries)
+        self.key_length = _tiles(context_length + queries)
+        create_block_mask, self._attention = _flex_functions(compiled)
+        pad = self.query_length - queries
+        query_ends = context_end.repeat_interleave(size, dim=1)  # [B, N*S]
+        if num_blocks:
+            query_ends = torch.cat([query_ends, query_ends[:, -1:].expand(batch, pad)], dim=1)
+        positions = F.pad(block_positions.reshape(batch, queries), (0, pad))
 
-        def make(window: int | None) -> Callable:
-            def mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-                block = torch.clamp(q // size, max=last_block)  # padded queries: any valid index
-                in_context = (kv < context_length) & (kv < ends[b, block])
-                key_slot = kv - context_length
-                own_block = (kv >= context_length) & (key_slot // size == q // size)
-                if window is None:
-                    return in_context | own_block
-                in_context = in_context & (positions[b, q] - kv < window)
-                behind = q % size - key_slot % size
-                return in_context | (own_block & (behind >= 0) & (behind < window))
+        def scalar(value: int | bool) -> torch.Tensor:  # filled on the device: no copy from the host
+            return torch.full((), value, device=device)
 
-            return mask
-
-        self.masks = {
-            window: create_block_mask(
-                make(window),
-                batch,
-                None,
-                self.query_length,
-                self.key_length,
-                device=block_positions.device,
-                _compile=compiled,
-            )  # fmt: skip
-            for window in windows
-        }
+        with torch.no_grad():  # a mask has no gradient: one grad mode, so one compiled version
+            self.masks = {
+                window: create_block_mask(
+                    _block_rule(
+                        scalar(size),
+                        scalar(context_length),
+                        query_ends,
+                        positions,
+                        scalar(FULL_WINDOW if window is None else window),
+                        scalar(window is not None),
+                    ),
+                    batch,
+                    None,
+                    self.query_length,
+                    self.key_length,
+                    device=device,
+                )
+                for window in windows
+            }
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
         return self._attention(q, k, v, block_mask=self.masks[window], enable_gqa=True)
@@ -291,8 +354,9 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(keys_in).view(shape).transpose(1, 2)  # [B, kv_h, C + N*S, hd]
         queries = q.flatten(2, 3)  # [B, h, N*S, hd]
         pad_q, pad_kv = flex.query_length - queries.shape[2], flex.key_length - k.shape[2]
-        queries = F.pad(queries, (0, 0, 0, pad_q))
-        k, v = F.pad(k, (0, 0, 0, pad_kv)), F.pad(v, (0, 0, 0, pad_kv))
+        # Contiguous whether or not there was padding to add: the compiled kernel guards on strides.
+        queries = F.pad(queries, (0, 0, 0, pad_q)).contiguous()
+        k, v = F.pad(k, (0, 0, 0, pad_kv)).contiguous(), F.pad(v, (0, 0, 0, pad_kv)).contiguous()
         out = flex.attend(queries, k, v, self.sliding_window)[:, :, : num_blocks * block_size]
         return out.reshape(batch, heads, num_blocks, block_size, head_dim)
 
@@ -308,6 +372,53 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's causal convolution along a block's slots, around one sublayer: `prepare` convolves the
+    sublayer's input and returns the kernel `finish` applies to its output.
+
+    Slot s of a block becomes `sum_o (base[o] + dynamic[s, o, group]) * x[s - o]` over taps o < kernel
+    (slots before the block's first count as zero; blocks never mix): `base` is a static kernel per
+    channel, `dynamic` a correction per group of `group_size` channels computed from the sublayer's
+    (normed) input at slot s. One projection gives both sides' corrections. Started as the identity (tap 0
+    weighs 1, the rest and the projection 0), so a fresh DFlash2 drafter computes what DFlash does.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # [input/output, tap, D]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.reset_to_identity()
+
+    def reset_to_identity(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[..., S, D]` (slots along -2) -> (convolved x, the output side's kernel `[..., S, taps, G]`)."""
+        dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.groups))
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self._convolve(y, dynamic, self.base_kernel[1])
+
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        grouped = x.unflatten(-1, (self.groups, self.group_size))  # [..., S, G, g]
+        out = None
+        for tap in range(self.kernel_size):
+            # The slot `tap` places earlier in the same block (zeros before its first slot).
+            earlier = grouped if tap == 0 else F.pad(grouped[..., :-tap, :, :], (0, 0, 0, 0, tap, 0))
+            # Two products, not one with the summed weight: that weight would be a [.., S, D] tensor per tap
+            # kept for backward; these keep only `earlier` (and the small per-group `dynamic`).
+            static = earlier * base[tap].view(self.groups, self.group_size).to(x.dtype)
+            term = static + earlier * dynamic[..., tap, :, None]
+            out = term if out is None else out + term
+        return out.flatten(-2)
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, config: DrafterConfig, layer_index: int) -> None:
         super().__init__()
@@ -315,6 +426,9 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
+        # DFlash2 (`DFlash2Drafter`) sets these: a convolution around each sublayer.
+        self.attention_conv: GroupedDynamicConv | None = None
+        self.mlp_conv: GroupedDynamicConv | None = None
 
     def forward(
         self,
@@ -325,8 +439,61 @@ class DrafterLayer(nn.Module):
         masks: BlockMasks | None,
         flex: FlexMask | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, masks, flex)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, context, block_rope, context_rope, masks, flex)
+        else:
+            h, kernel = self.attention_conv.prepare(h)
+            h = self.self_attn(h, context, block_rope, context_rope, masks, flex)
+            x = x + self.attention_conv.finish(h, kernel)
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            return x + self.mlp(h)
+        h, kernel = self.mlp_conv.prepare(h)
+        return x + self.mlp_conv.finish(self.mlp(h), kernel)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's drafting rule: keep each slot's `top_k` tokens under the target's head and pick, slot by
+    slot from the anchor, the one maximising `unary logit + <P[previous] * W h_slot, Q[candidate]>`, a
+    rank-`rank` bilinear score of the pair (previous token, candidate) given the slot's hidden state.
+
+    The codebooks are plain parameters named as z-lab's checkpoints store them
+    (`candidate_selector.predecessor_codebook`, no `.weight`); two V x rank tables are the selector's
+    bulk (127 M parameters at a 248 K vocabulary and rank 256)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        for weight in (self.hidden_projection.weight, self.predecessor_codebook, self.successor_codebook):
+            nn.init.normal_(weight, mean=0.0, std=0.02)
+
+    def pair_scores(
+        self,
+        hidden: torch.Tensor,  # [R, D] slots' final-normed hidden states
+        predecessors: torch.Tensor,  # [R] long: the token before each slot
+        candidates: torch.Tensor,  # [R, K] long
+    ) -> torch.Tensor:
+        """The bilinear term `[R, K]` (float32) for each slot's candidates."""
+        query = self.hidden_projection(hidden).float() * self.predecessor_codebook[predecessors].float()
+        return torch.einsum("rd,rkd->rk", query, self.successor_codebook[candidates].float())
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int) -> torch.Tensor:
+        """Greedy path `[S-1]` through the slots (hidden `[S-1, D]`, logits `[S-1, V]`), from the anchor."""
+        unary, candidates = logits.float().topk(self.top_k, dim=-1)  # [S-1, K]
+        previous = torch.tensor([anchor], dtype=torch.long, device=hidden.device)
+        path = []
+        for slot in range(hidden.shape[0]):
+            scores = (
+                unary[slot]
+                + self.pair_scores(hidden[slot : slot + 1], previous, candidates[slot : slot + 1])[0]
+            )
+            previous = candidates[slot, scores.argmax()].view(1)
+            path.append(previous)
+        return torch.cat(path) if path else candidates[:, 0]
 
 
 class DFlashDrafter(nn.Module):
@@ -368,9 +535,9 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def from_target(cls, config: DrafterConfig, target_model: str | Path | None = None) -> DFlashDrafter:
-        """A freshly initialised drafter with the target's embedding and LM head."""
+        """A freshly initialised drafter of `config.arch` with the target's embedding and LM head."""
         embedding, lm_head = load_target_embeddings(target_model or config.target_model)
-        return cls(config, embedding, lm_head)
+        return drafter_class(config)(config, embedding, lm_head)
 
     @property
     def device(self) -> torch.device:
@@ -415,7 +582,11 @@ class DFlashDrafter(nn.Module):
         flex = None
         if self.attention_backend == "flex":
             flex = FlexMask(
-                context_end, block_position_ids, context_length, windows, compiled=self.device.type == "cuda"
+                context_end,
+                block_position_ids,
+                context_length,
+                windows,
+                compiled=flex_compiled(self.device),
             )
             masks = dict.fromkeys(windows)
         else:
@@ -428,8 +599,20 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[..., D] -> [..., V]` float32 logits through the target's LM head."""
-        return F.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+        """`[..., D] -> [..., V]` float32 logits through the target's LM head, with the target's own
+        scaling and soft cap where it has them (as z-lab's `compute_logits`)."""
+        # bf16_linear: F.linear, but through float32 tiles where a CPU has no bf16 matrix units (PyTorch's
+        # reference bf16 kernel there made a 248 K vocabulary's head most of an hour a step).
+        logits = bf16_linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        if cap := self.config.final_logit_softcapping:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """The drafts `[S-1]` for a block's slots after the anchor (`hidden [S-1, D]`): each slot's argmax."""
+        return self.logits(hidden).argmax(dim=-1)
 
     @torch.no_grad()
     def draft_block(
@@ -451,7 +634,35 @@ class DFlashDrafter(nn.Module):
             torch.arange(context_length, device=device)[None],
             torch.tensor([[context_length]], device=device),
         )
-        return self.logits(hidden[0, 0, 1:]).argmax(dim=-1)
+        return self.propose(hidden[0, 0, 1:], anchor_token)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """DFlash2: the DFlash backbone with a convolution around each attention and MLP sublayer, drafting
+    through a `CandidateSelector`. The backbone is built, and initialised, exactly as DFlash's; the
+    convolutions start as the identity, so only the selector differs from a fresh DFlash drafter."""
+
+    def __init__(self, config: DrafterConfig, embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
+        super().__init__(config, embedding, lm_head)
+        for layer in self.layers:
+            layer.attention_conv = GroupedDynamicConv(
+                config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            )
+            layer.mlp_conv = GroupedDynamicConv(
+                config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            )
+        self.candidate_selector = CandidateSelector(
+            config.hidden_size, config.vocab_size, config.selector_rank, config.selector_top_k
+        )
+
+    def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """The selector's greedy path from the anchor, as the engines draft with DFlash2."""
+        return self.candidate_selector.walk(hidden, self.logits(hidden), anchor_token)
+
+
+def drafter_class(config: DrafterConfig) -> type[DFlashDrafter]:
+    """The module for `config.arch`."""
+    return DFlash2Drafter if config.arch == "dflash2" else DFlashDrafter
 
 
 def drafter_parameter_count(config: DrafterConfig) -> int:
@@ -459,12 +670,27 @@ def drafter_parameter_count(config: DrafterConfig) -> int:
     d, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_layer = d * q * 2 + d * kv * 2 + 3 * d * i + 2 * d + 2 * config.head_dim
-    return config.num_layers * per_layer + config.num_context_layers * config.target_hidden_size * d + 2 * d
+    backbone = (
+        config.num_layers * per_layer + config.num_context_layers * config.target_hidden_size * d + 2 * d
+    )
+    convolutions, selector = dflash2_parameter_counts(config)
+    return backbone + convolutions + selector
+
+
+def dflash2_parameter_counts(config: DrafterConfig) -> tuple[int, int]:
+    """(the convolutions', the selector's) parameters: DFlash2's additions, (0, 0) for DFlash."""
+    if config.arch != "dflash2":
+        return 0, 0
+    d, taps = config.hidden_size, config.conv_kernel_size
+    conv = 2 * taps * d + d * 2 * taps * (d // config.conv_group_size)
+    selector = d * config.selector_rank + 2 * config.vocab_size * config.selector_rank
+    return config.num_layers * 2 * conv, selector
 
 
 def config_summary(config: DrafterConfig) -> dict[str, Any]:
     """A flat, JSON-friendly description for logs and metadata."""
-    return {
+    summary = {
+        "arch": config.arch,
         "layers": config.num_layers,
         "heads": f"{config.num_heads} query / {config.num_kv_heads} kv x {config.head_dim}",
         "intermediate_size": config.intermediate_size,
@@ -475,3 +701,12 @@ def config_summary(config: DrafterConfig) -> dict[str, Any]:
         "target_layer_ids": config.target_layer_ids,
         "block_size": config.block_size,
     }
+    if config.arch == "dflash2":
+        convolutions, selector = dflash2_parameter_counts(config)
+        summary["convolutions"] = (
+            f"{config.conv_kernel_size} taps, groups of {config.conv_group_size} ({convolutions:,})"
+        )
+        summary["selector"] = (
+            f"top {config.selector_top_k}, rank {config.selector_rank} ({selector:,} parameters)"
+        )
+    return summary

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.drafter.model import drafter_parameter_count
+from dflash_assets.drafter.model import dflash2_parameter_counts, drafter_parameter_count
 
 
 def _number(value: Any, digits: int = 3) -> str:
@@ -25,18 +25,21 @@ def drafter_model_card(
     metrics: dict[str, Any],
     data_source: dict[str, Any] | None = None,
     world_sizes: Sequence[dict[str, Any]] = (),
+    objective: dict[str, Any] | None = None,
 ) -> str:
     """Markdown for the export's `README.md`. `metrics`: `acceptance_length_tau` (measured),
     `baseline_acceptance_length_tau`, `teacher_forced_tau`, `loss`, `per_position_accuracy`.
     `data_source`: whose answers it trained on (`completions`: `target` or `dataset`, and for `target`
     `regenerated_by` and the `generation` settings). `world_sizes`: the data-parallel world sizes it was
-    trained at, by steps (`from_step`, `to_step`, `world_size`, `nodes`)."""
+    trained at, by steps (`from_step`, `to_step`, `world_size`, `nodes`). `objective`: the run's `loss`,
+    `gamma`, `dpace_alpha` and `drafter_init` (training settings)."""
     accuracy = metrics.get("per_position_accuracy") or []
     accuracy_text = ", ".join(_number(a, 2) for a in accuracy[:8]) + (" ..." if len(accuracy) > 8 else "")
     ranges = ", ".join(trained_sample_ranges[:6]) + (" ..." if len(trained_sample_ranges) > 6 else "")
     target = target_model_name or config.target_model
     window = f" (window {config.sliding_window})" if config.sliding_window else ""
     about = [
+        ("architecture", describe_architecture(config)),
         ("target", f"`{target}` ({config.target_num_hidden_layers} decoder layers)"),
         ("target layers read (`dflash_config.target_layer_ids`)", str(config.target_layer_ids)),
         ("block size", str(config.block_size)),
@@ -54,6 +57,7 @@ def drafter_model_card(
             f"{steps} optimiser steps",
         ),
         ("training data", describe_data_source(data_source)),
+        ("objective", describe_objective(objective)),
         ("trained at world sizes", describe_world_sizes(world_sizes)),
     ]
     quality = [
@@ -62,7 +66,8 @@ def drafter_model_card(
             _number(metrics.get("acceptance_length_tau")),
         ),
         (
-            "the same for this architecture freshly initialised",
+            "the same for the weights training started from"
+            + (" (`DFLASH_DRAFTER_INIT`)" if (objective or {}).get("drafter_init") else " (fresh)"),
             _number(metrics.get("baseline_acceptance_length_tau")),
         ),
         ("tau predicted teacher-forced on held-out labels", _number(metrics.get("teacher_forced_tau"))),
@@ -76,10 +81,17 @@ def drafter_model_card(
     speculative_config = json.dumps(
         {"method": "dflash", "model": "<this directory>", "num_speculative_tokens": config.block_size - 1}
     )
-    return f"""# DFlash drafter `{run}` for `{target}`
+    name = "DFlash2" if config.arch == "dflash2" else "DFlash"
+    engines = (
+        "\nDFlash2 needs an engine release that serves it (vLLM #52816, SGLang #35371); they dispatch on "
+        "`architectures`, with the same flags as DFlash.\n"
+        if config.arch == "dflash2"
+        else ""
+    )
+    return f"""# {name} drafter `{run}` for `{target}`
 
-A block-diffusion speculative-decoding drafter (DFlash) in the z-lab/dflash layout: a Qwen3-style
-`config.json` with `architectures: ["DFlashDraftModel"]`, and bf16 weights named as the published
+A block-diffusion speculative-decoding drafter ({name}) in the z-lab/dflash layout: a Qwen3-style
+`config.json` with `architectures: ["{config.architecture}"]`, and bf16 weights named as the published
 drafters name theirs. It shares the target's embedding and LM head, which are not stored here.
 
 {table(about)}
@@ -106,7 +118,31 @@ vllm serve {target} --speculative-config '{speculative_config}'
 
 A drafter with sliding-window layers next to full ones needs vLLM's V2 model runner
 (`VLLM_USE_V2_MODEL_RUNNER=1`).
-"""
+{engines}"""
+
+
+def describe_architecture(config: DrafterConfig) -> str:
+    """DFlash, or DFlash2 with its convolutions' and selector's shape and share of the parameters."""
+    if config.arch != "dflash2":
+        return "DFlash (`DFlashDraftModel`)"
+    convolutions, selector = dflash2_parameter_counts(config)
+    return (
+        f"DFlash2 (`DFlash2DraftModel`): a {config.conv_kernel_size}-tap convolution around every attention "
+        f"and MLP sublayer (groups of {config.conv_group_size} channels; {convolutions:,} parameters), a "
+        f"candidate selector over each slot's top {config.selector_top_k} (rank {config.selector_rank}; "
+        f"{selector:,} parameters, two {config.vocab_size:,} x {config.selector_rank} codebooks)"
+    )
+
+
+def describe_objective(objective: dict[str, Any] | None) -> str:
+    """The position weights it was trained with, and where its weights started."""
+    objective = objective or {}
+    if objective.get("loss", "dpace") == "decay":
+        text = f"the paper's fixed position weights exp(-(p-1)/{objective.get('gamma', 7.0):g})"
+    else:
+        text = f"D-PACE position weights (alpha {objective.get('dpace_alpha', 0.5):g})"
+    start = objective.get("drafter_init")
+    return text + (f", starting from the drafter in `{start}`" if start else ", from fresh weights")
 
 
 def describe_world_sizes(world_sizes: Sequence[dict[str, Any]]) -> str:

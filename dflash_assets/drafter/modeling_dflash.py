@@ -1,4 +1,5 @@
-"""The DFlash drafter as `AutoModel.from_pretrained(directory, trust_remote_code=True)` loads it.
+"""The DFlash drafter (and DFlash2) as `AutoModel.from_pretrained(directory, trust_remote_code=True)`
+loads it.
 
 dflash-assets copies this file into every exported drafter directory (`config.json`'s `auto_map` points
 here), so the export loads the way z-lab/dflash's README loads a drafter. It needs torch and transformers
@@ -29,6 +30,13 @@ drafts the target agrees with is accepted plus the target's own next token. Noth
 back: the target's cache holds committed tokens only and each block is verified on a copy of it, so a
 hybrid target's recurrent state (Qwen3.5/3.6 gated delta net), which cannot be cropped, stays right.
 With `temperature=0` the output is exactly the target's own greedy decoding.
+
+`DFlash2DraftModel` (`architectures: ["DFlash2DraftModel"]`) is the same backbone with a grouped dynamic
+causal convolution along the block around every attention and MLP sublayer (`layers.N.attention_conv`,
+`layers.N.mlp_conv`: `base_kernel [2, taps, H]`, `kernel_projection`), and drafts through its
+`candidate_selector`: each slot's `selector_top_k` tokens under the target's head, rescored by
+`<predecessor_codebook[previous] * hidden_projection(h), successor_codebook[candidate]>` and walked
+greedily from the anchor.
 """
 
 from __future__ import annotations
@@ -143,6 +151,36 @@ class DFlashMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class DFlashBlockConv(nn.Module):
+    """DFlash2: `out[s] = sum_o (base_kernel[side, o] + dynamic[s, o, group]) * x[s - o]` along the block
+    (zero before its first slot), `dynamic` projected from the sublayer's normed input at slot s."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size, self.groups = kernel_size, group_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        grouped = x.unflatten(-1, (self.groups, self.group_size))  # [B, S, G, g]
+        out = torch.zeros_like(grouped)
+        for tap in range(self.kernel_size):
+            earlier = grouped if tap == 0 else F.pad(grouped[:, :-tap], (0, 0, 0, 0, tap, 0))
+            out = out + earlier * (
+                base[tap].view(self.groups, self.group_size).to(x.dtype) + dynamic[:, :, tap, :, None]
+            )
+        return out.flatten(-2)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).unflatten(
+            -1, (2, self.kernel_size, self.groups)
+        )  # [B, S, 2, k, G]
+        return self._convolve(x, dynamic[:, :, 0], self.base_kernel[0]), dynamic[:, :, 1]
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self._convolve(y, dynamic, self.base_kernel[1])
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -150,10 +188,21 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config, layer_idx)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
+        self.attention_conv: DFlashBlockConv | None = None  # DFlash2's
+        self.mlp_conv: DFlashBlockConv | None = None
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, *attention: object) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, *attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, context, *attention)
+        else:
+            h, kernel = self.attention_conv.prepare(h)
+            x = x + self.attention_conv.finish(self.self_attn(h, context, *attention), kernel)
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            return x + self.mlp(h)
+        h, kernel = self.mlp_conv.prepare(h)
+        return x + self.mlp_conv.finish(self.mlp(h), kernel)
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -228,6 +277,23 @@ class DFlashDraftModel(PreTrainedModel):
 
     # -- decoding with the target
 
+    def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Float32 logits through the target's head, with its own scaling and soft cap if it has them."""
+        dflash = dict(getattr(self.config, "dflash_config", None) or {})
+        logits = lm_head(hidden.to(lm_head.weight.dtype)).float() * float(
+            dflash.get("output_multiplier", 1.0)
+        )
+        if cap := dflash.get("final_logit_softcapping"):
+            logits = torch.tanh(logits / float(cap)) * float(cap)
+        return logits
+
+    def propose(self, hidden: torch.Tensor, anchor: int, lm_head: nn.Module, temperature: float) -> list[int]:
+        """The drafts for the slots after the anchor (`hidden [S-1, H]`)."""
+        logits = self.compute_logits(hidden, lm_head)
+        if temperature < 1e-5:
+            return logits.argmax(dim=-1).tolist()
+        return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1)[:, 0].tolist()
+
     def target_context(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """`[B, L, K*H]` from a target forward's `hidden_states` (index 0 is the embeddings)."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
@@ -277,18 +343,19 @@ class DFlashDraftModel(PreTrainedModel):
             block[0, 0] = anchor
             positions = torch.arange(start + self.block_size, device=device)[None]
             hidden = self(position_ids=positions, noise_embedding=embed(block), target_hidden=context)
-            drafts = choose(lm_head(hidden[0, 1:].to(lm_head.weight.dtype)).float()).tolist()
+            drafts = self.propose(hidden[0, 1:], anchor, lm_head, temperature)
             verified = run([anchor, *drafts], copy.deepcopy(committed))
             posterior = choose(verified.logits[0].float()).tolist()
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == posterior[accepted]:
                 accepted += 1
             new = [*drafts[:accepted], posterior[accepted]]
-            lengths.append(len(new))
+            before = len(generated)
             for token in new:
                 generated.append(int(token))
                 if len(generated) == max_new_tokens or token in stop:
                     break
+            lengths.append(len(generated) - before)  # what this round produced, within budget and stop
             # Commit the anchor and the accepted drafts: their states become context for the next block.
             committed_output = run([anchor, *drafts[:accepted]], committed)
             context = torch.cat([context, self.target_context(committed_output.hidden_states)], dim=1)
@@ -297,3 +364,49 @@ class DFlashDraftModel(PreTrainedModel):
             return output_ids
         tau = sum(lengths) / len(lengths) if lengths else None
         return SimpleNamespace(output_ids=output_ids, acceptance_lengths=lengths, tau=tau)
+
+
+class DFlash2Selector(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int) -> list[int]:
+        """The greedy path through the slots' top-k candidates, from the anchor (`hidden [S-1, H]`)."""
+        unary, candidates = logits.float().topk(self.top_k, dim=-1)
+        queries = self.hidden_projection(hidden).float()  # [S-1, rank]
+        previous, path = int(anchor), []
+        for slot in range(hidden.shape[0]):
+            pair = (queries[slot] * self.predecessor_codebook[previous].float()) @ self.successor_codebook[
+                candidates[slot]
+            ].float().T
+            previous = int(candidates[slot, (unary[slot] + pair).argmax()])
+            path.append(previous)
+        return path
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: the DFlash backbone, a convolution around each sublayer, drafting through the selector
+    (greedy decoding only: `temperature` must be 0)."""
+
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        dflash = dict(getattr(config, "dflash_config", None) or {})
+        taps, group = int(dflash["conv_kernel_size"]), int(dflash["conv_group_size"])
+        for layer in self.layers:
+            layer.attention_conv = DFlashBlockConv(config.hidden_size, taps, group)
+            layer.mlp_conv = DFlashBlockConv(config.hidden_size, taps, group)
+        self.candidate_selector = DFlash2Selector(
+            config.hidden_size, config.vocab_size, int(dflash["selector_rank"]), int(dflash["selector_top_k"])
+        )
+        self.post_init()
+
+    def propose(self, hidden: torch.Tensor, anchor: int, lm_head: nn.Module, temperature: float) -> list[int]:
+        if temperature >= 1e-5:
+            raise NotImplementedError("this DFlash2 reader drafts greedily only (temperature=0)")
+        return self.candidate_selector.walk(hidden, self.compute_logits(hidden, lm_head), anchor)

@@ -3,12 +3,21 @@
 Label rule (the same sources): block slot j predicts the token at `anchor + j` (the same position, not
 the next one); slot 0 (the anchor) carries no loss; every slot whose position is inside the sequence
 and the assistant mask carries a label, even after a non-assistant token earlier in the block.
+
+Position weights (`position_weights`, chosen by `Objective.loss`): the paper's fixed `exp(-(p-1)/gamma)`
+(`decay`), or D-PACE's (`dpace`, arXiv 2605.18810): each position weighs what it adds to the expected
+accepted length, computed, detached, from the drafter's own confidences `q = exp(-CE)` smoothed by alpha.
+Either way the loss's denominator depends on the labels alone (`loss_normaliser`: the decay weights'
+sum, or the number of labels) and is summed over the whole global batch, so the update is the same
+however the samples are split over ranks and micro-batches. DFlash2's selector adds a K-way
+cross-entropy over each slot's unary top-k (the true token put in where it is missing), weighted the same
+way from the selector's own confidences.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +47,10 @@ class DrafterBatch:
 
     def context_states(self, device: torch.device) -> torch.Tensor:
         """The captured target layers on `device`: bf16 as stored, or fp8 dequantised there (float32),
-        so what crosses to the device is the stored bytes (see `extraction/fp8.py` for the format)."""
+        so what crosses to the device is the stored bytes (see `extraction/fp8.py` for the format). The
+        copy is queued without the host waiting for it (collation pins the states: `training/data.py`)."""
         if self.hidden_states_scale is None:
-            return self.hidden_states.to(device)
+            return self.hidden_states.to(device, non_blocking=True)
         values = self.hidden_states.to(device, non_blocking=True)
         scale = self.hidden_states_scale.to(device, non_blocking=True)
         return values.float() * scale.unsqueeze(-1)
@@ -89,28 +99,153 @@ def sample_anchors(
     return BlockAnchors(positions=torch.where(keep, positions, 0), keep=keep)
 
 
-def position_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
-    """`exp(-(p-1)/gamma)` for drafted positions p = 1..block_size-1, `[block_size - 1]`."""
-    return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
+LOSSES = ("dpace", "decay")  # DFLASH_DRAFTER_LOSS
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the loss weighs: `loss` = `dpace` (D-PACE's weights from the drafter's confidences, smoothed
+    by `dpace_alpha`) or `decay` (the paper's `exp(-(p-1)/gamma)`); DFlash2's selector term counts
+    `selector_weight` times its own weighted cross-entropy."""
+
+    loss: str = "dpace"
+    gamma: float = 7.0
+    dpace_alpha: float = 0.5
+    selector_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"drafter loss {self.loss!r} (DFLASH_DRAFTER_LOSS) is not one of {list(LOSSES)}")
+        if self.gamma <= 0 or not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(
+                f"gamma must be positive and dpace_alpha (DFLASH_DPACE_ALPHA) in [0, 1]; got {self.gamma}, "
+                f"{self.dpace_alpha}"
+            )
+
+
+def as_objective(objective: Objective | float) -> Objective:
+    """A number is the paper's fixed decay with that gamma."""
+    return objective if isinstance(objective, Objective) else Objective(loss="decay", gamma=float(objective))
+
+
+def decay_weights(label_valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    """`exp(-(p-1)/gamma)` at labelled drafted positions p = 1..S-1 of `label_valid [..., S-1]`, else 0."""
+    offsets = torch.arange(label_valid.shape[-1], device=label_valid.device, dtype=torch.float32)
+    return torch.exp(-offsets / gamma) * label_valid
+
+
+def dpace_weights(label_valid: torch.Tensor, ce: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's weights `[..., S-1]` from the per-position cross-entropy `ce` (same shape; detached here).
+
+    With `s_i = (1 - alpha) q_i + alpha`, `q_i = exp(-ce_i)`, the weight of position p is
+    `sum_{j >= p} prod_{i <= j} s_i` over labelled positions: d/d(log q_p) of the expected accepted length
+    `sum_j prod_{i <= j} q_i`, the smoothing keeping early, unconfident training from starving the later
+    positions. An unlabelled position weighs 0 and does not break the product (`s = 1`)."""
+    with torch.no_grad():
+        valid = label_valid.float()
+        smooth = torch.where(label_valid, (1.0 - alpha) * torch.exp(-ce.detach().float()) + alpha, 1.0)
+        prefix = torch.cumprod(smooth, dim=-1) * valid
+        return prefix.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+def position_weights(objective: Objective, label_valid: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:
+    """The weight of every drafted position `[..., S-1]` under `objective` (no gradient)."""
+    if objective.loss == "decay":
+        return decay_weights(label_valid, objective.gamma)
+    return dpace_weights(label_valid, ce, objective.dpace_alpha)
+
+
+def loss_normaliser(objective: Objective, label_valid: torch.Tensor) -> torch.Tensor:
+    """The loss's denominator for these labels, a function of the labels alone: summed over the whole
+    global batch (never per rank or micro-batch) it divides every rank's summed gradients alike.
+    Fixed decay: the weights' sum (the paper's weighted mean, unchanged). D-PACE: the number of labels (as
+    speculators and ModelOpt normalise it, but global), which the selector's term shares: its weights
+    come from the selector's own confidences, so a weights' sum would differ between the two terms."""
+    if objective.loss == "decay":
+        return decay_weights(label_valid, objective.gamma).sum()
+    return label_valid.sum().float()
 
 
 @dataclass
 class BlockLossOutput:
-    loss: torch.Tensor  # scalar: position-weighted mean cross-entropy of this batch
+    """One batch's loss and figures. Those computed by the drafter stay tensors on its device: reading
+    one on the host waits for the device, so the trainer sums them there and reads them once a step."""
+
+    loss: torch.Tensor  # scalar: this batch's weighted cross-entropy over its normaliser
     weighted_ce: torch.Tensor  # scalar with grad: the numerator of `loss`, for exact sums over batches
-    weighted_ce_sum: float  # `weighted_ce` as a number
-    weight_sum: float  # denominator of `loss`
-    correct: torch.Tensor  # [block_size - 1] long: argmax hits per drafted position
-    counted: torch.Tensor  # [block_size - 1] long: labels per drafted position
-    accepted_sum: float  # sum over blocks of the leading run of hits (teacher-forced acceptance)
-    num_blocks: int
+    weighted_ce_sum: torch.Tensor  # scalar, detached: `weighted_ce`'s value
+    weight_sum: torch.Tensor  # scalar: denominator of `loss` (`loss_normaliser`: the labels' alone)
+    correct: torch.Tensor  # [block_size - 1] long: hits per drafted position (DFlash2: the selector's)
+    counted: torch.Tensor  # [block_size - 1] long: labels per drafted position (host: known beforehand)
+    accepted_sum: torch.Tensor  # scalar: sum over blocks of the leading run of hits (teacher-forced tau)
+    num_blocks: int  # from the anchors, on the host
+    ce_sum: torch.Tensor  # scalar: plain cross-entropy summed over the labels (comparable across objectives)
+    num_labels: int  # planned on the host
+    expected_accepted_sum: torch.Tensor  # scalar: sum over blocks of sum_j prod_{i<=j} q_i (D-PACE's target)
+    selector_ce_sum: torch.Tensor  # scalar: DFlash2's selector's K-way cross-entropy summed (0 for DFlash)
+    selector_recall: torch.Tensor  # scalar: DFlash2's labels inside their slot's unary top-k (0 for DFlash)
 
 
-def _cross_entropy_and_argmax(
-    model: DFlashDrafter, hidden: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model.logits(hidden)  # [R, V] float32
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
+@dataclass
+class _Rows:
+    """Per label row: unary cross-entropy (with grad), the drafted token, and DFlash2's selector terms."""
+
+    ce: torch.Tensor  # [R]
+    pick: torch.Tensor  # [R] long
+    selector_ce: torch.Tensor | None = None  # [R] with grad
+    in_top_k: torch.Tensor | None = None  # [R] bool
+
+
+def _label_rows(
+    model: DFlashDrafter, hidden: torch.Tensor, labels: torch.Tensor, predecessors: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """One chunk of rows: unary CE and argmax; with `predecessors` (DFlash2) also the selector's K-way CE
+    over the unary top-k, with the label in place of the weakest candidate where the top-k misses it, its
+    teacher-forced pick, and whether the label was in the top-k (a pick decoding could make)."""
+    logits = model.logits(hidden)  # [r, V] float32
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    if predecessors is None:
+        return ce, logits.argmax(dim=-1)
+    selector = model.candidate_selector
+    candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # [r, K], strongest first
+    hits = candidates == labels[:, None]
+    in_top_k = hits.any(dim=-1)
+    weakest = torch.arange(selector.top_k, device=labels.device) == selector.top_k - 1
+    candidates = torch.where(weakest & ~in_top_k[:, None], labels[:, None], candidates)
+    target = torch.where(in_top_k, hits.float().argmax(dim=-1), selector.top_k - 1)
+    scores = logits.gather(1, candidates) + selector.pair_scores(hidden, predecessors, candidates)
+    selector_ce = F.cross_entropy(scores, target, reduction="none")
+    pick = candidates.gather(1, scores.detach().argmax(dim=-1, keepdim=True))[:, 0]
+    return ce, pick, selector_ce, in_top_k
+
+
+def _chunked_rows(
+    model: DFlashDrafter, rows: torch.Tensor, labels: torch.Tensor, predecessors: torch.Tensor | None
+) -> _Rows:
+    """`_label_rows` over every row, in chunks recomputed in backward: a production vocabulary's logits
+    (`[R, 248K]`) are too large to keep alive at once."""
+    chunk = logits_chunk_rows(model.config.vocab_size)
+    parts = []
+    for start in range(0, rows.shape[0], chunk):
+        window = slice(start, start + chunk)
+        args = (model, rows[window], labels[window], None if predecessors is None else predecessors[window])
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_label_rows, *args, use_reentrant=False))
+        else:
+            parts.append(_label_rows(*args))
+    if not parts:
+        empty = rows.new_zeros(0, dtype=torch.float32)
+        none = predecessors is None
+        return _Rows(empty, labels, None if none else empty, None if none else labels.bool())
+    columns = [torch.cat(column) for column in zip(*parts, strict=True)]
+    return _Rows(*columns)
+
+
+def _on_grid(values: torch.Tensor, label_index: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Per-row values `[R]` back at their drafted slots `[B, N, S-1]` (0 where unlabelled), from the rows'
+    flat indices into `shape` `[B, N, S]` (no boolean indexing: that waits for the device)."""
+    grid = values.new_zeros(shape.numel()).index_copy_(0, label_index, values)
+    return grid.view(shape)[:, :, 1:]
 
 
 def block_labels(
@@ -133,81 +268,187 @@ def block_labels(
     return slot_positions, tokens, in_span[:, :, 1:] & keep[:, :, None]
 
 
+def logits_chunk_rows(vocab_size: int) -> int:
+    """Rows of logits the loss computes at once: 2**27 elements (512 MiB in float32) at the most."""
+    return max(1, 2**27 // vocab_size)
+
+
+def _on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Host integer tensors on `device` in one copy the host does not wait for: packed, and on CUDA from
+    page-locked memory (a copy from pageable memory blocks)."""
+    if device.type == "cpu":
+        return tensors
+    packed = torch.cat([t.reshape(-1).long() for t in tensors])
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    parts = packed.to(device, non_blocking=True).split([t.numel() for t in tensors])
+    return tuple(part.view(t.shape) for part, t in zip(parts, tensors, strict=True))
+
+
 def dflash_loss(
-    model: DFlashDrafter, batch: DrafterBatch, anchors: BlockAnchors, gamma: float
+    model: DFlashDrafter,
+    batch: DrafterBatch,
+    anchors: BlockAnchors,
+    objective: Objective | float,
+    *,
+    forward: Callable[..., torch.Tensor] | None = None,
 ) -> BlockLossOutput:
-    """All blocks of all sequences in one forward pass (position weights `exp(-(p-1)/gamma)`)."""
+    """All blocks of all sequences in one forward pass, weighted by `objective` (a number: the fixed
+    decay with that gamma). DFlash2 drafters add their selector's term.
+
+    `forward` is what the drafter's forward runs through (default: `model`; in data-parallel training its
+    wrapper, whose hooks reduce the gradients during the backward). Which slots carry a label is planned
+    on the host, where the batch and its anchors are, and crosses to the device in one copy: nothing in
+    here makes the host wait for the device."""
+    objective = as_objective(objective)
     config, device = model.config, model.device
     block_size = config.block_size
-    on_device = DrafterBatch(
-        batch.input_ids.to(device), batch.loss_mask.to(device), batch.hidden_states,
-        batch.lengths.to(device), batch.sample_indices,
+    host = DrafterBatch(
+        batch.input_ids.cpu(), batch.loss_mask.cpu(), batch.hidden_states, batch.lengths.cpu(),
+        batch.sample_indices,
     )  # fmt: skip
-    slot_positions, tokens, label_valid = block_labels(on_device, anchors, block_size)
-    batch_size, length = on_device.input_ids.shape
-    keep = anchors.keep.to(device)
+    slot_positions, tokens, label_valid = block_labels(host, anchors, block_size)
+    batch_size, length = host.input_ids.shape
+    labelled = F.pad(label_valid, (1, 0))  # [B, N, S]: slot 0, the anchor, carries none
+    label_index = labelled.flatten().nonzero().squeeze(1)  # [R]: the labelled slots of [B, N, S], flat
 
     block_input_ids = torch.full_like(tokens, config.mask_token_id)
     block_input_ids[:, :, 0] = tokens[:, :, 0]
-    hidden = model(
+    block_input_ids, slot_positions, context_end, labels, label_index, predecessors = _on_device(
+        device,
+        block_input_ids,
+        slot_positions,
+        torch.where(anchors.keep, anchors.positions, 0),
+        tokens.flatten()[label_index],
+        label_index,
+        tokens.flatten()[label_index - 1],  # the token before each labelled slot (DFlash2's selector)
+    )
+    hidden = (forward or model)(
         block_input_ids,
         slot_positions,
         batch.context_states(device),
         torch.arange(length, device=device).expand(batch_size, -1),
-        torch.where(keep, anchors.positions.to(device), 0),
-    )[:, :, 1:]  # [B, N, S-1, D]
+        context_end,
+    )  # [B, N, S, D]
 
-    rows, labels = hidden[label_valid], tokens[:, :, 1:][label_valid]  # [R, D], [R]
-    weights = position_weights(block_size, gamma, device).expand_as(label_valid)[label_valid]  # [R]
-    ce_chunks, argmax_chunks = [], []
-    # Logits for a production vocabulary are large ([R, 248K]); compute them in chunks and recompute in
-    # backward instead of keeping them all alive.
-    chunk = max(1, 2**27 // config.vocab_size)
-    for start in range(0, rows.shape[0], chunk):
-        part = (model, rows[start : start + chunk], labels[start : start + chunk])
-        if torch.is_grad_enabled():
-            ce, argmax = checkpoint(_cross_entropy_and_argmax, *part, use_reentrant=False)
-        else:
-            ce, argmax = _cross_entropy_and_argmax(*part)
-        ce_chunks.append(ce)
-        argmax_chunks.append(argmax)
-    ce = torch.cat(ce_chunks) if ce_chunks else hidden.new_zeros(0, dtype=torch.float32)
-    argmax = torch.cat(argmax_chunks) if argmax_chunks else labels
+    rows = hidden.flatten(0, 2).index_select(0, label_index)  # [R, D]; labels [R]
+    # DFlash2's selector scores each slot's candidates given the true token before it (teacher forcing).
+    terms = _chunked_rows(model, rows, labels, predecessors if config.has_selector else None)
+    grid = labelled.shape  # [B, N, S]: per-row values go back to their slots to be weighed by block
+    valid = _on_grid(torch.ones_like(labels, dtype=torch.bool), label_index, grid)
 
-    weight_sum = weights.sum()
+    def weights_of(ce: torch.Tensor) -> torch.Tensor:  # [R] -> [R]
+        weights = position_weights(objective, valid, _on_grid(ce.detach(), label_index, grid))  # [B, N, S-1]
+        return F.pad(weights, (1, 0)).flatten().index_select(0, label_index)  # back to the rows' slots
+
+    weight_sum = loss_normaliser(objective, valid)
     # A batch with no label keeps a (zero) graph so backward() and the optimiser step stay uniform.
-    weighted_ce = (ce * weights).sum() if rows.shape[0] else hidden.sum() * 0.0
+    weighted_ce = (terms.ce * weights_of(terms.ce)).sum() if rows.shape[0] else hidden.sum() * 0.0
+    selector_ce_sum = None
+    if terms.selector_ce is not None and rows.shape[0]:
+        selector_term = (terms.selector_ce * weights_of(terms.selector_ce)).sum()
+        weighted_ce = weighted_ce + objective.selector_weight * selector_term
+        selector_ce_sum = terms.selector_ce.detach().sum()
     loss = weighted_ce / weight_sum if rows.shape[0] else weighted_ce
 
     with torch.no_grad():
-        correct = torch.zeros_like(label_valid)
-        correct[label_valid] = argmax == labels
-        accepted = correct.long().cumprod(dim=2).sum(dim=2)  # [B, N]; an unlabelled slot ends the run
+        hits = terms.pick == labels
+        if terms.in_top_k is not None:
+            hits = hits & terms.in_top_k  # a label the unary top-k misses is never drafted
+        correct = _on_grid(hits, label_index, grid)
+        # [B, N]: an unlabelled slot ends the run, so a dropped block (no labels) counts 0.
+        accepted = correct.long().cumprod(dim=2).sum(dim=2)
+        confidence = _on_grid(torch.exp(-terms.ce.detach()), label_index, grid)  # 0 unlabelled: ends a run
+        expected = confidence.cumprod(dim=2).sum(dim=2)  # [B, N]
+    zero = weighted_ce.detach().new_zeros(())
     return BlockLossOutput(
         loss=loss,
         weighted_ce=weighted_ce,
-        weighted_ce_sum=float(weighted_ce.detach()),
-        weight_sum=float(weight_sum),
-        correct=correct.sum(dim=(0, 1)).cpu(),
-        counted=label_valid.sum(dim=(0, 1)).cpu(),
-        accepted_sum=float(accepted[keep].sum()),
-        num_blocks=int(keep.sum()),
+        weighted_ce_sum=weighted_ce.detach(),
+        weight_sum=weight_sum,
+        correct=correct.sum(dim=(0, 1)),
+        counted=label_valid.sum(dim=(0, 1)),
+        accepted_sum=accepted.sum(),
+        num_blocks=int(anchors.keep.sum()),
+        ce_sum=terms.ce.detach().sum(),
+        num_labels=int(label_index.shape[0]),
+        expected_accepted_sum=expected.sum(),
+        selector_ce_sum=selector_ce_sum if selector_ce_sum is not None else zero,
+        selector_recall=terms.in_top_k.sum() if terms.in_top_k is not None else zero,
     )
 
 
+ATTENTION_BACKENDS = ("materialised", "flex")
+
+
 def estimate_step_bytes(
-    config: DrafterConfig, batch_size: int, context_length: int, num_blocks: int, bytes_per_element: int = 4
+    config: DrafterConfig,
+    batch_size: int,
+    context_length: int,
+    num_blocks: int,
+    bytes_per_element: int = 4,
+    *,
+    attention: str = "materialised",
 ) -> int:
-    """Activation memory one training forward+backward keeps for a micro-batch (padded shapes), from
-    the tensors the materialised attention and the MLP save for backward; weights and optimiser state
-    are not included. An estimate for planning micro-batches: a step that still runs out of memory is
-    split further (see the trainer)."""
-    slots = batch_size * num_blocks * config.block_size
-    width = config.hidden_size
-    attention = config.num_heads * slots * (context_length + config.block_size) * 3  # scores, probs, mask
-    kv = 4 * batch_size * config.num_heads * context_length * config.head_dim  # repeated k/v + rotary
-    linear = slots * (8 * width + 2 * config.num_heads * config.head_dim + 3 * config.intermediate_size)
-    per_layer = attention + kv + linear
-    context = batch_size * context_length * (config.num_context_layers * width + 2 * width)
-    logits_chunk = 2**27  # one checkpointed logits chunk at a time
-    return (config.num_layers * per_layer + context + logits_chunk) * bytes_per_element
+    """Activation memory one training forward+backward holds at its peak for a micro-batch (padded
+    shapes), counted per tensor the layers save for backward and the largest ones the backward makes;
+    weights and optimiser state are not included. By the attention that runs: `materialised` keeps each
+    layer's score matrix (probabilities saved, their gradient and the softmax's beside them in backward);
+    `flex` keeps no score matrix, only the keys it read, its output and log-sum-exp. An estimate for
+    planning micro-batches (checked against measured peaks: `bench/drafter_step.py`, and on the CPU by
+    the tests); a step that still runs out of memory is split further (see the trainer). At 4 bytes an
+    element everything is counted in float32; under bf16 autocast the layers keep about 0.7x of that."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {attention!r} is not one of {ATTENTION_BACKENDS}")
+    size = config.block_size
+    slots = batch_size * num_blocks * size  # every block slot is a query
+    width, q_width = config.hidden_size, config.num_heads * config.head_dim
+    kv_width = config.num_kv_heads * config.head_dim
+    # Per slot and layer: the norms' float32 copies and outputs, the residual stream, q (projected,
+    # normed, rotated, laid out for the kernel), the attention's output and o_proj's input, the MLP's
+    # gate, up, activation and product.
+    per_layer = slots * (10 * width + 6 * q_width + 4 * config.intermediate_size)
+    if attention == "materialised":
+        per_layer += config.num_heads * slots * (context_length + size) * 3  # probs; grads in backward
+        per_layer += 4 * batch_size * context_length * q_width  # context k/v repeated to every head, rotary
+    else:
+        keys = batch_size * (context_length + num_blocks * size)  # [context ; every block]
+        # The keys' input, k (projected, normed, rotated, padded), v, their rotary tables; lse in float32.
+        per_layer += keys * (width + 8 * kv_width + 2 * config.head_dim) + config.num_heads * slots
+    per_layer += _architecture_layer_elements(config, batch_size, context_length, num_blocks)
+    context = (
+        batch_size * context_length * (config.num_context_layers * config.target_hidden_size + 3 * width)
+    )
+    final = 2 * slots * width  # the last norm, and the labelled rows the loss checkpoints
+    # One checkpointed chunk of logits at a time (`dflash_loss`), with its log-softmax and gradient.
+    labelled = slots - batch_size * num_blocks  # at most: every slot but the anchors
+    logits_chunk = 3 * min(labelled, logits_chunk_rows(config.vocab_size)) * config.vocab_size
+    extra = _architecture_extra_elements(config, batch_size, context_length, num_blocks)
+    return (config.num_layers * per_layer + context + final + logits_chunk + extra) * bytes_per_element
+
+
+def _architecture_layer_elements(
+    config: DrafterConfig, batch_size: int, context_length: int, num_blocks: int
+) -> int:
+    """What one layer of the drafter's architecture keeps beyond the DFlash backbone's attention and MLP.
+    DFlash2: its two convolutions, each applied before and after its sublayer, keep the slot-shifted input
+    of each application and its sum, and the backward makes their gradients (about 9 slot-wide tensors a
+    layer, measured on the CPU by `test_step_memory.py`). DFlash: nothing."""
+    if config.arch != "dflash2":
+        return 0
+    return 9 * batch_size * num_blocks * config.block_size * config.hidden_size
+
+
+def _architecture_extra_elements(
+    config: DrafterConfig, batch_size: int, context_length: int, num_blocks: int
+) -> int:
+    """What the architecture keeps once per step beyond its layers. DFlash2's selector: the gradient of
+    the unary logits it gathers its candidates' scores from (one more logits chunk, dense), the dense
+    gradients of its two codebooks (vocabulary x rank each), and a chunk's candidates' codebook rows.
+    DFlash: nothing."""
+    if config.arch != "dflash2":
+        return 0
+    labelled = batch_size * num_blocks * (config.block_size - 1)
+    rows = min(labelled, logits_chunk_rows(config.vocab_size))
+    rank, candidates = config.selector_rank, config.selector_top_k
+    return rows * config.vocab_size + 2 * config.vocab_size * rank + 2 * rows * candidates * rank

@@ -3,7 +3,9 @@
 Each round the drafter proposes a block from the target's hidden states of every position before the
 anchor (the last token the target produced); the target verifies the block in one forward; the leading
 run of drafts equal to the target's own greedy choice is accepted, plus the target's next token. The
-acceptance length of a round is that run + 1, and tau is its mean: what SGLang and vLLM report.
+acceptance length of a round is that run + 1 (no more than the round could still produce before the
+token budget or a stop token), and tau is its mean: what SGLang and vLLM report. A DFlash2 drafter drafts
+through its candidate selector (`DFlash2Drafter.propose`), as the engines run it.
 
 Hybrid targets (gated delta net + attention) keep a recurrent state that cannot be rolled back past a
 rejected draft, so nothing is ever rolled back: the target's cache holds only committed tokens, each
@@ -38,7 +40,9 @@ class TargetVerifier:
     hidden states of the drafter's layers [n, K, H] in bfloat16)`, appending `ids` to `cache`.
 
     "Layer i" is Hugging Face `output_hidden_states[i + 1]`, as captured for training. States are
-    rounded to bfloat16 like the stored training data, which is also what a bf16 engine feeds.
+    rounded to bfloat16 like the stored training data, which is also what a bf16 engine feeds. The target
+    runs without autocast, as capture does: under the caller's bf16 autocast (the drafter's, in training)
+    its float32 parts would run in bf16, and its states and greedy tokens would not be the captured ones.
     """
 
     def __init__(self, model: nn.Module, target_layer_ids: Sequence[int]) -> None:
@@ -47,6 +51,7 @@ class TargetVerifier:
         # transformers renamed `past_key_values` to `cache`; take whichever this version has.
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in parameters
 
     @property
     def device(self) -> torch.device:
@@ -58,12 +63,27 @@ class TargetVerifier:
         return DynamicCache(config=self.model.config)
 
     @torch.no_grad()
-    def run(self, ids: Sequence[int], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, ids: Sequence[int], cache: Any, *, every_position: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`every_position=False` returns the greedy token of the last position only ([1]); None (the
+        default) does so for a prefill (an empty cache), where decoding reads only the last token and the
+        logits of every position would be [T, V] (3 GB in float32 for a 3 K-token prompt at a 248 K
+        vocabulary). A verification round needs every position's token: its cache is never empty."""
+        if every_position is None:
+            every_position = int(cache.get_seq_length()) > 0
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        output = self.model(
-            input_ids=input_ids, output_hidden_states=True, use_cache=True, **{self._cache_argument: cache}
-        )
-        greedy = output.logits[0].argmax(dim=-1).cpu()
+        keep = {} if every_position or not self._keeps_logits else {"logits_to_keep": 1}
+        with torch.autocast(self.device.type, enabled=False):
+            output = self.model(
+                input_ids=input_ids,
+                output_hidden_states=True,
+                use_cache=True,
+                **{self._cache_argument: cache},
+                **keep,
+            )
+        logits = output.logits[0] if every_position else output.logits[0, -1:]
+        greedy = logits.argmax(dim=-1).cpu()
         hidden = torch.stack([output.hidden_states[i + 1][0] for i in self.target_layer_ids], dim=1)
         return greedy, hidden.to(torch.bfloat16)
 
@@ -104,11 +124,14 @@ def speculative_decode(
         while accepted < len(drafts) and drafts[accepted] == int(greedy[accepted]):
             accepted += 1
         new = [*drafts[:accepted], int(greedy[accepted])]
-        lengths.append(len(new))
+        before = len(generated)
         for token in new:
             generated.append(token)
             if len(generated) == max_new_tokens or token in stop_token_ids:
                 break
+        # The tokens this round produced: accepted drafts past the budget or a stop token count for nothing
+        # (as z-lab's `dflash_generate` counts them).
+        lengths.append(len(generated) - before)
         # Commit the anchor and the accepted drafts: their states become context for the next block.
         _, states = verifier.run([anchor, *drafts[:accepted]], committed)
         context = torch.cat([context, states])

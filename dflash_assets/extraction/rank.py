@@ -3,12 +3,15 @@ torch.distributed's launcher starts it: `python -m dflash_assets.extraction.rank
 
 Rank 0 extracts the range exactly as one device does (`extract_range`: the same listing, staging,
 uploads and fingerprint), sending each batch to the other ranks before its forward; they run the same
-forward on their shards and keep nothing. Only rank 0 writes objects. The rank's life (lease, process
-group, shard, reports to the step) is `target/ranks.py`'s.
+forward on their shards, through the same last layer, and keep nothing (no capture buffer: only rank 0
+fills one). Only rank 0 writes objects. A batch that runs out of memory on any rank is not halved: every
+rank stops, naming the token budget to lower (`target/tensor_parallel.py`). The shards leave out the LM
+head. The rank's life (lease, process group, shard, reports to the step) is `target/ranks.py`'s.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,9 +19,19 @@ from typing import Any
 import torch
 
 from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.settings import MAX_TOKENS_PER_BATCH
+from dflash_assets.target.devices import current_device
+from dflash_assets.target.layer_ids import resolve_target_layer_ids
+from dflash_assets.target.model import find_decoder
 from dflash_assets.target.ranks import StepLink, TargetRankJob, rank_main
+from dflash_assets.target.tensor_parallel import fail_fast_on_out_of_memory, full_tensor
 
 CAPTURE = "capture"
+LOWER = f"{MAX_TOKENS_PER_BATCH.name} (run config `max_tokens_per_batch`)"
+
+
+def _batch(input_ids: torch.Tensor) -> str:
+    return f"a batch of {input_ids.shape[0]} samples x {input_ids.shape[1]:,} tokens"
 
 
 class LeaderCapture(HiddenStateCapture):
@@ -30,7 +43,49 @@ class LeaderCapture(HiddenStateCapture):
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         self.group.send(CAPTURE, input_ids.cpu(), attention_mask.cpu())
-        return super().__call__(input_ids, attention_mask)
+        group = self.group
+        with fail_fast_on_out_of_memory(group.rank, group.size, group.device, _batch(input_ids), LOWER):
+            return super().__call__(input_ids, attention_mask)
+
+
+class _StopForward(Exception):
+    pass
+
+
+class FollowerForward:
+    """A follower's part of a capture: the forward over its shard through the last captured layer, each
+    captured layer's output made whole as rank 0 makes it (a plan that leaves it sharded gathers it, a
+    collective rank 0 joins too), and nothing kept."""
+
+    def __init__(self, model: torch.nn.Module, target_layer_ids: list[int]) -> None:
+        self.base_model, self.layers = find_decoder(model)
+        self.target_layer_ids = resolve_target_layer_ids(
+            {"num_hidden_layers": len(self.layers)}, list(target_layer_ids)
+        )
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        last = self.target_layer_ids[-1]
+
+        def make_hook(layer_id: int):
+            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                full_tensor(output[0] if isinstance(output, tuple | list) else output)
+                if layer_id == last:
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in self.target_layer_ids]
+        device = next(self.base_model.parameters()).device
+        try:
+            with current_device(device), torch.inference_mode():
+                self.base_model(
+                    input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+                )
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 def lead(job: TargetRankJob) -> Any:
@@ -91,10 +146,13 @@ def handlers(job: TargetRankJob):
     layer_ids = [int(i) for i in job.work["target_layer_ids"]]
 
     def make(model: torch.nn.Module) -> dict[str, Any]:
-        capture = HiddenStateCapture(model, layer_ids)
+        forward = FollowerForward(model, layer_ids)
+        rank, size = int(os.environ["RANK"]), job.tp
+        device = next(model.parameters()).device
 
         def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-            capture(input_ids, attention_mask)  # the collectives inside meet rank 0's; the result is its
+            with fail_fast_on_out_of_memory(rank, size, device, _batch(input_ids), LOWER):
+                forward(input_ids, attention_mask)  # the collectives inside meet rank 0's
 
         return {CAPTURE: run}
 
@@ -109,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         what="capture",
         lead=lead,
         handlers=handlers,
+        lm_head=False,
     )
 
 

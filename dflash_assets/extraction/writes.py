@@ -26,6 +26,7 @@ from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.staging import StagingDirectory
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.batching import pad_batch
+from dflash_assets.target.devices import release_cached_memory
 
 # Samples go to a writer thread in chunks of about this many bytes; at most two chunks per writer thread
 # wait, which bounds the host memory that finished batches hold.
@@ -93,26 +94,37 @@ class GapExtraction:
         """(samples, captured [B, T, K, H]) for the batch, or for its halves after an out-of-memory."""
         input_ids, attention_mask = pad_batch([s.input_ids for s in batch], self.pad_id)
         fault_point("extract_forward")  # crash tests: die here, mid-range, with earlier batches staged
-        try:
-            captured = self.capture(input_ids, attention_mask)
-        except torch.cuda.OutOfMemoryError:
-            if len(batch) == 1:
-                raise torch.cuda.OutOfMemoryError(
-                    f"sample {batch[0].sample_index} ({batch[0].num_tokens} tokens) does not fit on "
-                    f"{self.progress.device} even alone; lower the maximum sample length when tokenizing or "
-                    "use a larger device"
-                ) from None
-            torch.cuda.empty_cache()
-            self.warn(
-                f"out of memory on {self.progress.device} for {len(batch)} samples x {input_ids.shape[1]} "
-                "tokens; splitting the batch (lower max_tokens_per_batch to avoid the retry)"
-            )
-            half = len(batch) // 2
-            yield from self._forward(batch[:half])
-            yield from self._forward(batch[half:])
+        captured = self._capture_or_none(input_ids, attention_mask)
+        if captured is not None:
+            self.computed_tokens += input_ids.numel()
+            yield batch, captured
             return
-        self.computed_tokens += input_ids.numel()
-        yield batch, captured
+        # Out of memory. The failed forward's traceback (and every tensor its frames held) went with the
+        # `except` block in `_capture_or_none`; only now can the halves find that memory free.
+        tokens = input_ids.shape[1]
+        del input_ids, attention_mask
+        if len(batch) == 1:
+            raise torch.cuda.OutOfMemoryError(
+                f"sample {batch[0].sample_index} ({batch[0].num_tokens} tokens) does not fit on "
+                f"{self.progress.device} even alone; lower the maximum sample length when tokenizing or "
+                "use a larger device"
+            )
+        release_cached_memory()
+        self.warn(
+            f"out of memory on {self.progress.device} for {len(batch)} samples x {tokens} "
+            "tokens; splitting the batch (lower max_tokens_per_batch to avoid the retry)"
+        )
+        half = len(batch) // 2
+        yield from self._forward(batch[:half])
+        yield from self._forward(batch[half:])
+
+    def _capture_or_none(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """The batch's captured states, or None when it ran out of device memory. Nothing is retried in
+        the handler: the retry runs after it, once the failed attempt is gone."""
+        try:
+            return self.capture(input_ids, attention_mask)
+        except torch.cuda.OutOfMemoryError:
+            return None
 
     def _store(self, part: list[TokenizedSample], host: HostBatch) -> None:
         ready: list[tuple[TokenizedSample, EncodedStates]] = []

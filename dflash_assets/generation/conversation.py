@@ -3,7 +3,13 @@
 System, user and tool turns are kept as written. Every assistant turn is regenerated, in order, against
 the history as regenerated so far (so turn 2 answers what the target itself said in turn 1); an empty
 assistant message is answered like any other, and a conversation that ends with a user (or tool) turn
-gets an answer appended (a prompts-only dataset).
+gets an answer appended (a prompts-only dataset). The row's tools go with every turn.
+
+Tool calls: a regenerated turn whose tool calls differ from the dataset's turn (other functions or
+arguments, ids aside; calls where the dataset has none, or none where it has some) ends the conversation
+there: the dataset's tool results answer the dataset's calls, not the target's, so nothing after that
+turn is asked for or kept. A turn whose calls match keeps the dataset's call ids, so the tool results
+still refer to them.
 """
 
 from __future__ import annotations
@@ -11,7 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_assets.conversations.datasets import Dropped, Messages, parse_messages
+from dflash_assets.conversations.layouts import (
+    Dropped,
+    Messages,
+    as_conversation,
+    parse_tool_calls,
+    tool_call_signature,
+)
 
 
 @dataclass
@@ -22,6 +34,7 @@ class Answer:
     content: str
     finish_reason: str  # "stop" (the target ended its turn) or "length" (cut at max_new_tokens)
     reasoning: str | None = None  # a reasoning block the engine returned apart from the content
+    tool_calls: list[dict[str, Any]] | None = None  # the calls the engine parsed from the answer
     completion_token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_tokens: int | None = None
@@ -35,6 +48,9 @@ class Answer:
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
+        calls = parse_tool_calls(self.tool_calls, 0)
+        if calls and not isinstance(calls, Dropped):
+            message["tool_calls"] = calls
         return message
 
     def num_tokens(self) -> int:
@@ -51,6 +67,7 @@ class Regeneration:
     source: Messages  # as read from the dataset
     answers: list[Answer] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # where each answer goes in `messages`
+    tools: list[dict[str, Any]] | None = None  # the row's tools, passed with every turn
 
     def __post_init__(self) -> None:
         if not self.positions:
@@ -58,29 +75,58 @@ class Regeneration:
 
     @property
     def turns(self) -> int:
-        return len(self.positions)
+        """Turns to answer: every assistant turn, or up to the one whose tool calls left the dataset's."""
+        cut = self.ended_at()
+        return len(self.positions) if cut is None else cut + 1
 
     @property
     def finished(self) -> bool:
-        return len(self.answers) == len(self.positions)
+        return len(self.answers) >= self.turns
+
+    def ended_at(self) -> int | None:
+        """The answer (0-based) after which the conversation ends early because its tool calls differ
+        from the dataset's turn, when a later turn would have followed; else None."""
+        for number, answer in enumerate(self.answers[: len(self.positions) - 1]):
+            if tool_call_signature(answer.tool_calls) != tool_call_signature(self._source_calls(number)):
+                return number
+        return None
+
+    def _source_calls(self, number: int) -> Any:
+        position = self.positions[number]
+        return self.source[position].get("tool_calls") if position < len(self.source) else None
 
     def next_prompt(self) -> Messages:
         """The history the next answer is generated from (earlier answers already the target's own)."""
         return self._messages_through(self.positions[len(self.answers)])
 
     def messages(self) -> Messages:
-        """The whole conversation with every assistant turn the target's."""
-        return self._messages_through(len(self.source) + 1)
+        """The whole conversation with every assistant turn the target's (up to where it ended)."""
+        cut = self.ended_at()
+        return self._messages_through(len(self.source) + 1 if cut is None else self.positions[cut] + 1)
 
     def _messages_through(self, stop: int) -> Messages:
         out: Messages = []
-        answers = dict(zip(self.positions, self.answers, strict=False))
+        answers = dict(zip(self.positions, enumerate(self.answers), strict=False))
         for position in range(min(stop, len(self.source) + 1)):
             if position in answers:
-                out.append(answers[position].message())
+                number, answer = answers[position]
+                out.append(self._with_dataset_call_ids(answer.message(), number))
             elif position < len(self.source) and self.source[position]["role"] != "assistant":
                 out.append(dict(self.source[position]))
         return out
+
+    def _with_dataset_call_ids(self, message: dict[str, Any], number: int) -> dict[str, Any]:
+        """An answer whose calls match the dataset's takes their ids: the tool results refer to them."""
+        source = parse_tool_calls(self._source_calls(number), 0)
+        calls = message.get("tool_calls")
+        same = not isinstance(source, Dropped) and tool_call_signature(calls) == tool_call_signature(source)
+        if not calls or not same:
+            return message
+        message["tool_calls"] = [
+            {**call, "id": theirs["id"]} if "id" in theirs else call
+            for call, theirs in zip(calls, source, strict=True)
+        ]
+        return message
 
 
 def answer_positions(messages: Messages) -> list[int]:
@@ -93,12 +139,12 @@ def answer_positions(messages: Messages) -> list[int]:
 
 
 def plan_regeneration(sample_index: int, row: Any) -> Regeneration | Dropped:
-    """A dataset row (its messages, or why they are unusable) as a conversation to regenerate."""
-    if isinstance(row, Dropped):
-        return row
-    messages = parse_messages(row, require_assistant=False)
-    if isinstance(messages, Dropped):
-        return messages
+    """A dataset row (its Conversation or messages, or why they are unusable) as a conversation to
+    regenerate."""
+    conversation = as_conversation(row, require_assistant=False)
+    if isinstance(conversation, Dropped):
+        return conversation
+    messages = conversation.messages
     if not any(message["role"] in ("user", "tool") for message in messages):
         return Dropped("no_prompt", f"roles: {[m['role'] for m in messages]}")
-    return Regeneration(sample_index, messages)
+    return Regeneration(sample_index, messages, tools=conversation.tools)

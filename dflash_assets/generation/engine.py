@@ -64,6 +64,11 @@ class TurnRequest:
     def sample_index(self) -> int:
         return self.conversation.sample_index
 
+    @property
+    def tools(self) -> list[dict] | None:
+        """The row's tools, rendered into every turn's prompt (and sent to servers)."""
+        return self.conversation.tools
+
 
 class TurnScheduler:
     """Thread-safe queue of the next turn of every unfinished conversation."""

@@ -5,9 +5,10 @@ Prompts are the target's chat template applied to the history with a generation 
 `transformers serve`, vLLM and SGLang build them, and left-padded so every row's new tokens start
 together. An answer ends at the first end-of-turn token the target emits (kept, with its id) or at
 `max_new_tokens` (`finish_reason: length`). The text is decoded without special tokens and parsed as the
-servers parse it (see `split_reasoning`). Prompt plus answer stay within the target's positions
-(`max_position_embeddings`): a turn near the end of the context asks for fewer new tokens, alone in its
-batch, and a prompt that fills it drops its row (`exceeds_context`).
+servers parse it (see `split_reasoning`); a row with tools has its prompt rendered with them and its
+answers' tool calls read as `transformers serve` reads them (`tool_calls.py`). Prompt plus answer stay
+within the target's positions (`max_position_embeddings`): a turn near the end of the context asks for
+fewer new tokens, alone in its batch, and a prompt that fills it drops its row (`exceeds_context`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from dflash_assets.generation.engine import (
     no_room,
 )
 from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.generation.tool_calls import parse_answer, response_template
 from dflash_assets.target.batching import plan_batches
+from dflash_assets.target.devices import release_cached_memory
+from dflash_assets.target.threads import decoding_threads
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -52,9 +56,12 @@ def split_reasoning(text: str) -> tuple[str, str | None]:
     return answer.strip(), reasoning.replace("<think>", "", 1).strip()
 
 
-def prompt_token_ids(tokenizer: Any, messages: Sequence[dict], settings: GenerationSettings) -> list[int]:
+def prompt_token_ids(
+    tokenizer: Any, messages: Sequence[dict], settings: GenerationSettings, tools: list[dict] | None = None
+) -> list[int]:
     ids = tokenizer.apply_chat_template(
         list(messages),
+        tools=tools,
         add_generation_prompt=True,
         tokenize=True,
         return_dict=False,
@@ -116,14 +123,19 @@ class InProcessEngine(Engine):
         # A batch's worth at a time, so the next turns of conversations under way join the next batch
         # (the scheduler hands them out first) instead of waiting behind every first turn of the range.
         while requests := scheduler.take(limit=self.max_batch_size):
-            prompts = [prompt_token_ids(self.tokenizer, r.messages, self.settings) for r in requests]
+            prompts = [prompt_token_ids(self.tokenizer, r.messages, self.settings, r.tools) for r in requests]
             limits = [new_token_limit(len(p), max_new, self.context_tokens) for p in prompts]
             whole = [i for i, limit in enumerate(limits) if limit == max_new]
             budget = [len(prompts[i]) + max_new for i in whole]
             token_budget = max(self.max_tokens_per_batch, max(budget, default=0))
+            # No padding bound (extraction's 5 % would cut 64 ready turns into batches of 5 to 26): a
+            # batch runs its `max_new_tokens` decoding steps whatever its width, so two half batches cost
+            # twice the steps, while padding costs only prompt positions. The token budget bounds memory.
             batches = [
                 ([whole[j] for j in batch], max_new)
-                for batch in plan_batches(budget, token_budget, self.max_batch_size)
+                for batch in plan_batches(
+                    budget, token_budget, self.max_batch_size, max_padding_fraction=None
+                )
             ]
             # A turn the context cuts short runs alone: its batch-mates would get its shorter answers.
             batches += [([i], limit) for i, limit in enumerate(limits) if 0 < limit < max_new]
@@ -145,20 +157,31 @@ class InProcessEngine(Engine):
         self, prompts: list[list[int]], requests: list[TurnRequest], new_tokens: int
     ) -> list[Answer]:
         """One batch, halved on running out of device memory (a single prompt that cannot fit fails)."""
+        answers = self._generate_or_none(prompts, requests, new_tokens)
+        if answers is not None:
+            return answers
+        # Out of memory: the halves run here, after the `except` block has ended and taken the failed
+        # `generate`'s traceback (its frames and their tensors, the KV cache among them) with it.
+        if len(prompts) == 1:
+            raise torch.cuda.OutOfMemoryError(
+                f"sample {requests[0].sample_index}: a prompt of {len(prompts[0])} tokens plus "
+                f"{new_tokens} new ones does not fit on {self.device}; lower "
+                "DFLASH_GENERATE_MAX_NEW_TOKENS or the dataset's prompt lengths"
+            )
+        release_cached_memory()
+        half = len(prompts) // 2
+        return self._generate(prompts[:half], requests[:half], new_tokens) + self._generate(
+            prompts[half:], requests[half:], new_tokens
+        )
+
+    def _generate_or_none(
+        self, prompts: list[list[int]], requests: list[TurnRequest], new_tokens: int
+    ) -> list[Answer] | None:
+        """The batch's answers, or None when it ran out of device memory (retried by the caller)."""
         try:
             return self._generate_batch(prompts, requests, new_tokens)
         except torch.cuda.OutOfMemoryError:
-            if len(prompts) == 1:
-                raise torch.cuda.OutOfMemoryError(
-                    f"sample {requests[0].sample_index}: a prompt of {len(prompts[0])} tokens plus "
-                    f"{new_tokens} new ones does not fit on {self.device}; lower "
-                    "DFLASH_GENERATE_MAX_NEW_TOKENS or the dataset's prompt lengths"
-                ) from None
-            torch.cuda.empty_cache()
-            half = len(prompts) // 2
-            return self._generate(prompts[:half], requests[:half], new_tokens) + self._generate(
-                prompts[half:], requests[half:], new_tokens
-            )
+            return None
 
     def _generate_batch(
         self, prompts: list[list[int]], requests: list[TurnRequest], new_tokens: int | None = None
@@ -172,20 +195,33 @@ class InProcessEngine(Engine):
             config = copy.deepcopy(config)
             config.max_new_tokens = new_tokens
         rows = self._generate_rows(prompts, config, seed)
-        return [self._answer(prompt, generated) for prompt, generated in zip(prompts, rows, strict=True)]
+        return [
+            self._answer(prompt, generated, request.tools)
+            for prompt, generated, request in zip(prompts, rows, requests, strict=True)
+        ]
 
     def _generate_rows(self, prompts: list[list[int]], config: Any, seed: int | None) -> list[list[int]]:
         """Each prompt's new tokens (up to the config's `max_new_tokens`, padding included)."""
         return generate_rows(self.model, prompts, self.pad_id, config, seed, self.device)
 
-    def _answer(self, prompt: list[int], generated: list[int]) -> Answer:
+    def _answer(self, prompt: list[int], generated: list[int], tools: list[dict] | None = None) -> Answer:
         end = next((i for i, token in enumerate(generated) if token in self.stop_ids), None)
         completion = generated[: end + 1] if end is not None else generated
-        text = self.tokenizer.decode(completion, skip_special_tokens=True)
-        content, reasoning = split_reasoning(text)
+        parsed = None
+        if tools:  # read only for rows with tools (looking the template up imports transformers serve)
+            if not hasattr(self, "response_template"):
+                config = getattr(self.model, "config", None)
+                self.response_template = response_template(self.tokenizer, config)
+            parsed = parse_answer(self.tokenizer, self.response_template, completion, prompt, tools)
+        if parsed is not None:
+            content, reasoning, tool_calls = parsed
+        else:
+            text = self.tokenizer.decode(completion, skip_special_tokens=True)
+            (content, reasoning), tool_calls = split_reasoning(text), None
         return Answer(
             content=content,
             reasoning=reasoning,
+            tool_calls=tool_calls or None,
             finish_reason="stop" if end is not None else "length",
             completion_token_ids=completion,
             prompt_token_ids=list(prompt),
@@ -213,7 +249,7 @@ def generate_rows(
         attention_mask[row, width - len(prompt) :] = 1
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.inference_mode():
+    with torch.inference_mode(), decoding_threads(model):
         output = model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
         )

@@ -12,6 +12,9 @@ header: never logged, never in an error, never in run config.
 
 Servers that return token ids (vLLM with `return_token_ids`) give the exact ids of every answer; the
 others give text, which `tokenized_completions` tokenises with the target's tokenizer.
+
+A row's tools are sent as `tools`, its messages in the API's form (a tool call's arguments as a JSON
+string, every call with an id), and an answer's `tool_calls` are read back.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.layouts import Dropped, parse_tool_calls
 from dflash_assets.generation.conversation import Answer
 from dflash_assets.generation.engine import (
     Engine,
@@ -112,7 +115,7 @@ class OpenAIEngine(Engine):
         settings: GenerationSettings,
         *,
         target_name: str,
-        prompt_tokens: Callable[[list[dict]], int] | None = None,
+        prompt_tokens: Callable[..., int] | None = None,
         model: str | None = None,
         api_key: str | None = None,
         concurrency: int = 64,
@@ -122,8 +125,9 @@ class OpenAIEngine(Engine):
         warn: Callable[[str], None] = print,
         context_tokens: int | None = None,
     ) -> None:
-        """`context_tokens` (the target's `max_position_embeddings`), with `prompt_tokens`, keeps every
-        request's prompt plus `max_tokens` within the target's context."""
+        """`context_tokens` (the target's `max_position_embeddings`), with `prompt_tokens` (messages, and
+        `tools=` for a row that has them -> the prompt's length), keeps every request's prompt plus
+        `max_tokens` within the target's context."""
         if concurrency < 1:
             raise ValueError(f"DFLASH_GENERATE_CONCURRENCY must be >= 1, got {concurrency}")
         self.servers = [Server(url) for url in base_urls]
@@ -230,8 +234,14 @@ class OpenAIEngine(Engine):
         """`max_tokens` for this turn within the target's context, and the prompt's length (0: uncounted)."""
         if self.context_tokens is None or self._prompt_tokens is None:
             return self.settings.max_new_tokens, 0
-        prompt = self._prompt_tokens(request.messages)
+        prompt = self._count_prompt(request)
         return new_token_limit(prompt, self.settings.max_new_tokens, self.context_tokens), prompt
+
+    def _count_prompt(self, request: TurnRequest) -> int:
+        assert self._prompt_tokens is not None
+        if request.tools:
+            return self._prompt_tokens(request.messages, tools=request.tools)
+        return self._prompt_tokens(request.messages)
 
     def _answer(self, request: TurnRequest, max_tokens: int | None = None) -> Answer:
         last_error = ""
@@ -266,7 +276,7 @@ class OpenAIEngine(Engine):
     def _body(self, server: Server, request: TurnRequest, max_tokens: int | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": server.model,
-            "messages": request.messages,
+            "messages": wire_messages(request.messages),
             "max_tokens": max_tokens or self.settings.max_new_tokens,
             "temperature": self.settings.temperature,
             "stream": False,
@@ -276,6 +286,8 @@ class OpenAIEngine(Engine):
             body["seed"] = self.settings.seed
             if self.settings.top_k:
                 body["top_k"] = self.settings.top_k
+        if request.tools:
+            body["tools"] = request.tools
         if self.settings.chat_template_kwargs:
             body["chat_template_kwargs"] = dict(self.settings.chat_template_kwargs)
         for name in server.optional_fields:
@@ -366,9 +378,11 @@ class OpenAIEngine(Engine):
         completion_ids = choice.get("token_ids")
         prompt_ids = response.get("prompt_token_ids")
         finish = choice.get("finish_reason") or "stop"
+        tool_calls = parse_tool_calls(message.get("tool_calls"), 0)
         answer = Answer(
             content=content,
             reasoning=reasoning or None,
+            tool_calls=tool_calls if tool_calls and not isinstance(tool_calls, Dropped) else None,
             finish_reason="length" if finish == "length" else "stop",
             completion_token_ids=[int(i) for i in completion_ids] if completion_ids is not None else None,
             prompt_token_ids=[int(i) for i in prompt_ids] if prompt_ids is not None else None,
@@ -383,7 +397,7 @@ class OpenAIEngine(Engine):
         tokenizer or chat template, whose answers would be scored against prompts the drafter never sees."""
         if self._prompt_tokens is None or answer.prompt_tokens is None:
             return
-        expected = self._prompt_tokens(request.messages)
+        expected = self._count_prompt(request)
         if expected == answer.prompt_tokens:
             return
         with self._lock:
@@ -396,6 +410,31 @@ class OpenAIEngine(Engine):
                 f"{request.sample_index} where the target's tokenizer and chat template count {expected}: it "
                 "may serve another model or template (counted in the range's metadata)"
             )
+
+
+def wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat-completions API takes them: a tool call's arguments as a JSON string, and an
+    id on every call (the API requires one; the template of a call without one never shows it)."""
+    out = []
+    for position, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if not calls:
+            out.append(message)
+            continue
+        wired = []
+        for number, call in enumerate(calls):
+            arguments = call["function"]["arguments"]
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            wired.append(
+                {
+                    "id": call.get("id") or f"call_{position}_{number}",
+                    "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": arguments},
+                }
+            )
+        out.append({**message, "tool_calls": wired})
+    return out
 
 
 def _detail(body: Any) -> str:

@@ -10,20 +10,28 @@ The rank's life (lease, process group, shard, reports) is `target/ranks.py`'s.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 from dflash_assets.generation.in_process import generate_rows
 from dflash_assets.target.ranks import StepLink, TargetRankJob, rank_main
+from dflash_assets.target.tensor_parallel import fail_fast_on_out_of_memory
 
 GENERATE = "generate"
+LOWER = "the run config's `max_tokens_per_batch` or `max_batch_size`, or DFLASH_GENERATE_MAX_NEW_TOKENS"
 
 
-def _generate(model: Any, prompts: list[list[int]], pad_id: int, config: dict, seed: int | None):
+def _generate(
+    model: Any, tp: int, prompts: list[list[int]], pad_id: int, config: dict, seed: int | None
+) -> list[list[int]]:
+    """One batch's `generate` on this rank's shard; out of memory ends every rank (no halving alone)."""
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
-    return generate_rows(model, prompts, pad_id, GenerationConfig.from_dict(config), seed, device)
+    what = f"a batch of {len(prompts)} prompts of up to {max(map(len, prompts)):,} tokens"
+    with fail_fast_on_out_of_memory(int(os.environ["RANK"]), tp, device, what, LOWER):
+        return generate_rows(model, prompts, pad_id, GenerationConfig.from_dict(config), seed, device)
 
 
 def lead(job: TargetRankJob):
@@ -46,14 +54,14 @@ def lead(job: TargetRankJob):
                 continue
             payload = (request["prompts"], int(request["pad_id"]), request["config"], request["seed"])
             group.send(GENERATE, *payload)
-            link.reply({"rows": _generate(model, *payload)})
+            link.reply({"rows": _generate(model, job.tp, *payload)})
             batches += 1
 
     return run
 
 
 def handlers(job: TargetRankJob):
-    return lambda model: {GENERATE: lambda *payload: _generate(model, *payload)}
+    return lambda model: {GENERATE: lambda *payload: _generate(model, job.tp, *payload)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         what="regeneration",
         lead=lead,
         handlers=handlers,
+        lm_head=True,  # `generate` reads the logits
     )
 
 

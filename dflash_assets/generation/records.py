@@ -10,6 +10,8 @@ A record (format `dflash-assets.completions/1`):
                 "completion_tokens": 57,
                 "completion_token_ids": [...]}],   where the engine returned them
      "prompt_token_ids": [...],               the exact prompt of the last answer, where returned
+     "tools": [...],                          the row's tools, where it has any (every prompt had them)
+     "ended_early": "tool_calls_differ",      where a turn's tool calls left the dataset's: later turns cut
      "engine": "in-process"}
 
 A row that could not be answered is a line `{"sample_index": 18, "dropped": "<reason>", "detail": "..."}`
@@ -26,12 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.layouts import Dropped
 from dflash_assets.generation.conversation import Regeneration
 
 COMPLETIONS_FORMAT = "dflash-assets.completions/1"
 COMPLETIONS_NAME = "completions.jsonl"
 CHUNKS_DIR = "chunks"
+ENDED_AT_TOOL_CALLS = "tool_calls_differ"
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,14 @@ class CompletionRecord:
     turns: list[dict[str, Any]]
     prompt_token_ids: list[int] | None
     engine: str
+    tools: list[dict[str, Any]] | None = None
+    ended_early: str | None = None  # ENDED_AT_TOOL_CALLS: the conversation stops at a turn whose calls differ
 
     @classmethod
     def from_regeneration(cls, conversation: Regeneration, engine: str) -> CompletionRecord:
         turns = []
-        for position, answer in zip(conversation.positions, conversation.answers, strict=True):
+        answered = conversation.positions[: len(conversation.answers)]
+        for position, answer in zip(answered, conversation.answers, strict=True):
             turn: dict[str, Any] = {
                 "message": _message_index(conversation, position),
                 "finish_reason": answer.finish_reason,
@@ -61,11 +67,18 @@ class CompletionRecord:
             turns=turns,
             prompt_token_ids=list(last.prompt_token_ids) if last.prompt_token_ids is not None else None,
             engine=engine,
+            tools=conversation.tools,
+            ended_early=ENDED_AT_TOOL_CALLS if conversation.ended_at() is not None else None,
         )
 
     @property
     def truncated(self) -> bool:
         return any(turn["finish_reason"] == "length" for turn in self.turns)
+
+    @property
+    def tool_call_turns(self) -> int:
+        """The target's answers that called tools."""
+        return sum(bool(self.messages[int(turn["message"])].get("tool_calls")) for turn in self.turns)
 
     @property
     def generated_tokens(self) -> int:
@@ -79,6 +92,10 @@ class CompletionRecord:
         }
         if self.prompt_token_ids is not None:
             body["prompt_token_ids"] = self.prompt_token_ids
+        if self.tools is not None:
+            body["tools"] = self.tools
+        if self.ended_early is not None:
+            body["ended_early"] = self.ended_early
         body["engine"] = self.engine
         return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
@@ -121,6 +138,8 @@ def parse_line(text: str, where: str) -> Line:
             turns=list(body["turns"]),
             prompt_token_ids=body.get("prompt_token_ids"),
             engine=str(body.get("engine", "")),
+            tools=body.get("tools"),
+            ended_early=body.get("ended_early"),
         )
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{where}: not a completion record ({type(error).__name__}: {error})") from None

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.layouts import Conversation, Dropped
 from dflash_assets.conversations.tokenize import BadRow, check_bad_rows
 from dflash_assets.generation.conversation import Answer, Regeneration, plan_regeneration
 from dflash_assets.generation.engine import Engine, TurnScheduler
@@ -93,11 +93,14 @@ def completions_fingerprint(
 
 def dataset_identity(uri: str, rows: Sequence[tuple[int, Any]]) -> dict[str, str]:
     """The rows a range's answers are made from: where they were read and a digest of their content
-    (index and messages, or why a row is unreadable), so answers staged for another dataset, or for rows
-    that changed since, are never taken for this range's."""
+    (index and messages, with the tools of a row that has them, or why a row is unreadable), so answers
+    staged for another dataset, or for rows that changed since, are never taken for this range's."""
     digest = hashlib.sha256()
     for index, row in rows:
-        body = {"dropped": row.reason} if isinstance(row, Dropped) else row
+        if isinstance(row, Dropped):
+            body: Any = {"dropped": row.reason}
+        else:
+            body = row.identity() if isinstance(row, Conversation) else row
         digest.update(json.dumps([index, body], sort_keys=True, ensure_ascii=False, default=str).encode())
         digest.update(b"\n")
     return {"uri": str(uri), "rows_sha256": digest.hexdigest()}
@@ -151,6 +154,8 @@ class RegenerationResult:
     records: int  # conversations answered and kept
     dropped: dict[int, str]  # sample index -> reason (unreadable, failed, truncated with truncated=drop)
     truncated: int  # kept records with an answer cut at max_new_tokens
+    tool_call_turns: int  # answers of kept records that called tools
+    ended_at_tool_calls: int  # kept records cut at a turn whose tool calls differ from the dataset's
     generated_now: int
     reused_from_store: int
     reused_from_staging: int
@@ -178,6 +183,8 @@ class RegenerationResult:
             "dropped": len(self.dropped),
             **{f"dropped_{reason}": count for reason, count in self.dropped_by_reason.items()},
             "truncated": self.truncated,
+            "tool_call_turns": self.tool_call_turns,
+            "ended_at_tool_calls": self.ended_at_tool_calls,
             "tokens_generated": self.tokens_generated,
             "generated_now": self.generated_now,
             "reused_from_store": self.reused_from_store,
@@ -336,6 +343,8 @@ def regenerate_range(
         records=summary.records,
         dropped=summary.dropped,
         truncated=summary.truncated,
+        tool_call_turns=summary.tool_call_turns,
+        ended_at_tool_calls=summary.ended_at_tool_calls,
         generated_now=counters.done_this_run,
         reused_from_store=len(in_store),
         reused_from_staging=len(in_staging),
@@ -459,14 +468,14 @@ class _Journal:
                     continue
                 turn, answer, engines[index], text = entry
                 answers = answered.setdefault(index, [])
-                if turn != len(answers) or turn >= planned[index].turns:
+                if turn != len(answers) or self._resumed(planned[index], answers).finished:
                     continue  # not the next turn of this conversation: the journal never holds such a line
                 answers.append(answer)
                 self._under_way.setdefault(index, []).append(text)
             for index in sorted(answered):
-                conversation = planned[index]
-                if len(answered[index]) == conversation.turns:
-                    resumed = Regeneration(index, conversation.source, answers=list(answered.pop(index)))
+                resumed = self._resumed(planned[index], answered[index])
+                if resumed.finished:
+                    answered.pop(index)
                     self._finished.append(self._record(resumed, engines[index]))
                     del self._under_way[index]
             recovered |= {line.sample_index for line in self._finished}
@@ -476,6 +485,10 @@ class _Journal:
                 else:
                     self._rewrite_journal_locked()
         return recovered, answered
+
+    @staticmethod
+    def _resumed(planned: Regeneration, answers: list[Answer]) -> Regeneration:
+        return Regeneration(planned.sample_index, planned.source, answers=list(answers), tools=planned.tools)
 
     def _read_journal(self, warn: Callable[[str], None]) -> Iterator[tuple[int, Any]]:
         """`(sample, a record (CompletionRecord or DroppedRow) or (turn, Answer, engine, the line))` for
@@ -590,6 +603,8 @@ def _turn_line(index: int, turn: int, answer: Answer, engine: str) -> str:
 class _Summary:
     records: int = 0
     truncated: int = 0
+    tool_call_turns: int = 0
+    ended_at_tool_calls: int = 0
     tokens: int = 0
     dropped: dict[int, str] = field(default_factory=dict)
     first_detail: str = ""
@@ -636,6 +651,8 @@ def _assemble(
                 else:
                     summary.records += 1
                     summary.truncated += line.truncated
+                    summary.tool_call_turns += line.tool_call_turns
+                    summary.ended_at_tool_calls += line.ended_early is not None
                     summary.tokens += line.generated_tokens
                 yield line
             missing = sorted(all_rows - seen)

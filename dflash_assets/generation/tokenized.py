@@ -63,6 +63,7 @@ def tokenize_completions(
             completion_token_ids=turn.get("completion_token_ids"),
             prompt_token_ids=record.prompt_token_ids,
             sample_index=record.sample_index,
+            tools=record.tools,
         )
         if isinstance(answered.sample, Dropped):
             drop(record.sample_index, answered.sample)

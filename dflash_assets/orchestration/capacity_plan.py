@@ -82,6 +82,7 @@ def build_plan(
             known=known,
             sample_rows=sample_rows,
             cache_dir=settings.cache_dir(),
+            layout=dataset.layout(),
             log=log,
         )
         if samples or mean_tokens:
@@ -237,6 +238,7 @@ def planned_object_bytes(
                 tokenizer=target_model.load_tokenizer(),
                 sample_rows=sample_rows,
                 cache_dir=settings.cache_dir(),
+                layout=dataset.layout(),
                 log=log,
             )
             mean, how = round(workload.tokens / max(workload.samples, 1)), "the plan's mean length"
@@ -259,7 +261,8 @@ def planned_object_bytes(
 
 
 def planned_drafter(target_model: TargetModelResource):
-    """The drafter the configured target gets (`DFLASH_DRAFTER_SHAPE`, `DFLASH_NUM_DRAFT_LAYERS`); its mask
+    """The drafter the configured target gets (`DFLASH_DRAFTER_SHAPE`, `DFLASH_DRAFTER_ARCH`,
+    `DFLASH_BLOCK_SIZE`, `DFLASH_NUM_DRAFT_LAYERS`); its mask
     token does not matter to a plan, so no tokenizer is needed."""
     from dflash_assets.drafter.config import DrafterConfig
 
@@ -269,6 +272,8 @@ def planned_drafter(target_model: TargetModelResource):
         target_layer_ids=target_model.layer_ids(),
         mask_token_id=0,
         shape=settings.DRAFTER_SHAPE.get(),
+        arch=settings.DRAFTER_ARCH.get(),
+        block_size=settings.BLOCK_SIZE.get_int(),
     )
 
 

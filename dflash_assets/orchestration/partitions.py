@@ -85,22 +85,21 @@ def dataset_uri() -> str:
 
 
 def dataset_row_count(uri: str) -> int:
-    """Rows in the dataset, cached by the file's identity so a large file is counted once.
+    """Rows in the dataset, cached by its files' identity so a large dataset is counted once.
 
-    An `s3://` dataset is resolved first (a HEAD request; downloaded only when its ETag changed)."""
+    An `s3://` dataset is resolved first (a HEAD or a listing; downloaded only when an ETag changed)."""
     from dflash_assets.conversations.datasets import count_rows, resolve_dataset
 
-    path = resolve_dataset(uri, cache_dir=settings.cache_dir())
-    stat = path.stat()
+    files = resolve_dataset(uri, cache_dir=settings.cache_dir())
     cache = settings.cache_dir() / "row-counts.json"
-    stamp = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    stamp = files.stamp()
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
     if stamp in known:
         return int(known[stamp])
-    rows = count_rows(str(path))
+    rows = count_rows(files)
     known[stamp] = rows
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)

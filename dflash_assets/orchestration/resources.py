@@ -202,12 +202,24 @@ class DatasetResource(ConfigurableResource):
     """The source conversations; `bundled` is the sample data shipped in the package."""
 
     dataset: str | None = Field(default=None, description=settings.DATASET.field_description())
+    dataset_format: str | None = Field(default=None, description=settings.DATASET_FORMAT.field_description())
     cache_dir: str | None = Field(default=None, description=settings.CACHE_DIR.field_description())
 
     def uri(self) -> str:
         from dflash_assets.conversations.datasets import dataset_uri
 
         return dataset_uri(settings.given_or(self.dataset, settings.DATASET.get))
+
+    def layout(self) -> str:
+        """How rows are read (`DFLASH_DATASET_FORMAT`): `auto`, `messages` or `sharegpt`."""
+        from dflash_assets.conversations.layouts import DATASET_FORMATS
+
+        value = settings.given_or(self.dataset_format, settings.DATASET_FORMAT.get)
+        if value not in DATASET_FORMATS:
+            raise settings.SettingError(
+                f"{settings.DATASET_FORMAT.name}={value!r} must be one of {', '.join(DATASET_FORMATS)}"
+            )
+        return value
 
     def past_the_end(self, sample_range: Any) -> ValueError:
         """The error for a range with no rows: the dataset ends before it starts. Such a range must never
@@ -218,8 +230,9 @@ class DatasetResource(ConfigurableResource):
             "or materialise this range once the dataset has grown."
         )
 
-    def local_path(self) -> Path:
-        """The dataset as a local file: an `s3://` one is downloaded into the cache once per version."""
+    def local_path(self) -> Any:
+        """The dataset as local files (`DatasetFiles`): `s3://` objects are downloaded into the cache once
+        per version, `hf://` ones into huggingface_hub's cache."""
         from dflash_assets.conversations.datasets import resolve_dataset
 
         return resolve_dataset(
@@ -303,7 +316,9 @@ class GenerationResource(ConfigurableResource):
                 parse_urls(self.server_urls()),
                 generation,
                 target_name=target_model.model_dir().name,
-                prompt_tokens=lambda messages: len(prompt_token_ids(tokenizer, messages, generation)),
+                prompt_tokens=lambda messages, tools=None: len(
+                    prompt_token_ids(tokenizer, messages, generation, tools)
+                ),
                 model=settings.given_or(self.model, settings.GENERATE_MODEL.get) or None,
                 api_key=settings.generate_api_key(),
                 concurrency=settings.given_or(self.concurrency, settings.GENERATE_CONCURRENCY.get_int),

@@ -62,6 +62,16 @@ class TrainConfig(Config):
         default=None, description="Mask token id (DFLASH_MASK_TOKEN_ID; -1 or unset: from the tokenizer)."
     )
     drafter_shape: str | None = Field(default=None, description="`auto`/`dflash`, `dflash-swa` or `target`.")
+    drafter_arch: str | None = Field(default=None, description="`dflash` or `dflash2` (DFLASH_DRAFTER_ARCH).")
+    loss: str | None = Field(
+        default=None, description="Position weights: `dpace` or `decay` (DFLASH_DRAFTER_LOSS)."
+    )
+    dpace_alpha: float | None = Field(default=None, description="D-PACE's smoothing (DFLASH_DPACE_ALPHA).")
+    block_size: int | None = Field(default=None, description="Drafter block size (DFLASH_BLOCK_SIZE).")
+    drafter_init: str | None = Field(
+        default=None,
+        description="A drafter directory in z-lab's layout to start from (DFLASH_DRAFTER_INIT).",
+    )
     checkpoint_every_steps: int | None = Field(
         default=None, description="Checkpoint every N steps (DFLASH_CHECKPOINT_EVERY_STEPS; 0: by time only)."
     )
@@ -106,6 +116,10 @@ class TrainConfig(Config):
             "checkpoint_every_steps": every_steps or None,
             "checkpoint_every_minutes": every_minutes or None,
             "micro_batch_bytes": int(self.micro_batch_gib * 2**30) if self.micro_batch_gib else None,
+            "loss": chosen(self.loss, settings.DRAFTER_LOSS.get),
+            "dpace_alpha": chosen(self.dpace_alpha, settings.DPACE_ALPHA.get_float),
+            "block_size": self.block(),
+            "drafter_init": chosen(self.drafter_init, settings.DRAFTER_INIT.get),
         }
         recipe = ("epochs", "lr", "num_anchors", "gamma", "seed", "log_every_steps", "eval_samples",
                   "spec_eval_prompts", "spec_eval_max_new_tokens")  # fmt: skip
@@ -115,6 +129,12 @@ class TrainConfig(Config):
     @property
     def run(self) -> str:
         return self.run_name or settings.RUN_NAME.get()
+
+    def arch(self) -> str:
+        return settings.given_or(self.drafter_arch, settings.DRAFTER_ARCH.get)
+
+    def block(self) -> int:
+        return settings.given_or(self.block_size, settings.BLOCK_SIZE.get_int)
 
     def mask_token(self) -> int | None:
         value = self.mask_token_id
@@ -214,8 +234,14 @@ def training_job(
         target_layer_ids=target_model.layer_ids(),
         mask_token_id=config.mask_token(),
         shape=config.drafter_shape or settings.DRAFTER_SHAPE.get(),
+        arch=config.arch(),
+        block_size=config.block(),
     )
     drafter_config.extra["target_model_name"] = target_model.name  # what hidden-state objects record
+    if train_settings.drafter_init:  # a mismatch is named here, before any rank starts
+        from dflash_assets.drafter.published import check_initial_drafter
+
+        check_initial_drafter(drafter_config, train_settings.drafter_init)
     log(
         f"mask token {drafter_config.mask_token_id}: {drafter_config.extra['mask_token_source']}; "
         f"drafter {config_summary(drafter_config)}"
@@ -366,6 +392,8 @@ def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
         ),
         "rank_step_seconds": MetadataValue.json([round(s, 4) for s in rank_seconds]),
         "slowest_rank_step_s": MetadataValue.float(float(max(rank_seconds, default=0.0))),
+        # Rank 0's seconds in held-out evaluations (teacher-forced and speculative), the rest being steps.
+        "evaluation_seconds": MetadataValue.float(float(outcome.get("evaluation_seconds") or 0.0)),
         "trained_world_sizes": MetadataValue.json(outcome.get("world_sizes") or []),
         "mode": job.mode,
         "device": world["devices"][0],
@@ -377,6 +405,10 @@ def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
         "mask_token_id": drafter.mask_token_id,
         "mask_token_source": drafter.extra.get("mask_token_source", ""),
         "drafter_shape": MetadataValue.json(config_summary(drafter)),
+        "drafter_arch": drafter.arch,
+        "objective": MetadataValue.json(
+            {name: job.settings.get(name) for name in ("loss", "gamma", "dpace_alpha", "drafter_init")}
+        ),
         "trained_partitions": MetadataValue.json(outcome["partitions"]),
         "training_data": MetadataValue.json(job.data_source),
         "checkpoints_written": len(outcome["checkpoints"]),

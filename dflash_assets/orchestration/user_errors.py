@@ -20,6 +20,8 @@ from dflash_assets.settings import Setting, SettingError
 # Values of settings whose meaning lives in a module that imports torch (so not imported at load); a
 # test holds the shapes equal to `drafter.config.DRAFTER_SHAPES` and builds each executor named.
 DRAFTER_SHAPES = ("auto", "dflash", "dflash-swa", "target")
+DRAFTER_ARCHS = ("dflash", "dflash2")  # drafter.config.ARCHITECTURES
+DRAFTER_LOSSES = ("dpace", "decay")  # drafter.objective.LOSSES
 TRAIN_MODES = ("offline", "online")
 EXECUTORS = ("local", "k8s", "celery")
 
@@ -43,6 +45,7 @@ _INTEGERS: dict[Setting, tuple[int, bool]] = {
     settings.TRAIN_NNODES: (1, False),
     settings.TRAIN_RDZV_PORT: (0, False),
     settings.TRAIN_MAX_RESTARTS: (0, False),
+    settings.BLOCK_SIZE: (2, False),
 }
 # Numbers: the smallest value, and whether it is allowed itself.
 _NUMBERS: dict[Setting, tuple[float, bool]] = {
@@ -59,13 +62,17 @@ _NUMBERS: dict[Setting, tuple[float, bool]] = {
 
 
 def _choices() -> dict[Setting, tuple[str, ...]]:
+    from dflash_assets.conversations.layouts import DATASET_FORMATS
     from dflash_assets.storage.store import CHECKSUM_MODES
 
     return {
         settings.COMPLETIONS: ("dataset", "target"),
+        settings.DATASET_FORMAT: DATASET_FORMATS,
         settings.S3_CHECKSUM: CHECKSUM_MODES,
         settings.TRAIN_MODE: TRAIN_MODES,
         settings.DRAFTER_SHAPE: DRAFTER_SHAPES,
+        settings.DRAFTER_ARCH: DRAFTER_ARCHS,
+        settings.DRAFTER_LOSS: DRAFTER_LOSSES,
         settings.EXECUTOR: EXECUTORS,
     }
 
@@ -84,12 +91,22 @@ def _store_url(value: str) -> None:
 
 def _dataset(value: str) -> None:
     if value == "bundled" or value.startswith(("s3://", "file://")) or "://" not in value:
-        if value.startswith("s3://") and len(value.split("/", 3)) < 4:
-            raise SettingError(f"{settings.DATASET.name}={value!r} must name one object: s3://<bucket>/<key>")
+        if value.startswith("s3://") and not value[len("s3://") :].split("/", 1)[0]:
+            raise SettingError(
+                f"{settings.DATASET.name}={value!r} names no bucket: s3://<bucket>/<key or prefix>"
+            )
+        return
+    if value.startswith("hf://"):
+        parts = value[len("hf://") :].split("/")
+        if parts[0] != "datasets" or len([part for part in parts[1:3] if part]) < 2:
+            raise SettingError(
+                f"{settings.DATASET.name}={value!r} must be "
+                "hf://datasets/<owner>/<name>[@revision]/<path or glob>"
+            )
         return
     raise SettingError(
         f"{settings.DATASET.name}={value!r} has an unsupported scheme: use a local path, file:///path, "
-        "s3://<bucket>/<key> or `bundled`"
+        "s3://<bucket>/<key or prefix>, hf://datasets/<owner>/<name>/<path> or `bundled`"
     )
 
 
@@ -163,6 +180,11 @@ def _git_url(value: str) -> None:
         )
 
 
+def _dpace_alpha(value: str) -> None:
+    if not 0.0 <= settings.DPACE_ALPHA.get_float() <= 1.0:
+        raise SettingError(f"{settings.DPACE_ALPHA.name}={value!r} must be between 0 and 1")
+
+
 def _special() -> dict[Setting, Callable[[str], None]]:
     return {
         settings.STORE_URL: _store_url,
@@ -178,6 +200,8 @@ def _special() -> dict[Setting, Callable[[str], None]]:
         settings.RUN_NAME: _run_name,
         settings.TRAIN_NPROC_PER_NODE: _ranks_per_node,
         settings.GIT_URL: _git_url,
+        settings.DPACE_ALPHA: _dpace_alpha,
+        settings.DRAFTER_INIT: _local_directory(settings.DRAFTER_INIT),
     }
 
 
@@ -232,10 +256,11 @@ def check_settings() -> None:
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from dflash_assets.conversations.datasets import DatasetError
+    from dflash_assets.drafter.published import DrafterInitError
     from dflash_assets.orchestration.partitions import NotASampleRange
     from dflash_assets.storage.store import StoreConfigError
 
-    return (SettingError, DatasetError, StoreConfigError, NotASampleRange)
+    return (SettingError, DatasetError, StoreConfigError, NotASampleRange, DrafterInitError)
 
 
 def user_error_message(error: BaseException) -> str | None:

@@ -26,7 +26,12 @@ from dflash_assets.target.memory import (
     recurrent_state_bytes,
     target_config,
 )
-from dflash_assets.training.memory import evaluation_target_bytes, training_memory, with_headroom
+from dflash_assets.training.memory import (
+    evaluation_target_bytes,
+    planned_attention,
+    training_memory,
+    with_headroom,
+)
 
 
 def stage_memory(
@@ -59,7 +64,7 @@ def stage_memory(
     regeneration = regeneration_bytes(
         target, device, max_tokens_per_batch, max_length, generation_batch, target_tp
     )
-    training = training_memory(drafter, max_length, num_anchors)
+    training = training_memory(drafter, max_length, num_anchors, attention=planned_attention(device.kind))
     prompt = max(1, max_length - spec_eval_max_new_tokens)
     evaluation = training.between_steps_bytes + evaluation_target_bytes(
         target.model_dir, device.kind, prompt, spec_eval_max_new_tokens
@@ -84,14 +89,14 @@ def extraction_bytes(
     tp: int = 1,
 ) -> int:
     """Extraction on one device of a target split over `tp` (rank 0, the busiest): its share of the
-    weights (on one device without the LM head, which capture never loads), one forward's activations at
+    weights without the LM head (capture never loads it, split or not), one forward's activations at
     the token budget, the capture buffer in the model's dtype and its encoded copy (bf16 cast, or fp8's
     float32 working copy + e4m3 + scales)."""
     config = target_config(target.model_dir)
     element = _element(device)
     captured = max_tokens_per_batch * len(target.layer_ids) * target.hidden_size
     encoded = captured * (4 + 1) if hidden_state_dtype == "fp8" else (0 if element == 2 else captured * 2)
-    parameters = target.weight_bytes_bf16 // 2 - (lm_head_parameters(config) if tp == 1 else 0)
+    parameters = target.weight_bytes_bf16 // 2 - lm_head_parameters(config)
     return (
         parameters * element // tp
         + forward_activation_bytes(config, max_tokens_per_batch, element, tp)
@@ -127,7 +132,8 @@ def online_target_bytes(target: TargetFacts, device: DeviceProfile, tokens: int,
     layers split into contiguous blocks, one per device: `target.model.load_target_model`): its share of
     the weights, one micro-batch's no-grad forward over `tokens` tokens (one sequence at the least; a
     layer at a time, so the same on any span) and the captured layers it hands over (on its first
-    device)."""
+    device). The LM head counts: the first replica keeps it, for the verifier of the speculative
+    evaluation (later replicas load without it, `training/job.py`), and the busiest device is planned."""
     config = target_config(target.model_dir)
     element = _element(device)
     captured = tokens * len(target.layer_ids) * target.hidden_size * element

@@ -21,11 +21,11 @@ no overlap to lose.
 
 Across N > 1 nodes every step ends with the gradient all-reduce: a ring sends 2(N-1)/N of the drafter's
 float32 gradients (its trainable parameters × 4 bytes) through each node's link to the others
-(`--inter-node-gbps`, GB/s: 10^9 bytes a second, default `DEFAULT_INTER_NODE_GBPS`), after the step's
-compute (the trainer sums after a rank's last micro-batch: `training/distributed.py`). A step of B
-tokens (the global batch of `global_batch_size` samples of the mean length) that the N nodes compute at
-r tokens/s then takes B/r + A seconds: the split trains B / (B/r + A) tokens/s. Within a node the
-devices' own links are taken as free.
+(`--inter-node-gbps`, GB/s: 10^9 bytes a second, default `DEFAULT_INTER_NODE_GBPS`), counted after the
+step's compute (an upper bound: DDP's reducer overlaps the sum with a rank's last backward,
+`training/distributed.py`). A step of B tokens (the global batch of `global_batch_size` samples of the
+mean length) that the N nodes compute at r tokens/s then takes B/r + A seconds: the split trains
+B / (B/r + A) tokens/s. Within a node the devices' own links are taken as free.
 
 Offline, every rank reads its samples from the store: at most S / b tokens/s, S the store's read rate
 (`--store-gbps`, GB/s, or `dflash-assets bench --only store`'s saved measurement; one figure for the
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dflash_assets.drafter.config import DrafterConfig, drafter_shape
-from dflash_assets.drafter.model import drafter_parameter_count
+from dflash_assets.drafter.model import dflash2_parameter_counts, drafter_parameter_count
 from dflash_assets.planning.capacity import (
     SEED_TRAIN_TOKENS_PER_S,
     STATED_MFU,
@@ -65,7 +65,12 @@ from dflash_assets.planning.capacity import (
 )
 from dflash_assets.planning.memory import online_target_bytes
 from dflash_assets.storage.units import human_bytes
-from dflash_assets.training.memory import TrainingMemory, training_memory, with_headroom
+from dflash_assets.training.memory import (
+    TrainingMemory,
+    planned_attention,
+    training_memory,
+    with_headroom,
+)
 
 TIE_FRACTION = 0.02
 CHOICE_TIE_FRACTION = 0.05  # days this close count as equal when choosing online, offline or fp8
@@ -114,7 +119,8 @@ def drafter_step_flops(config: DrafterConfig, sequence_tokens: int, num_anchors:
     labelled: every drafted slot, an upper bound), W = the drafter layers' weights, K·H·D = the context
     projection `fc`, c = kv heads × head_dim, A = query heads × head_dim, V = the vocabulary:
 
-        layers     3 · 2·P·W                    forward, input gradient, weight gradient
+        layers     3 · 2·P·W                    forward, input gradient, weight gradient (DFlash2's
+                                                convolutions' projections included)
         fc         2 · 2·L·K·H·D                forward, weight gradient (the target's states need none)
         context kv 3 · 2·L·(2·D·c)·layers       each layer's k and v of the context
         attention  3 · 4·P·A·Σ_layers (v̄ + S)  scores and values; v̄ = context keys a slot sees on
@@ -122,6 +128,7 @@ def drafter_step_flops(config: DrafterConfig, sequence_tokens: int, num_anchors:
         LM head    3 · 2·R·V·D                  forward, its recompute in backward (the objective
                                                 checkpoints the logits in chunks), input gradient; the
                                                 head is frozen: no weight gradient
+        selector   `selector_step_flops`        DFlash2 only
 
     `bench/drafter_step.py`'s `step_flops` counts the same but triples `fc` (3 · 2·L·K·H·D: it counts
     an input gradient the target's states never get) and uses L/2 on every layer; a test holds the two
@@ -133,7 +140,8 @@ def drafter_step_flops(config: DrafterConfig, sequence_tokens: int, num_anchors:
     labelled = blocks * (config.block_size - 1)
     width, hidden = config.num_heads * config.head_dim, config.hidden_size
     context_weights = config.num_context_layers * config.target_hidden_size * hidden
-    layer_weights = drafter_parameter_count(config) - context_weights
+    _, selector_weights = dflash2_parameter_counts(config)  # its codebooks are looked up, not multiplied
+    layer_weights = drafter_parameter_count(config) - context_weights - selector_weights
     kv_weights = 2 * hidden * config.num_kv_heads * config.head_dim * config.num_layers
     layers = 3 * 2 * slots * layer_weights
     fc = 2 * 2 * length * context_weights
@@ -143,7 +151,16 @@ def drafter_step_flops(config: DrafterConfig, sequence_tokens: int, num_anchors:
         window = config.sliding_window if kind == "sliding_attention" else None
         attention += 3 * 4 * slots * width * (_mean_visible_context(length, window) + config.block_size)
     lm_head = 3 * 2 * labelled * config.vocab_size * hidden
-    return float(layers + fc + context_kv + attention + lm_head)
+    return float(layers + fc + context_kv + attention + lm_head + selector_step_flops(config, labelled))
+
+
+def selector_step_flops(config: DrafterConfig, labelled: int) -> float:
+    """DFlash2's selector over R labelled slots, forward and backward (x3): its hidden projection
+    (2·R·D·rank) and each slot's K pair scores (2·R·K·rank). Zero for DFlash."""
+    if not config.has_selector:
+        return 0.0
+    rank = config.selector_rank
+    return float(3 * 2 * labelled * rank * (config.hidden_size + config.selector_top_k))
 
 
 def drafter_flops_per_token(
@@ -793,7 +810,7 @@ def training_split_for(
         drafter_tokens_per_s=d,
         device_memory_bytes=device.total_memory_bytes,
         target_device_bytes=online_target_bytes(target, device, longest, target_span),
-        training=training_memory(drafter, longest, num_anchors),
+        training=training_memory(drafter, longest, num_anchors, attention=planned_attention(device.kind)),
         tokens_to_train=tokens_to_train,
         target_span=target_span,
         step_tokens=global_batch_size * sum(kept) / len(kept),

@@ -130,6 +130,7 @@ def build_workload(
     seed: int = 0,
     cache_dir: Path | None = None,
     rows: int | None = None,
+    layout: str = "auto",
     log: Callable[[str], None] = lambda message: None,
 ) -> Workload:
     """The workload of every range covering `dataset_uri` (see the module docstring).
@@ -138,9 +139,10 @@ def build_workload(
     `tokenized_completions` is materialising. Without a `tokenizer` nothing is tokenized: ranges not
     known or in the store are estimated from the ranges that are. `sample_rows=0` tokenizes every row.
     `rows` is the dataset's row count when the caller knows it (counting a large file takes a scan).
+    Rows are read in `layout` (`DFLASH_DATASET_FORMAT`), as `tokenized_completions` reads them.
     """
     path = resolve_dataset(dataset_uri, cache_dir=cache_dir)
-    rows = count_rows(str(path)) if rows is None else rows
+    rows = count_rows(path) if rows is None else rows
     if rows == 0:
         raise ValueError(f"dataset {dataset_uri!r} has no rows: check DFLASH_DATASET")
     ranges: dict[str, RangeWorkload] = {}
@@ -183,7 +185,7 @@ def build_workload(
         )
         result = tokenize_rows(
             tokenizer,
-            iter_rows_at(path, chosen),
+            iter_rows_at(path, chosen, layout=layout),
             path,
             str(dataset_uri),
             max_length=max_length,

@@ -170,7 +170,7 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
 
 
 def _bundled_conversations() -> list[list[dict[str, Any]]]:
-    return [row for _, row in iter_rows(bundled_dataset_path()) if not isinstance(row, Dropped)]
+    return [row.messages for _, row in iter_rows(bundled_dataset_path()) if not isinstance(row, Dropped)]
 
 
 def build_demo_tokenizer(conversations: list[list[dict[str, Any]]]) -> Any:

@@ -92,6 +92,19 @@ def torch_device(device: str | torch.device) -> torch.device:
         ) from error
 
 
+def release_cached_memory() -> None:
+    """Memory back to the device before an out-of-memory retry: reference cycles collected (a failed
+    forward's frames can sit in one), then the CUDA allocator's cached blocks returned. Call it after the
+    `except` block of the failed attempt has ended: until then its traceback holds that attempt's frames,
+    and with them every tensor they allocated, so nothing could be freed."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
+
+
 def _lock_path(lock_dir: Path, device: str) -> Path:
     # The host name keeps leases apart when the lock directory sits on a shared home directory.
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in device)

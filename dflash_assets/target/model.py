@@ -5,8 +5,12 @@ The real loading path (`AutoModelForCausalLM.from_pretrained`) serves the demo t
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping, Sequence
+import logging
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,10 @@ from torch import nn
 from dflash_assets.target.devices import torch_device
 
 MODEL_SETTING = "DFLASH_TARGET_MODEL"
+# transformers' loading report: logged by `log_state_dict_report` on the modeling logger.
+_LOADING_LOGGER = "transformers.modeling_utils"
+_LOADING_REPORT = "log_state_dict_report"
+_LM_HEAD_KEY = re.compile(r"(^|\.)lm_head\.(weight|bias)$")
 
 
 class TargetModelError(ValueError):
@@ -92,7 +100,8 @@ def load_target_model(
         )
     device_map: Any = devices[0] if len(devices) == 1 else layer_split_device_map(path, devices, auto)
     try:
-        model = auto.from_pretrained(path, dtype=dtype, device_map=device_map)
+        with contextlib.nullcontext() if lm_head else quiet_left_out_lm_head():
+            model = auto.from_pretrained(path, dtype=dtype, device_map=device_map)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
         raise TargetModelError(
             f"cannot load the target model from {str(path)!r}: {error} (check {MODEL_SETTING})"
@@ -162,3 +171,44 @@ def find_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
         f"cannot find decoder layers in {type(model).__name__} (looked for model.model.layers and "
         f"model.model.language_model.layers); check {MODEL_SETTING}"
     )
+
+
+class LeftOutLmHeadFilter(logging.Filter):
+    """Drops transformers' loading report when all it says is that the checkpoint's LM head went unused
+    (`lm_head.weight UNEXPECTED`), loading a model without one on purpose. A report that says anything
+    else (another unexpected key, a missing or mismatched one) is kept whole."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            info = _loading_report_info()
+            if info is None:
+                return True
+            unexpected = set(info.unexpected_keys)
+            others = info.missing_keys or info.mismatched_keys or info.conversion_errors
+            return not unexpected or bool(others) or not all(_LM_HEAD_KEY.search(key) for key in unexpected)
+        except Exception:  # never lose a log record to this filter
+            return True
+
+
+def _loading_report_info() -> Any:
+    """The `LoadStateDictInfo` of the loading report being logged now (its frame is on the stack), or
+    None when no report is."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if frame.f_code.co_name == _LOADING_REPORT and module.startswith("transformers."):
+            return frame.f_locals.get("loading_info")
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def quiet_left_out_lm_head() -> Iterator[None]:
+    """For the block: no loading report for an LM head the model was loaded without on purpose."""
+    logger = logging.getLogger(_LOADING_LOGGER)
+    quiet = LeftOutLmHeadFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)

@@ -9,7 +9,9 @@ A rank:
    busy host fails the rank naming who holds the devices);
 3. joins the process group and loads its shard of the target straight onto its device;
 4. rank 0 runs the stage (`lead`) and reports to the step through a `torch.distributed.TCPStore` the step
-   serves (log lines, warnings, progress, the outcome); the other ranks follow it (`TargetGroup.follow`).
+   serves (log lines, warnings, progress, the outcome); the other ranks follow it (`TargetGroup.follow`),
+   and a follower that fails says why there too before it ends (out of memory, say: every rank stops, see
+   `tensor_parallel.fail_fast_on_out_of_memory`).
 
 The stage's own entries are `extraction/rank.py` (a range's capture) and `generation/rank.py` (a
 generation server for the step's regeneration).
@@ -136,7 +138,7 @@ Handlers = Callable[[Any], Mapping[str, Callable[..., Any]]]
 
 def rank_main(
     argv: list[str] | None, *, prog: str, description: str | None, what: str,
-    lead: Callable[[TargetRankJob], Lead], handlers: Callable[[TargetRankJob], Handlers],
+    lead: Callable[[TargetRankJob], Lead], handlers: Callable[[TargetRankJob], Handlers], lm_head: bool,
 ) -> int:  # fmt: skip
     """A rank module's command line: `python -m <prog> JOB`, JOB the `what`'s TargetRankJob JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
@@ -144,13 +146,13 @@ def rank_main(
     args = parser.parse_args(argv)
     die_with_parent()
     job = TargetRankJob.from_json(Path(args.job).read_text())
-    return run_target_rank(job, lead(job), handlers(job))
+    return run_target_rank(job, lead(job), handlers(job), lm_head=lm_head)
 
 
-def run_target_rank(job: TargetRankJob, lead: Lead, handlers: Handlers) -> int:
+def run_target_rank(job: TargetRankJob, lead: Lead, handlers: Handlers, *, lm_head: bool = True) -> int:
     """One rank's life (see the module docstring). `lead(group, model, devices, link)` is rank 0's work and
     returns its outcome (JSON); `handlers(model)` are the commands a follower runs when the leader sends
-    them."""
+    them. `lm_head=False` loads the shards without the LM head (capture never reads logits)."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if all(name.split(":")[0] == "cpu" for name in job.devices):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a split over `cpu:N` leases runs on the CPU alone
@@ -190,9 +192,15 @@ def run_target_rank(job: TargetRankJob, lead: Lead, handlers: Handlers) -> int:
         devices = group.all_gather_object(device)
         if rank == 0:
             link.log(f"target split over {job.tp} devices ({', '.join(devices)}); loading the shards")
-        model = load_target_shard(job.model_dir, target, job.tp)
+        model = load_target_shard(job.model_dir, target, job.tp, lm_head=lm_head)
         if rank != 0:
-            group.follow(handlers(model))
+            try:
+                group.follow(handlers(model))
+            except Exception as error:
+                # Rank 0 may be waiting in a collective this rank never reaches: the launcher stops it
+                # when this process ends, and the step hears why from here.
+                link.event("error", f"target rank {rank} ({device}): {type(error).__name__}: {error}")
+                raise
             return 0
         group.start_heartbeat()
         try:

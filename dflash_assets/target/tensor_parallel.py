@@ -11,6 +11,12 @@ Every rank must run the same forwards in the same order, or the collectives insi
 the followers what it is about to run over a gloo group of its own (`TargetGroup.send`); the followers
 run it too and throw their copy away (`TargetGroup.follow`). Every wait has the group's timeout; a leader
 with nothing to send for a while sends a heartbeat, so a follower tells an idle leader from a dead one.
+
+A rank that runs out of memory ends them all (`fail_fast_on_out_of_memory`): the other ranks are inside
+the same forward, waiting in a collective the failed rank will never reach, so a batch cannot be halved
+on one rank alone (its smaller forward's collectives would pair with the others' leftovers). The rank's
+error ends its process, torch.distributed's launcher stops the others, and the range's next run resumes
+from the store with a smaller token budget.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import datetime
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +35,13 @@ from torch import nn
 
 from dflash_assets.settings import environment as settings_environment
 from dflash_assets.storage.faults import fault_point
-from dflash_assets.target.model import MODEL_SETTING, TargetModelError, config_value, text_config
+from dflash_assets.target.model import (
+    MODEL_SETTING,
+    TargetModelError,
+    config_value,
+    quiet_left_out_lm_head,
+    text_config,
+)
 
 TP_SETTING = "DFLASH_TARGET_TP"
 STOP, PING = "stop", "ping"
@@ -37,6 +49,28 @@ STOP, PING = "stop", "ping"
 
 class TensorParallelUnsupported(ValueError):
     """The target cannot be split over the configured number of devices: the message says what to do."""
+
+
+class SplitTargetOutOfMemory(RuntimeError):
+    """A rank of a split target ran out of device memory: the message says which, and what to lower.
+    Not a `torch.OutOfMemoryError`, so no handler that halves a batch on one device catches it."""
+
+
+@contextlib.contextmanager
+def fail_fast_on_out_of_memory(rank: int, size: int, device: Any, what: str, lower: str) -> Iterator[None]:
+    """Turn an out-of-memory on this rank into `SplitTargetOutOfMemory` (see the module docstring):
+    `what` ran out (e.g. "a batch of 8 samples x 2,048 tokens"), `lower` is the setting that makes it
+    smaller."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        raise SplitTargetOutOfMemory(
+            f"rank {rank} of the target split over {size} devices ran out of memory on {device} for {what} "
+            f"({first}): the other ranks are inside the same forward, so the batch cannot be halved on one "
+            f"rank alone and every rank stops; lower {lower}, then run the range again (it resumes from "
+            "what the store holds)"
+        ) from None
 
 
 def tensor_parallel_plan(config: Any) -> dict[str, str] | None:
@@ -198,11 +232,21 @@ class TargetGroup:
             self._dist.destroy_process_group()
 
 
-def load_target_shard(model_dir: str | Path, device: torch.device, tp: int, dtype: torch.dtype | None = None):
+def load_target_shard(
+    model_dir: str | Path,
+    device: torch.device,
+    tp: int,
+    dtype: torch.dtype | None = None,
+    *,
+    lm_head: bool = True,
+):
     """This rank's shard of the target, straight onto `device` (each rank reads only its slices of the
-    checkpoint). The process group must be up (`TargetGroup`)."""
-    from transformers import AutoModelForCausalLM
+    checkpoint). The process group must be up (`TargetGroup`). `lm_head=False` leaves the LM head out
+    (`AutoModel`), as one device's capture does: capture never reads logits."""
+    from transformers import AutoModel, AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
+
+    auto = AutoModelForCausalLM if lm_head else AutoModel
 
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -210,11 +254,9 @@ def load_target_shard(model_dir: str | Path, device: torch.device, tp: int, dtyp
     # transformers binds a rank to the accelerator numbered LOCAL_RANK; a rank here leases whichever device
     # is free, so it says which one it leased.
     environment = {"LOCAL_RANK": str(device.index or 0)} if device.type == "cuda" else {}
-    with settings_environment(environment):
+    with settings_environment(environment), contextlib.nullcontext() if lm_head else quiet_left_out_lm_head():
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp)
-            )
+            model = auto.from_pretrained(path, dtype=dtype, distributed_config=DistributedConfig(tp_size=tp))
         except (OSError, ValueError, KeyError) as error:
             raise TargetModelError(
                 f"cannot load the target from {str(path)!r} over {tp} devices: {error} ({MODEL_SETTING})"

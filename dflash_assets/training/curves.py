@@ -13,9 +13,10 @@ The event files are written here in TensorBoard's record format (TFRecord framin
 `Event`/`Summary` protobuf messages encoded by hand), so training needs neither TensorFlow nor the
 `tensorboard` package; the tests read them back with TensorBoard's own loader.
 
-Scalars (tags): `train/loss`, `train/lr`, `train/grad_norm`, `train/tokens_per_s`,
-`train/sequences_per_step` at every optimiser step; `eval/loss`, `eval/tau_teacher_forced`,
-`eval/tau_measured` at every evaluation (step 0 is the untrained drafter).
+Scalars (tags): `train/loss`, `train/ce`, `train/expected_tau` (DFlash2 also `train/selector_ce`,
+`train/selector_recall`), `train/lr`, `train/grad_norm`, `train/tokens_per_s`, `train/sequences_per_step`
+at every optimiser step; `eval/loss`, `eval/ce`, `eval/tau_teacher_forced`, `eval/tau_measured` at every
+evaluation (step 0 is the untrained drafter).
 
 Optional trackers, used only when their package is importable and its usual variable is set (nothing
 here reads or logs their credentials): W&B with `WANDB_PROJECT` (`wandb` reads `WANDB_API_KEY` /

@@ -1,12 +1,21 @@
-"""How the ranks of one training run agree: the process group, and the few collectives the trainer uses.
+"""How the ranks of one training run agree: the process group, the collectives the trainer uses, and the
+gradient reduction.
 
-Data-parallel with replicated weights, DDP's arithmetic: every rank holds the whole drafter and its
-AdamW state, computes the gradients of its own share of each global batch (accumulating over its
-micro-batches), then one bucketed all-reduce sums them; every rank applies the same update. The sum is
-made after a rank's last micro-batch rather than overlapped with its backward (DDP's hooks): ranks run
-different numbers of micro-batches (length-bucketed shares), may redo a step's micro-batches after
-running out of memory, or have no sample at all in a ragged last batch, and none of that may leave
-another rank inside a collective.
+Data-parallel with replicated weights: every rank holds the whole drafter and its AdamW state and
+computes the gradients of its own share of each global batch; torch's DDP reducer sums them over the
+ranks in buckets during the backward of the rank's last micro-batch (`ReplicatedGradients`), so the sum
+overlaps the backward; the earlier micro-batches only add to the local gradients (DDP's `no_sync`). Every
+rank applies the same update. The gradients are sums, never means: the trainer divides them by the whole
+global batch's label weight, so any world size and any micro-batch split make the same steps.
+
+DDP's reducer needs every rank to run exactly one reducing backward a step, and the trainer keeps it so
+whatever happens on one rank: ranks run different numbers of micro-batches (only the last reduces); a
+rank without a sample in a ragged last batch runs a zero-loss forward and backward so its hooks fire; a
+rank that runs out of memory before its reducing micro-batch redoes its own micro-batches smaller, alone
+(no collective has begun); one that runs out of memory inside it finishes its part of the reduction with
+zeros (`finish_failed_reduction`, what DDP's own join does for a rank without a backward), says so in the
+step's figures, and every rank redoes the step on a fresh reducer (`rebuild`). None of it leaves another
+rank inside a collective.
 
 `SingleProcess` is the same interface for one process: the trainer never asks how many ranks there are.
 
@@ -15,17 +24,14 @@ Work between collectives that can take minutes on one rank and seconds on anothe
 download on resume, an evaluation with the target, the first compilation) ends in a meeting on a
 separate gloo group with its own, longer timeout (`long_work_s`: `long_barrier`, and the `long=True`
 object collectives), so the collective timeout never has to cover it.
-
-Why not `DistributedDataParallel`: its hooks all-reduce during the backward, which needs every rank to
-run the same number of backward passes; here a rank may run more micro-batches than another, redo a step
-in smaller ones after running out of memory, or have no sample in a step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +44,7 @@ RANK_ENV, WORLD_SIZE_ENV, LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
 )
-BUCKET_ELEMENTS = 2**26  # 256 MB of float32 gradients per all-reduce
+BUCKET_CAP_MB = 25  # DDP's default: a bucket's all-reduce starts as soon as its gradients are ready
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,8 @@ class SingleProcess:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def sync_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
-        pass
+    def gradient_reduction(self, model: torch.nn.Module, settle: Callable[[Any], None]) -> LocalGradients:
+        return LocalGradients(model)
 
     def all_gather_object(self, value: Any, *, long: bool = False) -> list[Any]:
         return [value]
@@ -108,23 +114,12 @@ class ProcessGroup:
         self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM)
         return tensor
 
-    def sync_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
-        """Sum every trainable parameter's gradient over the ranks, in buckets. A rank without a gradient
-        for a parameter (no sample this step) contributes zeros."""
-        grads: list[torch.Tensor] = []
-        for parameter in parameters:
-            if not parameter.requires_grad:
-                continue
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            grads.append(parameter.grad)
-        for bucket in _buckets(grads, BUCKET_ELEMENTS):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM)
-            offset = 0
-            for grad in bucket:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+    def gradient_reduction(
+        self, model: torch.nn.Module, settle: Callable[[Any], None]
+    ) -> ReplicatedGradients:
+        """DDP's reducer over `model`, built by every rank together: `settle(reduction)` runs one
+        reducing micro-batch and one more forward (see `ReplicatedGradients`)."""
+        return ReplicatedGradients(model, self.device, settle)
 
     def all_gather_object(self, value: Any, *, long: bool = False) -> list[Any]:
         """Every rank's `value`, in rank order; `long`: waiting with the long timeout (after long work)."""
@@ -168,20 +163,88 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"dflash/attempt-{attempt}", store)
 
 
-def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Consecutive tensors of one dtype and device, up to `limit` elements each (a larger tensor alone)."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for tensor in tensors:
-        last = buckets[-1] if buckets else None
-        fits = last is not None and size + tensor.numel() <= limit
-        if fits and last[0].dtype == tensor.dtype and last[0].device == tensor.device:
-            last.append(tensor)
-            size += tensor.numel()
-        else:
-            buckets.append([tensor])
-            size = tensor.numel()
-    return buckets
+class LocalGradients:
+    """One process alone: every backward adds to the gradients in place, and there is nothing to reduce."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.module = model  # what the training forwards run through
+
+    def accumulating(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def reducing(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def finish_failed_reduction(self, begun: bool) -> None:
+        pass
+
+    def rebuild(self) -> None:
+        pass
+
+
+class ReplicatedGradients:
+    """DDP's reducer over the drafter. Forwards run through `module` (the DDP wrapper: its hooks see the
+    backward); a micro-batch under `accumulating` adds to the local gradients (DDP's `no_sync`), the one
+    under `reducing` (a rank's last of the step) has them summed over the ranks in DDP's buckets while its
+    backward runs, with a communication hook that sums (DDP's default divides by the world size; the
+    trainer divides by the global label weight instead).
+
+    DDP's first reducing backward records the order gradients come in and its next forward regroups the
+    buckets by it, with a broadcast from rank 0: a collective inside a forward, which would pair wrongly
+    with a rank that redoes its micro-batches. So every rank runs `settle` (a reducing micro-batch and
+    one more forward) right after building the reducer, together, and the buckets never change after."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, settle: Callable[[Any], None]) -> None:
+        self.model, self.device, self._settle = model, device, settle
+        self.launched = 0  # buckets whose all-reduce this rank began in the current reducing backward
+        self.module: Any = None
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """A fresh reducer, settled (every rank together, after a failed reduction)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.module = None  # the old reducer's buckets go before the new one allocates its own
+        self.module = DistributedDataParallel(
+            self.model,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            # The frozen embedding and LM head are buffers, the same on every rank and 2.5 GB each at a
+            # 248 K vocabulary: never broadcast. The weights are the same by construction and compared
+            # before the first step (`check_ranks_agree`): no collective at construction either.
+            forward_sync_buffers=False,
+            init_sync=False,
+            bucket_cap_mb=BUCKET_CAP_MB,
+            gradient_as_bucket_view=True,  # the gradients are the buckets: no second copy of them
+        )
+        self.module.register_comm_hook(self, _summed)
+        self._settle(self)
+
+    def accumulating(self) -> contextlib.AbstractContextManager:
+        return self.module.no_sync()
+
+    @contextlib.contextmanager
+    def reducing(self) -> Iterator[None]:
+        self.launched = 0
+        yield
+
+    def finish_failed_reduction(self, begun: bool) -> None:
+        """After this rank's step failed (out of memory) in its reducing micro-batch (`begun`) or before
+        it: all-reduce zeros for every bucket it had not begun, in the reducer's order, as DDP's join does
+        for a rank without a backward, so the other ranks' backward completes. The gradients are then not
+        the step's on any rank: the step is redone or stopped everywhere, on a fresh reducer."""
+        reducer = self.module.reducer
+        launched = self.launched if begun else 0
+        for bucket in reducer._get_zeros_like_grad_buckets()[launched:]:
+            reducer._run_comm_hook(bucket).wait()
+
+
+def _summed(state, bucket):  # unannotated: DDP accepts no annotation but its own classes here
+    """DDP's communication hook: the bucket's sum over the ranks (not DDP's default mean)."""
+    import torch.distributed as dist
+
+    state.launched += 1
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])
 
 
 def launched_by_torchrun() -> bool:

@@ -29,6 +29,7 @@ from dflash_assets.drafter.speculative import (
     stop_token_ids_of,
 )
 from dflash_assets.target.model import load_target_model
+from dflash_assets.target.threads import decoding_threads
 from dflash_assets.training.distributed import SingleProcess
 from dflash_assets.training.memory import DeviceMemory, TorchDeviceMemory, target_for_evaluation
 from dflash_assets.training.plan import micro_batches, rank_share
@@ -88,8 +89,8 @@ class Evaluator:
         with self._autocast():
             metrics = block_metrics(
                 model,
-                remember(self._batches()),
-                gamma=self.settings.gamma,
+                remember(self._batches(model.attention_backend)),
+                objective=self.settings.objective,
                 num_anchors=self.settings.num_anchors,
                 seed=self.settings.seed,
             )
@@ -110,9 +111,10 @@ class Evaluator:
             )
         return {"teacher_forced": teacher_forced, "speculative": speculative}
 
-    def _batches(self) -> Iterator[DrafterBatch]:
+    def _batches(self, attention: str) -> Iterator[DrafterBatch]:
         lengths = self.source.lengths
-        micro = micro_batches(self.share, lengths, self.config, self.settings, self._micro_batch_bytes())
+        budget = self._micro_batch_bytes()
+        micro = micro_batches(self.share, lengths, self.config, self.settings, budget, attention)
         samples = self.source.iterate([i for batch in micro for i in batch], "eval")
         for batch in micro:
             yield self.source.collate([next(samples) for _ in batch])
@@ -150,10 +152,10 @@ class Evaluator:
             memory=self._device_memory,
             spare_device=self._spare_device,
             log=self.log,
-        ) as verifier:
-            if verifier is not None:
+        ) as target:
+            if target is not None:
                 try:
-                    result = self._decode(model, verifier, prompts)
+                    result = target.run(lambda verifier: self._decode(model, verifier, prompts))
                 finally:
                     if self._speculative is not None:
                         self._speculative.verifier = None
@@ -171,7 +173,7 @@ class Evaluator:
             )
         else:
             self._speculative.verifier = verifier
-        with self._autocast():
+        with self._autocast(), decoding_threads(verifier.model):  # one thread for a small CPU target
             result = self._speculative.evaluate(model)
         numbering = [index for index, _ in self._my_prompts()]  # this rank's prompts, in every rank's numbers
         return {**result, "mismatched_prompts": [numbering[i] for i in result["mismatched_prompts"]]}

@@ -42,6 +42,7 @@ def export_trained_drafter(
         metrics=metrics,
         data_source=data_source,
         world_sizes=result.world_sizes,
+        objective=result.objective,
     )
     provenance = {
         "run": run,
@@ -50,6 +51,7 @@ def export_trained_drafter(
         "trained_partitions": result.partitions,
         "data_source": data_source or {"completions": "dataset"},
         "world_sizes": result.world_sizes,
+        "objective": result.objective,
         "metrics": {k: v for k, v in metrics.items() if k != "per_position_accuracy"},
     }
     return export_drafter(result.model, directory, provenance=provenance, model_card=card), metrics

@@ -219,9 +219,8 @@ def online_data(
 ):
     """Tokenized samples and this rank's target replicas: on its own leased devices, `job.target_span` of
     them each, or beside the drafter when it has none."""
-    from dflash_assets.extraction.capture import HiddenStateCapture, ReplicatedCapture
+    from dflash_assets.extraction.capture import ReplicatedCapture
     from dflash_assets.target.kernels import report_kernel_paths
-    from dflash_assets.target.model import load_target_model
     from dflash_assets.training.data import OnlineData
 
     if not job.tokenized_partitions:
@@ -229,9 +228,7 @@ def online_data(
     samples = tokenized_samples(store, job.tokenized_partitions, node.read_cache_dir)
     replicas = replica_devices(node.target_devices or [node.device], job.target_span)
     layers = config.target_layer_ids
-    captures = [
-        HiddenStateCapture(load_target_model(node.target_model_dir, spans), layers) for spans in replicas
-    ]
+    captures = replica_captures(node.target_model_dir, replicas, layers)
     for capture, spans in zip(captures, replicas, strict=True):
         report_kernel_paths(capture.model, spans[0], log=log, warn=lambda m: log(f"WARNING: {m}"))
     if job.target_span > 1:
@@ -243,6 +240,19 @@ def online_data(
         overlap=bool(node.target_devices),  # devices of its own: its forward runs during the drafter's
     )
     return data, captures
+
+
+def replica_captures(model_dir: Path, replicas: list[list[str]], layer_ids: list[int]) -> list[Any]:
+    """A capture per replica. Only the first loads the target's LM head: the speculative evaluation's
+    verifier reads it (online, from the first replica); the others only capture, which never reads
+    logits, and at a 248 K vocabulary a head is 2.5 GB of a device in bf16."""
+    from dflash_assets.extraction.capture import HiddenStateCapture
+    from dflash_assets.target.model import load_target_model
+
+    return [
+        HiddenStateCapture(load_target_model(model_dir, spans, lm_head=index == 0), layer_ids)
+        for index, spans in enumerate(replicas)
+    ]
 
 
 def replica_devices(devices: list[str], span: int) -> list[list[str]]:
@@ -297,6 +307,7 @@ def outcome(job: TrainingJob, result, metrics: dict[str, Any], store: ObjectStor
         "metrics": config_metrics,
         "tokens_per_second": result.tokens_per_second,
         "rank_step_seconds": result.rank_step_seconds,
+        "evaluation_seconds": result.evaluation_seconds,
         "world": result.world,
         "world_sizes": result.world_sizes,
         "checkpoints": result.checkpoints,

@@ -24,7 +24,7 @@ import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -47,6 +47,7 @@ SKIP_SETTING = "spec_eval_prompts: 0"
 # Room kept free beyond the estimate: allocator fragmentation and what the estimate leaves out.
 HEADROOM_FRACTION = 0.10
 HEADROOM_BYTES = 256 * 2**20
+T = TypeVar("T")
 
 
 # -------------------------------------------------------------------------------------------- estimates
@@ -98,8 +99,20 @@ class TrainingMemory:
         return self.weights + self.optimizer + self.frozen
 
 
-def training_memory(config: DrafterConfig, max_length: int, num_anchors: int, frozen_dtype_bytes: int = 2):
-    """`TrainingMemory` of a drafter of `config` trained on sequences of up to `max_length` tokens."""
+def planned_attention(device_kind: str) -> str:
+    """The attention backend training runs on a device of this kind (`DFlashDrafter.attention_backend`)."""
+    return "flex" if device_kind == "cuda" else "materialised"
+
+
+def training_memory(
+    config: DrafterConfig,
+    max_length: int,
+    num_anchors: int,
+    frozen_dtype_bytes: int = 2,
+    attention: str = "materialised",
+):
+    """`TrainingMemory` of a drafter of `config` trained on sequences of up to `max_length` tokens with
+    the `attention` backend (flex on CUDA: `planned_attention`)."""
     parameters = drafter_parameter_count(config)
     blocks = min(num_anchors, max(max_length - 1, 1))
     return TrainingMemory(
@@ -107,7 +120,7 @@ def training_memory(config: DrafterConfig, max_length: int, num_anchors: int, fr
         gradients=4 * parameters,
         optimizer=8 * parameters,
         frozen=drafter_frozen_bytes(config, frozen_dtype_bytes),
-        activations=estimate_step_bytes(config, 1, max_length, blocks),
+        activations=estimate_step_bytes(config, 1, max_length, blocks, attention=attention),
     )
 
 
@@ -228,6 +241,35 @@ def place_speculative_evaluation(
 # ------------------------------------------------------------------------------------------- acting
 
 
+class EvaluationTarget:
+    """The target loaded for one speculative evaluation, as `target_for_evaluation` yields it.
+
+    `run(evaluate)` calls `evaluate(target)`. The `with` block's end drops this object's reference before
+    the memory is released and the optimiser state comes back, whoever still holds the object (the
+    caller's `as` name outlives the block), so the target's memory is free by then."""
+
+    def __init__(self, target: object, device: str, log: Callable[[str], None]) -> None:
+        self._target: object | None = target
+        self.device = device
+        self._log = log
+
+    def run(self, evaluate: Callable[[object], T]) -> T | None:
+        """`evaluate(target)`, or None when it ran out of device memory (logged: the evaluation is
+        skipped, training goes on). The handler ends here, before the release: its traceback holds the
+        failed evaluation's frames, and with them the target and every tensor they allocated."""
+        if self._target is None:
+            raise RuntimeError("the evaluation's target was released: run it inside the `with` block")
+        try:
+            return evaluate(self._target)
+        except torch.OutOfMemoryError as error:
+            message = _out_of_memory_message("the speculative evaluation", self.device, error)
+        self._log(message)
+        return None
+
+    def release(self) -> None:
+        self._target = None
+
+
 @contextlib.contextmanager
 def target_for_evaluation(
     *,
@@ -240,12 +282,15 @@ def target_for_evaluation(
     memory: DeviceMemory,
     spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None,
     log: Callable[[str], None],
-) -> Iterator[object | None]:
-    """Yields the loaded target (`load(device)`) where it fits, or None when the evaluation is skipped.
+) -> Iterator[EvaluationTarget | None]:
+    """Yields the target loaded where it fits (`load(device)`, held by an `EvaluationTarget`), or None
+    when the evaluation is skipped.
 
     Afterwards the target is released, the optimiser state is back on the drafter's device and a spare
-    lease is returned. An out-of-memory error while loading or evaluating is logged and swallowed: the
-    caller sees the evaluation as skipped (its result stays unset)."""
+    lease is returned, in that order. An out-of-memory error while loading or evaluating is logged and
+    swallowed: the caller sees the evaluation as skipped (its result stays unset). Evaluate through
+    `EvaluationTarget.run`: an error that leaves the `with` block is still in flight while the block
+    ends, and what its traceback holds cannot be released."""
     from dflash_assets.target.devices import torch_device
 
     device_type = torch_device(drafter_device).type
@@ -282,18 +327,26 @@ def target_for_evaluation(
         if placement.action == "offload":
             stack.callback(offload_optimizer_state(optimizer, "cpu"))
         stack.callback(_release_memory, device_type)
-        try:
-            target = load(placement.device)
-        except torch.OutOfMemoryError as error:
-            log(_out_of_memory_message("loading the target", placement.device, error))
+        held = _load(load, placement.device, log)
+        if held is None:
             yield None
             return
+        stack.callback(held.release)  # first of the callbacks: the reference goes before the release
         try:
-            yield target
+            yield held
         except torch.OutOfMemoryError as error:
             log(_out_of_memory_message("the speculative evaluation", placement.device, error))
-        finally:
-            del target  # this frame's reference goes before the memory is released
+
+
+def _load(load: Callable[[str], object], device: str, log: Callable[[str], None]) -> EvaluationTarget | None:
+    """The loaded target, or None when loading it ran out of memory (logged after the handler has ended:
+    the partly loaded weights its traceback holds are freed with it)."""
+    try:
+        return EvaluationTarget(load(device), device, log)
+    except torch.OutOfMemoryError as error:
+        message = _out_of_memory_message("loading the target", device, error)
+    log(message)
+    return None
 
 
 def _out_of_memory_message(what: str, device: str | None, error: BaseException) -> str:

@@ -3,7 +3,6 @@ logging window and the whole run, with the log line."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ def _duration(seconds: float) -> str:
 @dataclass
 class StepStats:
     """One optimiser step over the whole global batch: each rank fills in its share, one all-reduce sums
-    them (`pack` / `unpack`), so every rank knows the global loss normaliser and whether to skip."""
+    them (`pack_local` / `unpack`), so every rank knows the global loss normaliser and whether to skip."""
 
     weighted_ce_sum: float
     weight_sum: float
@@ -36,11 +35,18 @@ class StepStats:
     tokens: int
     micro_batches: int
     nonfinite_ranks: int  # ranks whose loss was not finite: every rank skips the update
+    redo_ranks: int  # ranks out of memory in their reducing micro-batch: every rank redoes the step
+    unfit_ranks: int  # ranks where one sequence alone does not fit: every rank stops
     checkpoint_due: bool  # rank 0's clock decides for all
     rank_seconds: list[float]  # each rank's compute time for the step (stragglers)
+    ce_sum: float = 0.0  # plain cross-entropy over every label, whatever the objective weighs
+    num_labels: int = 0
+    expected_accepted_sum: float = 0.0  # sum over blocks of sum_j prod_{i<=j} q_i (D-PACE's target)
+    selector_ce_sum: float = 0.0  # DFlash2's selector
+    selector_recall: int = 0  # labels inside their slot's unary top-k
 
     @classmethod
-    def local(
+    def pack_local(
         cls,
         outputs: Sequence[tuple[BlockLossOutput, DrafterBatch]],
         *,
@@ -49,68 +55,102 @@ class StepStats:
         world_size: int,
         seconds: float,
         checkpoint_due: bool,
-    ) -> StepStats:
-        finite = [(o, b) for o, b in outputs if math.isfinite(float(o.loss.detach()))]
-        correct = torch.zeros(block_size - 1, dtype=torch.float64)
+        device: torch.device,
+        out_of_memory: int = 0,
+    ) -> torch.Tensor:
+        """This rank's share of the step as one float64 tensor on `device`, for the all-reduce that sums
+        the ranks' (`unpack` reads the sum); `out_of_memory`: 1 to redo the step, 2 to stop it. The
+        drafter's figures are summed where they are, on its device, and the host's cross in one copy it
+        does not wait for: nothing here waits for the device. A non-finite loss anywhere skips the step,
+        so the figures are summed as they are."""
+        drafter = torch.zeros(DRAFTER_HEAD + block_size - 1, dtype=torch.float64, device=device)
+        for output, _ in outputs:
+            figures = torch.stack(
+                [
+                    output.weighted_ce_sum.double(),
+                    output.weight_sum.double(),
+                    output.accepted_sum.double(),
+                    (~torch.isfinite(output.loss.detach())).double(),
+                    output.ce_sum.double(),
+                    output.expected_accepted_sum.double(),
+                    output.selector_ce_sum.double(),
+                    output.selector_recall.double(),
+                ]
+            )
+            drafter += torch.cat([figures, output.correct.double()]).to(device)
+        drafter[3] = drafter[3].clamp(max=1)  # whether this rank's loss was not finite: 0 or 1
         counted = torch.zeros(block_size - 1, dtype=torch.float64)
-        for output, _ in finite:
-            correct += output.correct.double()
-            counted += output.counted.double()
+        for output, _ in outputs:
+            counted += output.counted.double().cpu()  # planned on the host
         rank_seconds = [0.0] * world_size
         rank_seconds[rank] = seconds
-        return cls(
-            weighted_ce_sum=sum(o.weighted_ce_sum for o, _ in finite),
-            weight_sum=sum(o.weight_sum for o, _ in finite),
-            correct=correct,
-            counted=counted,
-            accepted_sum=sum(o.accepted_sum for o, _ in finite),
-            num_blocks=sum(o.num_blocks for o, _ in finite),
-            sequences=sum(len(b.sample_indices) for _, b in outputs),
-            tokens=sum(b.num_tokens for _, b in outputs),
-            micro_batches=len(outputs),
-            nonfinite_ranks=int(len(finite) != len(outputs)),
-            checkpoint_due=checkpoint_due,
-            rank_seconds=rank_seconds,
-        )
-
-    def pack(self, device: torch.device) -> torch.Tensor:
-        head = [
-            self.weighted_ce_sum,
-            self.weight_sum,
-            self.accepted_sum,
-            self.num_blocks,
-            self.sequences,
-            self.tokens,
-            self.micro_batches,
-            self.nonfinite_ranks,
-            float(self.checkpoint_due),
+        counts = [
+            sum(o.num_blocks for o, _ in outputs),
+            sum(len(b.sample_indices) for _, b in outputs),
+            sum(b.num_tokens for _, b in outputs),
+            len(outputs),
+            float(checkpoint_due),
+            float(out_of_memory == 1),
+            float(out_of_memory == 2),
+            sum(o.num_labels for o, _ in outputs),
+            *rank_seconds,
         ]
-        values = torch.tensor(head + self.rank_seconds, dtype=torch.float64)
-        return torch.cat([values, self.correct.double(), self.counted.double()]).to(device)
+        host = torch.cat([torch.tensor(counts, dtype=torch.float64), counted])
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return torch.cat([drafter, host.to(device, non_blocking=True)])
 
     @classmethod
     def unpack(cls, packed: torch.Tensor, block_size: int, world_size: int) -> StepStats:
+        """The ranks' summed `pack_local`, read on the host (the step's one wait for the device)."""
         values = packed.detach().cpu()
-        head, rest = values[:9].tolist(), values[9:]
-        seconds, correct, counted = torch.split(rest, [world_size, block_size - 1, block_size - 1])
+        drafter, host = values[: DRAFTER_HEAD + block_size - 1], values[DRAFTER_HEAD + block_size - 1 :]
+        head, correct = drafter[:DRAFTER_HEAD].tolist(), drafter[DRAFTER_HEAD:]
+        counts, seconds = host[:HOST_HEAD].tolist(), host[HOST_HEAD : HOST_HEAD + world_size]
+        counted = host[HOST_HEAD + world_size :]
         return cls(
             weighted_ce_sum=head[0],
             weight_sum=head[1],
             correct=correct.round().long(),
             counted=counted.round().long(),
             accepted_sum=head[2],
-            num_blocks=round(head[3]),
-            sequences=round(head[4]),
-            tokens=round(head[5]),
-            micro_batches=round(head[6]),
-            nonfinite_ranks=round(head[7]),
-            checkpoint_due=head[8] > 0,
+            num_blocks=round(counts[0]),
+            sequences=round(counts[1]),
+            tokens=round(counts[2]),
+            micro_batches=round(counts[3]),
+            nonfinite_ranks=round(head[3]),
+            checkpoint_due=counts[4] > 0,
+            redo_ranks=round(counts[5]),
+            unfit_ranks=round(counts[6]),
             rank_seconds=seconds.tolist(),
+            ce_sum=head[4],
+            num_labels=round(counts[7]),
+            expected_accepted_sum=head[5],
+            selector_ce_sum=head[6],
+            selector_recall=round(head[7]),
         )
 
     @property
     def loss(self) -> float | None:
         return self.weighted_ce_sum / self.weight_sum if self.weight_sum > 0 else None
+
+    def objective_scalars(self, *, selector: bool) -> dict[str, float | None]:
+        """Beside the loss the objective optimises: the plain cross-entropy (comparable across objectives),
+        the expected accepted length D-PACE maximises (1 + sum_j prod q), and DFlash2's selector."""
+        labels, blocks = self.num_labels, self.num_blocks
+        scalars = {
+            "ce": self.ce_sum / labels if labels else None,
+            "expected_tau": 1.0 + self.expected_accepted_sum / blocks if blocks else None,
+        }
+        if selector:
+            scalars["selector_ce"] = self.selector_ce_sum / labels if labels else None
+            scalars["selector_recall"] = self.selector_recall / labels if labels else None
+        return scalars
+
+
+# `pack_local`'s layout: the drafter's figures (on its device), then the host's counts.
+DRAFTER_HEAD = 8  # weighted CE, normaliser, accepted, non-finite, CE, expected accepted, selector CE, recall
+HOST_HEAD = 8  # blocks, sequences, tokens, micro-batches, checkpoint due, redo, unfit, labels
 
 
 class TrainMetrics:

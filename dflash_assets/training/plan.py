@@ -61,16 +61,19 @@ def micro_batches(
     config: DrafterConfig,
     settings: TrainSettings,
     budget_bytes: int,
+    attention: str = "materialised",
 ) -> list[list[int]]:
     """`ids` (longest first) cut into consecutive micro-batches whose estimated activation memory
-    (`estimate_step_bytes`, padded to the longest sample and its anchor count) fits `budget_bytes`.
-    A sample that alone exceeds the budget still gets a micro-batch of its own."""
+    (`estimate_step_bytes` for the `attention` backend that runs, padded to the longest sample and its
+    anchor count) fits `budget_bytes`. A sample that alone exceeds the budget still gets a micro-batch of
+    its own."""
     batches: list[list[int]] = []
     for index in ids:
         candidate = [*batches[-1], index] if batches else [index]
         longest = max(lengths[i] for i in candidate)
         blocks = min(settings.num_anchors, max(longest - 1, 1))
-        if batches and estimate_step_bytes(config, len(candidate), longest, blocks) <= budget_bytes:
+        estimate = estimate_step_bytes(config, len(candidate), longest, blocks, attention=attention)
+        if batches and estimate <= budget_bytes:
             batches[-1] = candidate
         else:
             batches.append([index])

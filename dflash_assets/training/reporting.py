@@ -29,8 +29,10 @@ class RunReporter:
         open_curves: Callable[[int], TrainingCurves],
         on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
+        selector: bool = False,
     ) -> None:
         self.run, self.block_size, self.total_steps = run, block_size, total_steps
+        self.selector = selector  # DFlash2: its selector's figures too
         self.world = world
         self.log, self.log_every_steps = log, log_every_steps
         self._open_curves = open_curves
@@ -76,6 +78,7 @@ class RunReporter:
             "sequences_per_step": stats.sequences,
             "lr": lr,
             "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0,  # every rank's tokens
+            **stats.objective_scalars(selector=self.selector),
         }
         self.step_scalars = scalars
         if self.curves is not None:
@@ -119,6 +122,7 @@ class RunReporter:
                 step,
                 {
                     "loss": teacher_forced.get("loss"),
+                    "ce": teacher_forced.get("ce"),
                     "tau_teacher_forced": teacher_forced.get("teacher_forced_tau"),
                     "tau_measured": speculative.get("acceptance_length_tau"),
                 },

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dflash_assets.drafter.objective import LOSSES, Objective
 from dflash_assets.training.checkpoints import (
     CheckpointPolicy,
 )
@@ -13,7 +14,7 @@ from dflash_assets.training.checkpoints import (
 TRAJECTORY_SETTINGS = (
     "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
     "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "gamma", "seed",
-    "eval_samples",
+    "eval_samples", "loss", "dpace_alpha", "drafter_init",
 )  # fmt: skip
 
 
@@ -21,8 +22,9 @@ TRAJECTORY_SETTINGS = (
 class TrainSettings:
     """SpecForge's DFlash recipe by default: AdamW at 6e-4 with betas (0.9, 0.999) and no weight decay,
     4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 3072 tokens, 512 anchors
-    per sequence, gamma 7, and a global batch of 32 sequences per optimiser step (4 per GPU x 8 GPUs)
-    reached by gradient accumulation over micro-batches that fit the device's memory."""
+    per sequence, and a global batch of 32 sequences per optimiser step (4 per GPU x 8 GPUs) reached by
+    gradient accumulation over micro-batches that fit the device's memory; the position weights are
+    D-PACE's (alpha 0.5, the default of speculators and ModelOpt), or the paper's decay with gamma 7."""
 
     mode: str = "offline"  # "offline" (hidden states from the store) or "online" (target runs alongside)
     max_steps: int | None = None  # None: `epochs` full passes decide; set: exactly this many steps
@@ -39,7 +41,10 @@ class TrainSettings:
     max_grad_norm: float | None = 1.0
     max_length: int = 3072  # longer samples are truncated (their tail is not trained on)
     num_anchors: int = 512  # per sequence, capped by the positions that qualify
-    gamma: float = 7.0  # position weight exp(-(p-1)/gamma)
+    loss: str = "dpace"  # position weights: "dpace" (D-PACE, from the drafter's confidences) or "decay"
+    gamma: float = 7.0  # the decay's position weight exp(-(p-1)/gamma)
+    dpace_alpha: float = 0.5  # D-PACE's confidence smoothing (ModelOpt's and speculators' 0.5)
+    drafter_init: str = ""  # a drafter directory in z-lab's layout to start from; empty: fresh weights
     block_size: int = 16  # must equal the drafter config's
     seed: int = 0
     checkpoint_every_steps: int | None = None
@@ -70,10 +75,18 @@ class TrainSettings:
             raise ValueError(f"micro_batch_bytes must be positive or None, got {self.micro_batch_bytes}")
         if self.gamma <= 0:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"drafter loss {self.loss!r} is not one of {list(LOSSES)} (DFLASH_DRAFTER_LOSS)")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha} (DFLASH_DPACE_ALPHA)")
         if self.spec_eval_prompts < 0 or self.spec_eval_max_new_tokens <= 0:
             raise ValueError("spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens positive")
         # Raises early on bad checkpoint intervals rather than at the first checkpoint.
         CheckpointPolicy(self.checkpoint_every_steps, self.checkpoint_every_minutes)
+
+    @property
+    def objective(self) -> Objective:
+        return Objective(loss=self.loss, gamma=self.gamma, dpace_alpha=self.dpace_alpha)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

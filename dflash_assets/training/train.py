@@ -21,7 +21,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +30,21 @@ import torch
 from dflash_assets import terminal
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.drafter.model import FLEX_TILE, DFlashDrafter
+from dflash_assets.drafter.model import DFlashDrafter, flex_compiled
 from dflash_assets.drafter.objective import (
     BlockAnchors,
+    BlockLossOutput,
     DrafterBatch,
     anchor_generator,
     dflash_loss,
     sample_anchors,
 )
+from dflash_assets.drafter.published import load_initial_weights
 from dflash_assets.drafter.speculative import TargetVerifier
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
+from dflash_assets.target.devices import current_device
 from dflash_assets.training.checkpoints import (
     CheckpointManager,
     CheckpointPolicy,
@@ -93,7 +96,20 @@ class TrainResult:
     eval_sample_indices: list[int]
     partitions: list[str]
     skipped_nonfinite_steps: int
+    objective: dict[str, Any]  # loss, gamma, dpace_alpha, drafter_init: how the weights were trained
     model: DFlashDrafter = field(repr=False)
+    evaluation_seconds: float = 0.0  # this process's time in held-out evaluations (the rest: steps, I/O)
+
+
+REDO, UNFIT = 1, 2  # how a rank's step ran out of memory where every rank must know (`_local_step`)
+
+
+@dataclass(frozen=True)
+class _BatchFigures:
+    """What the step's figures need of a micro-batch once it has run (not its hidden states)."""
+
+    sample_indices: list[int]
+    num_tokens: int
 
 
 def _index_ranges(indices: Sequence[int]) -> list[str]:
@@ -197,7 +213,10 @@ class DrafterTrainer:
         # Model and optimisation: the same seed gives the same initial weights on every rank.
         torch.manual_seed(settings.seed)
         random.seed(settings.seed)
-        self.model = DFlashDrafter.from_target(config).to(self.device).train()
+        self.model = DFlashDrafter.from_target(config)
+        if settings.drafter_init:  # a published drafter's weights to start from (a resume overrides them)
+            self.log(load_initial_weights(self.model, settings.drafter_init))
+        self.model = self.model.to(self.device).train()
         self.model.set_attention_backend(settings.attention)
         self.optimizer = build_optimizer(self.model, settings)
         total = self.total_steps
@@ -244,7 +263,10 @@ class DrafterTrainer:
         self.baseline: dict[str, Any] | None = None  # the evaluations of the untrained weights
         self.world_sizes: list[dict[str, Any]] = []  # earlier processes' world sizes (from a checkpoint)
         self._evaluated = False  # since this process started (the same on every rank)
+        self.evaluation_seconds = 0.0  # spent in `evaluate` by this process
         self.skipped_nonfinite = self._consecutive_nonfinite = 0
+        self._gradients: Any = None  # see `gradients`
+        self._in_reduction = False  # this rank's reducing micro-batch has begun (`_accumulate`)
         reporter = RunReporter if self.rank0 else QuietReporter
         self.reporter = reporter(
             run=run,
@@ -256,6 +278,7 @@ class DrafterTrainer:
             open_curves=self._open_curves,
             on_progress=on_progress,
             on_checkpoint=on_checkpoint,
+            selector=config.has_selector,
         )
         ranks = (
             f" over {self.world['world_size']} ranks ({', '.join(sorted(set(self.world['nodes'])))})"
@@ -351,33 +374,27 @@ class DrafterTrainer:
 
     def compiles(self) -> bool:
         """Whether the first steps compile kernels (flex attention on a GPU): minutes on a busy node."""
-        return self.device.type == "cuda" and self.model.attention != "materialised"
+        return self.model.attention_backend == "flex" and flex_compiled(self.device)
 
     def warm_up(self) -> None:
-        """Run the drafter forward and backward on two throwaway sequences of different lengths before the
-        first timed collective, so kernels are compiled (a static shape, then the dynamic one every later
-        length uses) while no rank waits under the collective timeout: 8 ranks compiling at once on one
-        node take longer than one. The ranks then meet with the long timeout. Gradients are discarded."""
+        """Compile every version of the drafter's kernels that training and evaluation will meet before the
+        first timed collective, so no rank compiles while another waits under the collective timeout (8
+        ranks compiling at once on one node take longer than one). Shapes are dynamic, but a batch of one
+        sequence and one of several compile apart, and so do gradients on and off (`drafter/model.py`):
+        one throwaway forward each, with its backward where training has one, under the step's autocast.
+        The ranks then meet with the long timeout. Gradients are discarded."""
         if self.compiles():
-            config = self.config
-            short = min(self.settings.max_length, 4 * config.block_size)
-            lengths = sorted({short, min(self.settings.max_length, short + 2 * FLEX_TILE)})
+            length = min(self.settings.max_length, 4 * self.config.block_size)
             self.reporter.status("compiling the drafter's kernels", self.step)
-            for length in lengths:
-                batch = DrafterBatch(
-                    input_ids=torch.full((1, length), config.mask_token_id, dtype=torch.long),
-                    loss_mask=torch.ones(1, length, dtype=torch.bool),
-                    hidden_states=torch.zeros(
-                        1, length, config.num_context_layers, config.target_hidden_size, dtype=torch.bfloat16
-                    ),
-                    lengths=torch.tensor([length]),
-                    sample_indices=[-1],
-                )
-                with self._autocast():
+            for grad, sequences in ((True, 1), (True, 2), (False, 1), (False, 2)):
+                batch = self._throwaway_batch(sequences, length)
+                with self._autocast(), torch.set_grad_enabled(grad):
                     output = dflash_loss(
-                        self.model, batch, self._anchors(batch, "warm-up"), self.settings.gamma
+                        self.model, batch, self._anchors(batch, "warm-up"), self.settings.objective
                     )
-                output.weighted_ce.backward()
+                    if grad:
+                        output.weighted_ce.backward()
+                del output
             self.optimizer.zero_grad(set_to_none=True)
         self.collective.long_barrier()
 
@@ -420,6 +437,48 @@ class DrafterTrainer:
         generators = [anchor_generator(self.settings.seed, epoch, index) for index in batch.sample_indices]
         return sample_anchors(batch.loss_mask, self.settings.num_anchors, generators)
 
+    def _throwaway_batch(self, sequences: int, length: int) -> DrafterBatch:
+        """Mask tokens over zero hidden states, every token an assistant one: what the warm-up and a
+        rank's zero-loss micro-batch run (sample index -1, so no sample's anchors are drawn)."""
+        config = self.config
+        shape = (sequences, length, config.num_context_layers, config.target_hidden_size)
+        return DrafterBatch(
+            input_ids=torch.full((sequences, length), config.mask_token_id, dtype=torch.long),
+            loss_mask=torch.ones(sequences, length, dtype=torch.bool),
+            hidden_states=torch.zeros(shape, dtype=torch.bfloat16),
+            lengths=torch.full((sequences,), length),
+            sample_indices=[-1] * sequences,
+        )
+
+    @property
+    def gradients(self) -> Any:
+        """How micro-batch gradients become the global sum (`distributed.py`): DDP's reducer across ranks,
+        built by every rank together on first use (`train` builds it once the ranks have met)."""
+        if self._gradients is None:
+            self._gradients = self.collective.gradient_reduction(self.model, self._settle_reduction)
+        return self._gradients
+
+    def _settle_reduction(self, gradients: Any) -> None:
+        """One zero-loss reducing micro-batch and one more forward on every rank, so DDP settles its
+        buckets now rather than inside some later step (`distributed.ReplicatedGradients`)."""
+        batch = self._throwaway_batch(1, min(self.settings.max_length, 2 * self.config.block_size))
+        self._zero_loss_micro_batch(gradients, batch)
+        with gradients.accumulating(), self._autocast():
+            self._forward(gradients, batch, "warm-up")  # its output, and graph, dropped at once
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _forward(self, gradients: Any, batch: DrafterBatch, epoch: int | str) -> BlockLossOutput:
+        return dflash_loss(
+            self.model, batch, self._anchors(batch, epoch), self.settings.objective, forward=gradients.module
+        )
+
+    def _zero_loss_micro_batch(self, gradients: Any, batch: DrafterBatch) -> None:
+        """A reducing forward and backward that adds nothing: the rank's part in the step's reduction when
+        it has no sample (DDP's hooks must fire on every rank)."""
+        with gradients.reducing(), self._autocast():
+            output = self._forward(gradients, batch, "warm-up")
+            (output.weighted_ce * 0.0).backward()
+
     def _accumulate(
         self,
         share: Sequence[int],
@@ -427,48 +486,71 @@ class DrafterTrainer:
         plan: Sequence[Sequence[int]],
         epoch: int,
         ahead: Sequence[int],
+        gradients: Any,
     ) -> list[tuple]:
         """Forward and backward over the micro-batches `plan` of `samples` (source ids `share`),
-        gradients summed (not averaged). Once a micro-batch is collated the next one is prepared (online
-        with the target on devices of its own: its forward runs while the drafter trains), after the
-        last one `ahead`, the next step's first micro-batch."""
+        gradients summed (not averaged): the last one's backward reduces them over the ranks, the others
+        only add to them. Once a micro-batch is collated the next one is prepared (online with the target
+        on devices of its own: its forward runs while the drafter trains), after the last one `ahead`,
+        the next step's first micro-batch. Every backward runs, a non-finite loss's too (the step is then
+        skipped on every rank): a rank that skipped its reducing backward would leave the others waiting.
+        The figures kept are detached, so no micro-batch's graph outlives its backward."""
         outputs = []
         for number, micro in enumerate(plan):
             batch = self.source.collate([samples[i] for i in micro])
-            following = [share[i] for i in plan[number + 1]] if number + 1 < len(plan) else ahead
+            last = number + 1 == len(plan)
+            following = ahead if last else [share[i] for i in plan[number + 1]]
             self.source.prepare(following)
-            with self._autocast():
-                output = dflash_loss(self.model, batch, self._anchors(batch, epoch), self.settings.gamma)
-            if torch.isfinite(output.loss) and output.weight_sum > 0:
+            self._in_reduction = last  # from here on, running out of memory is every rank's concern
+            with gradients.reducing() if last else gradients.accumulating(), self._autocast():
+                output = self._forward(gradients, batch, epoch)
                 output.weighted_ce.backward()
-            outputs.append((output, batch))
+            detached = replace(output, loss=output.loss.detach(), weighted_ce=output.weighted_ce.detach())
+            outputs.append((detached, _BatchFigures(batch.sample_indices, batch.num_tokens)))
+            del output, batch
         return outputs
 
     def _local_step(
         self, share: Sequence[int], samples: Sequence[Any], epoch: int, ahead: Sequence[int]
-    ) -> list[tuple]:
+    ) -> tuple[list[tuple], int]:
         """This rank's share of the step, split into micro-batches that fit (smaller after running out of
-        memory: the gradients are sums, so any split gives the same update)."""
+        memory: the gradients are sums, so any split gives the same update), and whether the step must be
+        redone on every rank: `REDO` when this rank ran out of memory in its reducing micro-batch (it has
+        lowered its budget), `UNFIT` when not even one sequence fits. Either way this rank has finished
+        its part of the step's reduction, so no rank waits inside a collective."""
+        gradients = self.gradients
+        if not share:
+            self._zero_loss_micro_batch(
+                gradients, self._throwaway_batch(1, min(self.settings.max_length, 2 * self.config.block_size))
+            )
+            return [], 0
         lengths = [self.source.lengths[i] for i in share]
         ids = list(range(len(samples)))
         while True:
-            plan = micro_batches(ids, lengths, self.config, self.settings, self.micro_batch_bytes)
+            plan = micro_batches(
+                ids, lengths, self.config, self.settings, self.micro_batch_bytes, self.model.attention_backend
+            )
+            self._in_reduction = False
             try:
-                return self._accumulate(share, samples, plan, epoch, ahead)
-            except torch.OutOfMemoryError as error:
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if max(len(micro) for micro in plan) == 1:
-                    raise torch.OutOfMemoryError(
-                        f"one sequence of up to {max(lengths)} tokens does not fit on {self.device} (step "
-                        f"{self.step + 1}); lower max_length or num_anchors, or use a larger device"
-                    ) from error
+                return self._accumulate(share, samples, plan, epoch, ahead, gradients), 0
+            except torch.OutOfMemoryError:
+                reducing = self._in_reduction
+            # Out of the `except`: its traceback held the failed micro-batch's tensors, which empty_cache
+            # could not have given back.
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            unfit = max(len(micro) for micro in plan) == 1
+            if not unfit:
                 self.micro_batch_bytes //= 2
                 self.log(
                     f"WARNING: out of memory at step {self.step + 1}; micro-batch budget lowered to "
                     f"{self.micro_batch_bytes / GIB:.2f} GiB and the step redone"
+                    + (" on every rank" if reducing and self.collective.world_size > 1 else "")
                 )
+            if reducing or unfit:
+                gradients.finish_failed_reduction(begun=reducing)
+                return [], UNFIT if unfit else REDO
 
     def train_step(
         self, epoch: int, share: Sequence[int], samples: Sequence[Any], ahead: Sequence[int] = ()
@@ -476,47 +558,65 @@ class DrafterTrainer:
         """One optimiser step over one global batch, of which `samples` (source ids `share`) is this
         rank's share; `ahead` is the next step's first micro-batch, prepared once this step's last is.
         The loss is normalised by the label weight of the whole global batch, so any split over ranks
-        and micro-batches gives the same update. Returns the step's global figures and gradient norm."""
+        and micro-batches gives the same update. The host reads the step's figures once, after their sum
+        over the ranks. Returns the step's global figures and gradient norm."""
         fault_point("train_step")  # crash tests: die between steps, checkpoints possibly mid-upload
-        started = time.monotonic()
-        outputs = self._local_step(share, samples, epoch, ahead)
-        due = (
-            self.checkpoints is not None
-            and self.step + 1 < self.total_steps
-            and self.checkpoints.due(self.step + 1)
-        )
-        local = StepStats.local(
-            outputs,
-            block_size=self.config.block_size,
-            rank=self.collective.rank,
-            world_size=self.collective.world_size,
-            seconds=time.monotonic() - started,
-            checkpoint_due=due,
-        )
-        packed = self.collective.all_reduce_sum(local.pack(self.stats_device))
-        stats = StepStats.unpack(packed, self.config.block_size, self.collective.world_size)
+        while True:
+            started = time.monotonic()
+            outputs, out_of_memory = self._local_step(share, samples, epoch, ahead)
+            due = (
+                self.checkpoints is not None
+                and self.step + 1 < self.total_steps
+                and self.checkpoints.due(self.step + 1)
+            )
+            local = StepStats.pack_local(
+                outputs,
+                block_size=self.config.block_size,
+                rank=self.collective.rank,
+                world_size=self.collective.world_size,
+                seconds=time.monotonic() - started,
+                checkpoint_due=due,
+                out_of_memory=out_of_memory,
+                device=self.stats_device,
+            )
+            # The gradients are already summed over the ranks (the reducing backward): their norm is the
+            # same on every rank and rides along with the figures' sum, read in the same copy.
+            summed = self.collective.all_reduce_sum(local)
+            norm = _gradient_norm(self.model).double().to(self.stats_device)
+            packed = torch.cat([summed, norm[None]]).cpu()
+            stats = StepStats.unpack(packed[:-1], self.config.block_size, self.collective.world_size)
+            if stats.unfit_ranks:  # every rank stops alike, the one that ran out saying how long its sequence
+                longest = max((self.source.lengths[i] for i in share), default=0)
+                where = (
+                    f"on {self.device}" if out_of_memory == UNFIT else f"on {stats.unfit_ranks} other rank(s)"
+                )
+                raise torch.OutOfMemoryError(
+                    f"one sequence does not fit {where} (step {self.step + 1}; here the longest has "
+                    f"{longest} tokens); lower max_length or num_anchors, or use a larger device"
+                )
+            if not stats.redo_ranks:
+                break
+            self.optimizer.zero_grad(set_to_none=True)
+            self.gradients.rebuild()  # every rank together: the failed rank's reducer is spent
         if stats.nonfinite_ranks:
             indices = [i for _, b in outputs for i in b.sample_indices]
             return stats, self._skip_step("loss", indices)
         grad_norm = None
         if stats.weight_sum > 0:  # a step without a single label leaves weights and moments alone
-            self.collective.sync_gradients(self.model.parameters())
-            for parameter in self.model.parameters():
-                if parameter.grad is not None:
-                    parameter.grad.div_(stats.weight_sum)
-            # The norm of the summed gradients: the same tensors on every rank after the all-reduce, so
-            # every rank decides alike. A finite loss can still give an inf gradient on one rank, and
-            # clipping would then spread NaN into every weight.
-            if self.settings.max_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.settings.max_grad_norm, error_if_nonfinite=False
-                )
-            else:
-                norm = _gradient_norm(self.model)
-            if not bool(torch.isfinite(norm)):
+            # The norm of the summed gradients, the same on every rank, so every rank decides alike. A
+            # finite loss can still give an inf gradient on one rank, and clipping would then spread NaN
+            # into every weight. Dividing by the global label weight and clipping are one scaling, with
+            # the figures already on the host: no further wait for the device.
+            norm = float(packed[-1]) / stats.weight_sum
+            if not math.isfinite(norm):
                 indices = [i for _, b in outputs for i in b.sample_indices]
                 return stats, self._skip_step("gradient norm", indices)
-            grad_norm = float(norm)  # before clipping, for the curves
+            scale = 1.0 / stats.weight_sum
+            if self.settings.max_grad_norm is not None:
+                scale *= min(1.0, self.settings.max_grad_norm / (norm + 1e-6))  # clip_grad_norm_'s rule
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, scale)
+            grad_norm = norm  # before clipping, for the curves
             self.optimizer.step()
         self._consecutive_nonfinite = 0
         self.optimizer.zero_grad(set_to_none=True)
@@ -544,7 +644,9 @@ class DrafterTrainer:
     def evaluate(self) -> dict[str, Any] | None:
         """Every rank evaluates its share of the held-out samples and prompts; every rank gets the sums."""
         self.source.settle()  # the target's work started ahead ends before the evaluation uses it
+        started = time.monotonic()
         result = self.evaluator.evaluate(self.model, self.optimizer)
+        self.evaluation_seconds += time.monotonic() - started
         self._evaluated = True
         self.reporter.evaluation(self.step, result)
         return result
@@ -671,7 +773,14 @@ class DrafterTrainer:
         if not share:
             return []
         lengths = [self.source.lengths[i] for i in share]
-        plan = micro_batches(range(len(share)), lengths, self.config, self.settings, self.micro_batch_bytes)
+        plan = micro_batches(
+            range(len(share)),
+            lengths,
+            self.config,
+            self.settings,
+            self.micro_batch_bytes,
+            self.model.attention_backend,
+        )
         return [share[i] for i in plan[0]]
 
     def _open_curves(self, start_step: int) -> TrainingCurves:
@@ -719,7 +828,12 @@ class DrafterTrainer:
             eval_sample_indices=[self.source.sample_indices[i] for i in self.eval_ids],
             partitions=list(self.source.partitions),
             skipped_nonfinite_steps=self.skipped_nonfinite,
+            objective={
+                name: self.settings.to_dict()[name]
+                for name in ("loss", "gamma", "dpace_alpha", "drafter_init")
+            },
             model=self.model,
+            evaluation_seconds=self.evaluation_seconds,
         )
 
 
@@ -756,23 +870,26 @@ def train_drafter(
     one process alone) and `world` describes the job (world_size, nodes, devices); `checkpoint_dir` is the
     node's local checkpoint directory, shared by its ranks (default `<work_dir>/checkpoints`).
     """
-    trainer = DrafterTrainer(
-        config,
-        settings,
-        data,
-        store=store,
-        run=run,
-        work_dir=work_dir,
-        log=log,
-        on_checkpoint=on_checkpoint,
-        uploader=uploader,
-        target_verifier=target_verifier,
-        device_memory=device_memory,
-        spare_device=spare_device,
-        on_progress=on_progress,
-        collective=collective,
-        world=world,
-        checkpoint_dir=checkpoint_dir,
-    )
-    trainer.resume()
-    return trainer.train()
+    # The leased device is this thread's current one for the run: without it a lease of cuda:k would save
+    # GPU 0's random state in checkpoints, and kernels launched without an explicit device run on GPU 0.
+    with current_device(settings.device):
+        trainer = DrafterTrainer(
+            config,
+            settings,
+            data,
+            store=store,
+            run=run,
+            work_dir=work_dir,
+            log=log,
+            on_checkpoint=on_checkpoint,
+            uploader=uploader,
+            target_verifier=target_verifier,
+            device_memory=device_memory,
+            spare_device=spare_device,
+            on_progress=on_progress,
+            collective=collective,
+            world=world,
+            checkpoint_dir=checkpoint_dir,
+        )
+        trainer.resume()
+        return trainer.train()

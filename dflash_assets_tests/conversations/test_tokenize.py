@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.layouts import Conversation
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.conversations.shard import SHARD_FORMAT, read_shard, write_shard
@@ -254,3 +255,96 @@ def test_a_shard_refuses_duplicate_sample_indices(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="duplicate sample_index"):
         write_shard(samples, tmp_path / "shard.parquet")
     assert list(tmp_path.iterdir()) == []
+
+
+# --- tool calls ------------------------------------------------------------------------------------
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def weather_call(city: str, call_id: str) -> dict:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": city}},
+    }
+
+
+TOOL_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [weather_call("Paris", "c1")]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C and sunny"},
+    {"role": "user", "content": "And Oslo and Rome?"},
+    {
+        "role": "assistant",
+        "content": "Checking both.",
+        "tool_calls": [weather_call("Oslo", "c2"), weather_call("Rome", "c3")],
+    },
+    {"role": "tool", "tool_call_id": "c2", "content": "3C"},
+    {"role": "tool", "tool_call_id": "c3", "content": "24C"},
+    {"role": "assistant", "content": "Oslo 3C, Rome 24C."},
+]
+
+
+def template_mask(tokenizer, messages, tools) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+@pytest.mark.parametrize("mark", ["turn", "content", None])
+def test_tool_calls_are_learned_and_tool_results_and_the_tools_block_are_not(
+    demo_model_dir: Path, mark
+) -> None:
+    """Whatever `{% generation %}` marks (the turn, its text without <|im_end|>, or nothing: the calls
+    are then found by rendering without them), the mask is the assistant turns and their <|im_end|>."""
+    from dflash_assets_tests.support.tool_target import qwen3_tool_template
+
+    tokenizer = with_template(demo_model_dir, qwen3_tool_template(mark))
+    sample = tokenize_conversation(tokenizer, Conversation(TOOL_TURNS, [WEATHER_TOOL]))
+    assert isinstance(sample, TokenizedSample), sample
+    assert sample.input_ids == tokenizer.apply_chat_template(
+        TOOL_TURNS, tools=[WEATHER_TOOL], return_dict=False
+    )
+    marked = with_template(demo_model_dir, qwen3_tool_template("turn"))
+    assert sample.loss_mask == template_mask(marked, TOOL_TURNS, [WEATHER_TOOL])[1]
+    learned = masked_text(tokenizer, sample)
+    assert learned == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' + END
+        + "Checking both.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' + END
+        + "Oslo 3C, Rome 24C." + END
+    )  # fmt: skip
+    unlearned = tokenizer.decode(
+        [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if not m]
+    )
+    assert "# Tools" in unlearned and '"name": "get_weather", "parameters"' in unlearned  # the tools block
+    assert "<tool_response>\n18C and sunny\n</tool_response>" in unlearned  # a tool's result
+
+
+def test_a_template_marking_text_without_the_end_of_turn_token_gets_it_added(demo_model_dir: Path) -> None:
+    from dflash_assets_tests.support.tool_target import qwen3_tool_template
+
+    tokenizer = with_template(demo_model_dir, qwen3_tool_template("content"))
+    ids, marked = template_mask(tokenizer, TOOL_TURNS, [WEATHER_TOOL])
+    sample = tokenize_conversation(tokenizer, Conversation(TOOL_TURNS, [WEATHER_TOOL]))
+    end = tokenizer.convert_tokens_to_ids(END)
+    added = [p for p, (m, n) in enumerate(zip(marked, sample.loss_mask, strict=True)) if n and not m]
+    assert len(added) == 3 and all(ids[p] == end and marked[p - 1] for p in added)
+
+
+def test_a_template_that_does_not_render_tool_calls_drops_the_row_naming_the_message(tokenizer) -> None:
+    outcome = tokenize_conversation(tokenizer, Conversation(TOOL_TURNS, [WEATHER_TOOL]))  # the demo's ChatML
+    assert outcome == Dropped(
+        "assistant_not_located", "the chat template does not render message 2's tool calls"
+    )

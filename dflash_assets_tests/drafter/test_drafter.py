@@ -18,8 +18,8 @@ from dflash_assets.drafter.objective import (
     BlockAnchors,
     DrafterBatch,
     anchor_generator,
+    decay_weights,
     dflash_loss,
-    position_weights,
     sample_anchors,
 )
 from dflash_assets_tests.support.drafter_fixtures import (
@@ -257,7 +257,7 @@ def test_anchors_are_distinct_assistant_tokens_followed_by_an_assistant_token() 
 
 
 def test_position_weights_decay_as_exp_minus_p_minus_1_over_gamma() -> None:
-    weights = position_weights(16, 7.0)
+    weights = decay_weights(torch.ones(15, dtype=torch.bool), 7.0)
     assert weights.shape == (15,)
     assert weights[0] == 1.0
     assert math.isclose(float(weights[7]), math.exp(-1.0), rel_tol=1e-6)
@@ -270,7 +270,7 @@ def test_labels_stop_at_the_end_of_the_assistant_span_and_of_the_sequence(
     batch.loss_mask[0, 30:] = False  # the assistant turn of sample 0 ends at position 29
     anchors = BlockAnchors(positions=torch.tensor([[25], [20]]), keep=torch.tensor([[True], [True]]))
     with torch.no_grad():
-        output = dflash_loss(drafter, batch, anchors, gamma=7.0)
+        output = dflash_loss(drafter, batch, anchors, 7.0)
     # Sample 0: positions 26..29 (p = 1..4); sample 1: positions 21..25 before its end (p = 1..5).
     assert output.counted.tolist() == [2, 2, 2, 2, 1] + [0] * 10
     expected_weight = 2 * sum(math.exp(-p / 7) for p in range(4)) + math.exp(-4 / 7)
@@ -289,7 +289,7 @@ def test_acceptance_length_counts_the_leading_run_of_correct_drafts_plus_one(con
 
     anchors = BlockAnchors(positions=torch.tensor([[10]]), keep=torch.tensor([[True]]))
     with torch.no_grad():
-        output = dflash_loss(drafter, batch, anchors, gamma=7.0)
+        output = dflash_loss(drafter, batch, anchors, 7.0)
     # Drafts for positions 11.. are right, 14 is wrong, 15.. right again but never reached.
     assert output.accepted_sum == 3.0 and output.num_blocks == 1
     assert output.correct[:5].tolist() == [1, 1, 1, 0, 1]
@@ -347,7 +347,7 @@ def test_a_label_after_a_non_assistant_token_inside_the_block_still_counts(
     batch.loss_mask[0, 24] = False  # e.g. a tool-call token the template does not train on
     anchors = BlockAnchors(positions=torch.tensor([[20]]), keep=torch.tensor([[True]]))
     with torch.no_grad():
-        output = dflash_loss(drafter, batch, anchors, gamma=7.0)
+        output = dflash_loss(drafter, batch, anchors, 7.0)
     # Slots 1..15 are positions 21..35: every one is an assistant token except 24 (p = 4).
     assert output.counted.tolist() == [1, 1, 1, 0] + [1] * 11
 
@@ -437,7 +437,7 @@ def test_on_cuda_flex_attention_gives_the_materialised_loss_and_gradients_under_
         drafter.zero_grad()
         drafter.set_attention_backend(backend)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            output = dflash_loss(drafter, batch, anchors, gamma=7.0)
+            output = dflash_loss(drafter, batch, anchors, 7.0)
         output.loss.backward()
         results[backend] = (output.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()})
     assert torch.isfinite(results["flex"][0])

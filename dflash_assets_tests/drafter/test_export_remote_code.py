@@ -220,3 +220,26 @@ def test_spec_generate_stops_after_a_stop_token_as_z_labs_does(counting: dict) -
     stop = greedy[5]
     output = remote.spec_generate(counting["target"], torch.tensor([prompt]), 30, [stop], 0.0)
     assert output[0, len(prompt) :].tolist() == greedy[: greedy.index(stop) + 1]
+
+
+def test_a_dflash2_export_loads_with_remote_code_and_drafts_through_its_selector_as_ours_does(
+    target_dir: Path, target: torch.nn.Module, tmp_path: Path
+) -> None:
+    config = DrafterConfig(
+        **{**tiny_drafter_config(target_dir).__dict__, "arch": "dflash2", "selector_rank": 16}
+    )
+    export_drafter(trained_like(config, seed=7), tmp_path)
+    remote = AutoModel.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(remote).__name__ == "DFlash2DraftModel"
+    reloaded = load_drafter(tmp_path, target_model=target_dir)
+    ids = torch.randint(0, MASK_TOKEN_ID, (29,), generator=torch.Generator().manual_seed(9))
+    context, anchor = target_context(target, ids[:-1], config.target_layer_ids), int(ids[-1])
+    expected = ours(reloaded, context, anchor)
+    size, length = config.block_size, context.shape[0]
+    noise = target.get_input_embeddings()(block_ids(anchor, size))[None]
+    with torch.no_grad():
+        hidden = remote(position_ids=torch.arange(length + size)[None], noise_embedding=noise,
+                        target_hidden=context.reshape(1, length, -1))  # fmt: skip
+        torch.testing.assert_close(hidden[0], expected, rtol=1e-5, atol=1e-5)
+        drafts = remote.propose(hidden[0, 1:], anchor, target.lm_head, 0.0)
+    assert drafts == reloaded.propose(expected[1:], anchor).tolist()

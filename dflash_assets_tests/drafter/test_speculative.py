@@ -51,6 +51,51 @@ def recomputed_greedy(verifier: TargetVerifier, prompt: list[int], count: int) -
     return ids[len(prompt) :]
 
 
+def test_a_prefill_computes_the_logits_of_its_last_position_only_and_gives_the_same_token_and_states(
+    verifier: TargetVerifier,
+) -> None:
+    rows: list[int] = []
+    head = verifier.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[1]))
+    prompt = prompts(1, seed=5)[0]
+    try:
+        greedy, states = verifier.run(prompt, verifier.new_cache())
+        every, every_states = verifier.run(prompt, verifier.new_cache(), every_position=True)
+    finally:
+        handle.remove()
+    assert rows == [1, len(prompt)]  # [T, V] logits only where asked for
+    assert greedy.tolist() == every[-1:].tolist() and torch.equal(states, every_states)
+
+
+def test_a_verification_round_on_a_committed_cache_gives_every_positions_token(
+    verifier: TargetVerifier,
+) -> None:
+    prompt, block = prompts(2, seed=6)
+    cache = verifier.new_cache()
+    verifier.run(prompt, cache)
+    greedy, states = verifier.run(block, cache)
+    assert greedy.shape == (len(block),) and states.shape[0] == len(block)
+    assert greedy.tolist() == recomputed_next_tokens(verifier, prompt, block)
+
+
+def recomputed_next_tokens(verifier: TargetVerifier, prompt: list[int], block: list[int]) -> list[int]:
+    with torch.no_grad():
+        logits = verifier.model(input_ids=torch.tensor([prompt + block]), use_cache=False).logits
+    return logits[0, len(prompt) :].argmax(dim=-1).tolist()
+
+
+def test_the_target_runs_as_capture_runs_it_even_inside_the_drafters_bf16_autocast(
+    verifier: TargetVerifier,
+) -> None:
+    """Evaluation drafts under training's bf16 autocast; the target's tokens and states must still be
+    the ones captured for training, which ran it without autocast."""
+    prompt = prompts(1, seed=7)[0]
+    greedy, states = verifier.run(prompt, verifier.new_cache(), every_position=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside, inside_states = verifier.run(prompt, verifier.new_cache(), every_position=True)
+    assert torch.equal(inside, greedy) and torch.equal(inside_states, states)
+
+
 class ScriptedDrafter(torch.nn.Module):
     """Drafts from a script: the target's own continuation (an oracle) or something always wrong."""
 

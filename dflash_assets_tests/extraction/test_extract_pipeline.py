@@ -89,6 +89,34 @@ def test_a_batch_that_runs_out_of_memory_is_halved_until_it_fits_and_every_sampl
         )
 
 
+def test_the_halved_retry_runs_only_after_the_failed_forward_has_let_go_of_its_tensors(target_dir, tmp_path):
+    """A retry inside the `except` block runs while the traceback holds the failed forward's frames and
+    what they allocated: on a GPU each half would then fail too, down to "does not fit even alone"."""
+    import weakref
+
+    model = load_target_model(target_dir, "cpu")
+    failed: list[weakref.ref] = []  # what each failed forward had allocated
+    alive_at_next_forward: list[bool] = []
+
+    def fail_large_batches(module, args, kwargs):
+        alive_at_next_forward.append(any(ref() is not None for ref in failed))
+        rows = (args[0] if args else kwargs["hidden_states"]).shape[0]
+        activations = torch.empty(rows, 1 << 16)  # held by this frame when the error is raised
+        if rows > 2:
+            failed.append(weakref.ref(activations))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    handle = model.model.layers[2].register_forward_pre_hook(fail_large_batches, with_kwargs=True)
+    samples = [TokenizedSample(s.sample_index, s.input_ids[:3] * 10, [1] * 30) for s in make_samples(6)]
+    try:
+        extraction = Extraction(LocalStore(tmp_path / "store"), tmp_path / "staging")
+        result = extraction.run(model, samples, max_tokens_per_batch=4096)
+    finally:
+        handle.remove()
+    assert len(failed) == 3 and len(result.objects) == len(samples)  # 6 failed, then each 3 once
+    assert alive_at_next_forward == [False] * 7
+
+
 def test_a_sample_too_large_even_alone_fails_naming_it(target_dir, tmp_path):
     model = load_target_model(target_dir, "cpu")
 

@@ -11,7 +11,7 @@ import torch
 
 from dflash_assets.conversations.datasets import bundled_dataset_path
 from dflash_assets.generation.conversation import Regeneration
-from dflash_assets.generation.engine import TurnScheduler
+from dflash_assets.generation.engine import TurnRequest, TurnScheduler
 from dflash_assets.generation.in_process import InProcessEngine, prompt_token_ids, split_reasoning
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.target.model import load_target_model
@@ -66,6 +66,33 @@ def test_batched_greedy_answers_equal_generate_one_prompt_at_a_time(demo_target)
     assert sum(plan.turns for plan in answered) > len(answered)  # multi-turn rows among them
 
 
+def test_a_range_of_the_demo_is_answered_in_batches_as_wide_as_its_ready_turns(demo_target):
+    """A demo range (100 conversations, 161 turns, at most 4 a conversation) regenerated with the engine's
+    default batching: each prefill forward starts one batch, and the ready turns go out together, so the
+    range takes no more batches than its longest conversation's turns plus its turns / 64 (one request a
+    forward would take 161; a padding bound made 33 batches of 1 to 17)."""
+    model, tokenizer = demo_target
+    conversations = bundled_conversations(100)
+    widths: list[tuple[int, int]] = []  # (rows, positions) of every forward the target ran
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        engine = InProcessEngine(model, tokenizer, GenerationSettings(max_new_tokens=8), device="cpu")
+        answered = answer_all(engine, conversations)
+    finally:
+        hook.remove()
+    turns = sum(plan.turns for plan in answered)
+    longest = max(plan.turns for plan in answered)
+    assert all(plan.finished for plan in answered)
+    prefills = [rows for rows, positions in widths if positions > 1]  # a batch's first forward
+    assert prefills[0] == engine.max_batch_size == 64  # the first 64 conversations' first turns, together
+    assert sum(prefills) == turns
+    assert len(prefills) <= longest + -(-turns // engine.max_batch_size), prefills
+    decoded = [rows for rows, positions in widths if positions == 1]
+    assert sum(decoded) / len(decoded) >= 32, decoded  # decoding steps run wide, not one row each
+
+
 @pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_an_answer_ends_at_the_end_of_turn_token_or_at_max_new_tokens(demo_target):
     model, tokenizer = demo_target
@@ -79,6 +106,40 @@ def test_an_answer_ends_at_the_end_of_turn_token_or_at_max_new_tokens(demo_targe
     assert all(end_of_turn not in a.completion_token_ids[:-1] for a in stopped)
     assert all(len(a.completion_token_ids) == 40 and end_of_turn not in a.completion_token_ids for a in cut)
     assert all("<|im_end|>" not in a.content for a in answers)
+
+
+def test_a_batch_out_of_memory_is_halved_only_after_the_failed_generate_has_let_go_of_its_tensors(
+    demo_target,
+):
+    """The retry after an out-of-memory runs outside the `except` block: inside it, the traceback holds
+    the failed `generate`'s frames (its KV cache, its activations), so on a GPU the halves would fail too."""
+    import weakref
+
+    model, tokenizer = demo_target
+    engine = InProcessEngine(model, tokenizer, GenerationSettings(max_new_tokens=2), device="cpu")
+    failed: list[weakref.ref] = []
+    alive_at_next_forward: list[bool] = []
+    rows_seen: list[int] = []
+
+    def fail_large_batches(module, args, kwargs):
+        alive_at_next_forward.append(any(ref() is not None for ref in failed))
+        rows = (args[0] if args else kwargs["hidden_states"]).shape[0]
+        rows_seen.append(rows)
+        activations = torch.empty(rows, 1 << 16)
+        if rows > 1:
+            failed.append(weakref.ref(activations))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    handle = model.model.layers[1].register_forward_pre_hook(fail_large_batches, with_kwargs=True)
+    try:
+        prompts = [prompt_token_ids(tokenizer, c[:1], engine.settings) for c in bundled_conversations(2)]
+        plans = [Regeneration(i, c) for i, c in enumerate(bundled_conversations(2))]
+        requests = [TurnRequest(plan, 0, plan.messages()[:1]) for plan in plans]
+        answers = engine._generate(prompts, requests, 2)
+    finally:
+        handle.remove()
+    assert len(answers) == 2 and len(failed) == 1 and rows_seen[0] == 2
+    assert alive_at_next_forward and not any(alive_at_next_forward)
 
 
 def test_prompt_and_answer_stay_within_the_context_or_the_row_is_dropped_naming_why(demo_target):

@@ -509,9 +509,43 @@ def _wait_until(condition, what: str, timeout_s: float = 300.0) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks_run(ranges, tmp_path_factory):
-    """The uninterrupted run's settings, trained by two ranks (world size 2)."""
+    """The uninterrupted run's settings, trained by two ranks (world size 2), its objective named: D-PACE,
+    the default the uninterrupted run trains with."""
     tmp_path = tmp_path_factory.mktemp("ranks")
-    return _train(ranges, tmp_path, "ranks", "two-ranks", train=SAME_STEPS, **TWO_RANKS)
+    return _train(
+        ranges, tmp_path, "ranks", "two-ranks", train=SAME_STEPS, DFLASH_DRAFTER_LOSS="dpace", **TWO_RANKS
+    )
+
+
+def test_the_default_objective_is_d_pace_at_any_world_size_and_not_the_paper_s_fixed_decay(
+    ranges, offline_run, two_ranks_run, tmp_path
+):
+    decay, _ = _train(ranges, tmp_path, "decay", "decay-run", train=SAME_STEPS, DFLASH_DRAFTER_LOSS="decay")
+    assert decay.returncode == 0, decay.stderr[-4000:]
+    assert offline_run[0].returncode == 0 and two_ranks_run[0].returncode == 0
+    default, dpace, fixed = (_curves(run, tmp_path) for run in ("offline-run", "two-ranks", "decay-run"))
+
+    def per_step(curves, tag: str) -> dict[int, float]:
+        return {event.step: event.value for event in curves.Scalars(f"train/{tag}")}
+
+    steps = list(range(1, TRAIN["max_steps"] + 1))
+    assert sorted(per_step(default, "loss")) == steps
+    # The default at one rank is D-PACE at two, step for step (its normaliser is global) ...
+    assert per_step(dpace, "loss") == pytest.approx(per_step(default, "loss"), rel=1e-4)
+    # ... and not the fixed decay: the same weights and batch at step 1 (the plain cross-entropy logged
+    # beside the loss agrees) weighed otherwise.
+    assert per_step(fixed, "ce")[1] == pytest.approx(per_step(default, "ce")[1], rel=1e-5)
+    for step in steps:
+        assert per_step(fixed, "loss")[step] != pytest.approx(per_step(default, "loss")[step], rel=1e-3)
+    # D-PACE's target, the expected accepted length, is logged at every step of both.
+    assert all(value >= 1.0 for value in per_step(default, "expected_tau").values())
+    assert sorted(per_step(fixed, "expected_tau")) == steps
+    card = open_store(ranges_store_url()).get_bytes("drafter/decay-run/README.md").decode()
+    assert "the paper's fixed position weights exp(-(p-1)/7)" in card
+    assert (
+        "D-PACE position weights (alpha 0.5)"
+        in open_store(ranges_store_url()).get_bytes("drafter/offline-run/README.md").decode()
+    )
 
 
 def test_two_ranks_make_one_process_s_steps_and_export_the_same_weights(offline_run, two_ranks_run, tmp_path):
@@ -693,3 +727,27 @@ def test_a_node_joins_with_train_join_and_the_two_nodes_make_one_process_s_steps
     assert sorted(r["node"] for r in metadata["rank_devices"]) == ["node-a", "node-b"]
     # The published launch is gone once the run is over: a later train-join waits for a new one.
     assert open_store(ranges_store_url()).head(f"config/training-launch/{run}.json") is None
+
+
+def test_a_dflash2_drafter_trained_by_the_asset_decodes_losslessly_in_z_labs_loop(ranges, tmp_path):
+    """`DFLASH_DRAFTER_ARCH=dflash2` from the shell's settings to the export in the store, which z-lab's own
+    `DFlash2DraftModel` loads whole and `dflash_generate` decodes into the target's greedy output."""
+    from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode
+    from dflash_assets.target.model import load_target_model
+    from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate
+
+    done, env = _train(ranges, tmp_path, "dflash2", "dflash2-run", train=SHORT, DFLASH_DRAFTER_ARCH="dflash2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    store, local = open_store(ranges_store_url()), tmp_path / "export-dflash2"
+    for info in store.list("drafter/dflash2-run/"):
+        store.download(info.key, local / info.key.rsplit("/", 1)[-1])
+    config = json.loads((local / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert "DFlash2 (`DFlash2DraftModel`)" in (local / "README.md").read_text()
+    zlab, info = load_zlab_drafter(local)
+    assert {name: keys for name, keys in info.items() if keys} == {}
+    target = load_target_model(ranges["model_dir"], "cpu")
+    verifier = TargetVerifier(target, config["dflash_config"]["target_layer_ids"])
+    for prompt in ([3, 17, 40, 9, 11], [5, 6, 7, 100, 21, 13, 2]):
+        tokens, rounds = zlab_generate(zlab, target, prompt, 12)
+        assert tokens == greedy_decode(verifier, prompt, 12, set()) and sum(rounds) == len(tokens) - 1

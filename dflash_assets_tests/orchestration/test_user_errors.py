@@ -13,6 +13,8 @@ import pytest
 
 from dflash_assets import cli
 from dflash_assets.orchestration.user_errors import (
+    DRAFTER_ARCHS,
+    DRAFTER_LOSSES,
     DRAFTER_SHAPES,
     EXECUTORS,
     check_settings,
@@ -48,6 +50,8 @@ CASES = [
     (["ranges"], {"DFLASH_STORE_URL": "s3:/nobucket"}, "DFLASH_STORE_URL"),
     (["plan"], {"DFLASH_STORE_URL": "gs://bucket/prefix"}, "DFLASH_STORE_URL"),
     (["ranges"], {"DFLASH_COMPLETIONS": "targets"}, "DFLASH_COMPLETIONS"),
+    (["ranges"], {"DFLASH_DATASET_FORMAT": "alpaca"}, "DFLASH_DATASET_FORMAT"),
+    (["plan"], {"DFLASH_DATASET": "hf://models/someone/chats"}, "DFLASH_DATASET"),
     (["ranges"], {"DFLASH_TARGET_LAYER_IDS": "1,x,3"}, "DFLASH_TARGET_LAYER_IDS"),
     (["reap"], {"DFLASH_EXECUTOR": "slurm"}, "DFLASH_EXECUTOR"),
     (["reap"], {"DFLASH_EXECUTOR": "celery"}, "DFLASH_CELERY_BROKER_URL"),
@@ -83,6 +87,10 @@ def test_the_defaults_and_every_documented_choice_pass_the_checks(clean_env: Pat
     from dflash_assets.drafter.config import DRAFTER_SHAPES as CORE_SHAPES
 
     assert set(DRAFTER_SHAPES) == {"auto", *CORE_SHAPES, "target"}
+    from dflash_assets.drafter.config import ARCHITECTURES
+    from dflash_assets.drafter.objective import LOSSES
+
+    assert set(DRAFTER_ARCHS) == set(ARCHITECTURES) and set(DRAFTER_LOSSES) == set(LOSSES)
     from dflash_assets.orchestration.execution.executor import code_location_executor
 
     monkeypatch.setenv("DFLASH_CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
@@ -90,6 +98,16 @@ def test_the_defaults_and_every_documented_choice_pass_the_checks(clean_env: Pat
         monkeypatch.setenv("DFLASH_EXECUTOR", executor)
         check_settings()
         code_location_executor()  # each one the checks let through is one the code location builds
+
+
+def test_every_dataset_source_and_layout_the_manual_documents_passes_the_checks(clean_env: Path, monkeypatch):
+    sources = ["bundled", "data/chats", "data/train-*.parquet", "s3://bucket/chats/", "s3://bucket/a.jsonl"]
+    sources += ["hf://datasets/someone/chats", "hf://datasets/someone/chats@v1/data/*.parquet"]
+    for dataset in sources:
+        monkeypatch.setenv("DFLASH_DATASET", dataset)
+        for layout in ("auto", "messages", "sharegpt"):
+            monkeypatch.setenv("DFLASH_DATASET_FORMAT", layout)
+            check_settings()
 
 
 def test_a_repository_url_with_credentials_is_refused_without_echoing_them(clean_env: Path, monkeypatch):

@@ -3,6 +3,7 @@ hours from a saved GPU measurement, and warnings that name the setting to change
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,36 @@ def test_a_sampled_estimate_carries_an_interval_that_holds_the_exact_total(demo_
     assert 0 < estimate.relative_error_95 < 0.2
     assert abs(estimate.tokens - exact.tokens) <= estimate.tokens_error_95
     assert estimate.samples == pytest.approx(exact.samples, rel=0.05)
+
+
+def test_the_plan_counts_the_tokens_of_sharegpt_shards_as_tokenized_completions_makes_them(
+    demo_model_dir, tmp_path
+):
+    """The plan's token counts read the same layouts and shards: a folder of ShareGPT JSONL shards gives
+    the samples and tokens `tokenize_range` gives (none as `unknown_layout`), and the forced format too."""
+    from transformers import AutoTokenizer
+
+    from dflash_assets.conversations.datasets import iter_rows
+    from dflash_assets.conversations.sample_range import SampleRange
+    from dflash_assets.conversations.tokenize import tokenize_range
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    rows = [row.messages for _, row in iter_rows(bundled_dataset_path(), SampleRange(0, 59))]
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [
+        {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in r]} for r in rows
+    ]
+    (tmp_path / "shards").mkdir()
+    for number in range(3):
+        part = sharegpt[number * 20 : (number + 1) * 20]
+        (tmp_path / "shards" / f"part-{number}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    dataset = str(tmp_path / "shards")
+
+    tokenized = tokenize_range(tokenizer, dataset, SampleRange(0, 99))
+    assert len(tokenized.samples) == 60 and not tokenized.dropped
+    common = dict(dataset_uri=dataset, samples_per_partition=100, max_length=3072, tokenizer=tokenizer)
+    for layout in ("auto", "sharegpt"):
+        plan = build_workload(**common, sample_rows=0, layout=layout)
+        assert (plan.rows, plan.samples, plan.tokens) == (60, 60, tokenized.tokens)
+    forced = build_workload(**common, sample_rows=0, layout="messages")
+    assert forced.samples == 0  # read as OpenAI-style rows, ShareGPT ones have no `messages`

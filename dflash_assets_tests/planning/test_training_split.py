@@ -104,8 +104,9 @@ def test_a_drafter_whose_training_does_not_fit_one_device_needs_fsdp2_and_the_wa
     assert evaluate_split(too_big, 1, 7).fits is False
 
 
-def test_the_drafter_flops_are_the_benchmarks_less_the_input_gradient_the_context_projection_never_gets():
-    model = build_drafter(TINY, torch.device("cpu"))
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_the_drafter_flops_are_the_benchmarks_less_the_input_gradient_the_context_projection_never_gets(arch):
+    model = build_drafter(TINY, torch.device("cpu"), arch)
     config = model.config
     batch = random_batch(TINY, 1, torch.device("cpu"))
     length, blocks = TINY.sequence_length, TINY.num_anchors

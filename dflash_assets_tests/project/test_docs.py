@@ -45,3 +45,12 @@ def test_a_page_whose_table_is_stale_is_rewritten_between_the_markers_only():
         return f"# Configuration\n\nprose\n\n{reference.BEGIN}\n{table}{reference.END}\n\nmore prose\n"
 
     assert reference.with_table(page("| old |\n"), "| new |\n") == page("| new |\n")
+
+
+def test_every_drop_reason_is_explained_in_the_troubleshooting_page():
+    from dflash_assets.conversations.layouts import DROP_REASONS
+
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    section = page.split("## Dropped rows", 1)[1].split("\n## ", 1)[0]
+    missing = [reason for reason in DROP_REASONS if f"`{reason}`" not in section]
+    assert not missing, f"docs/troubleshooting.md's 'Dropped rows' table lacks {missing}"

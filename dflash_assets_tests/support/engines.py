@@ -27,11 +27,15 @@ class ScriptedEngine(Engine):
         refuse: set[int] | frozenset[int] = frozenset(),
         truncate: set[int] | frozenset[int] = frozenset(),
         batch: int = 3,
+        tool_calls: Callable[[TurnRequest], list[dict] | None] | None = None,
     ) -> None:
+        """`tool_calls(request)`: the calls an answer makes (None: none)."""
         self.name = "scripted"
         self.stats = EngineStats()
         self.asked: list[tuple[int, int]] = []  # (sample, turn) of every request
+        self.tools_seen: dict[tuple[int, int], list[dict] | None] = {}  # the tools each request carried
         self.fail_after, self.refuse, self.truncate, self.batch = fail_after, refuse, truncate, batch
+        self.tool_calls = tool_calls
         self._lock = threading.Lock()
 
     def run(self, scheduler: TurnScheduler, tick: Callable[[], None]) -> None:
@@ -41,13 +45,16 @@ class ScriptedEngine(Engine):
                     raise EngineUnavailable("scripted engine: the server went away")
                 with self._lock:
                     self.asked.append((request.sample_index, request.turn))
+                    self.tools_seen[(request.sample_index, request.turn)] = request.tools
                     self.stats.requests += 1
                 if request.sample_index in self.refuse:
                     scheduler.drop(request, Dropped("generation_failed", "HTTP 400: prompt too long"))
                     continue
                 content = scripted_content(request)
                 finish = "length" if request.sample_index in self.truncate else "stop"
-                scheduler.answer(request, Answer(content=content, finish_reason=finish, completion_tokens=5))
+                calls = self.tool_calls(request) if self.tool_calls else None
+                answer = Answer(content=content, finish_reason=finish, completion_tokens=5, tool_calls=calls)
+                scheduler.answer(request, answer)
             tick()
 
     def opener(self) -> Callable[[], contextlib.AbstractContextManager[Engine]]:

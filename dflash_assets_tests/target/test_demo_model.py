@@ -80,7 +80,8 @@ def test_demo_tokenizer_round_trips_arbitrary_unicode_text(demo_model_dir: Path)
 def test_demo_model_predicts_the_bundled_conversations_far_better_than_chance(demo_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     model = AutoModelForCausalLM.from_pretrained(demo_model_dir)
-    conversations = [row for _, row in iter_rows(bundled_dataset_path()) if not isinstance(row, Dropped)]
+    rows = iter_rows(bundled_dataset_path())
+    conversations = [row.messages for _, row in rows if not isinstance(row, Dropped)]
     input_ids = torch.tensor([tokenizer.apply_chat_template(conversations[0], return_dict=False)])
     with torch.no_grad():
         out = model(input_ids=input_ids, labels=input_ids, output_hidden_states=True)

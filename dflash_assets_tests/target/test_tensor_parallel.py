@@ -93,12 +93,13 @@ def test_a_target_loads_onto_its_device_and_a_cpu_replica_over_two_leases_is_the
 RANKS_SCRIPT = """
 import json, os, sys, torch
 from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.extraction.rank import FollowerForward
 from dflash_assets.target.tensor_parallel import TargetGroup, is_sharded, load_target_shard
 model_dir, out, layers = sys.argv[1], sys.argv[2], [1, 3, 5, 7, 9]
 group = TargetGroup(torch.device("cpu"), timeout_s=60, heartbeat_s=0.2)
-model = load_target_shard(model_dir, torch.device("cpu"), group.size)
-assert is_sharded(model)
-capture = HiddenStateCapture(model, layers)
+model = load_target_shard(model_dir, torch.device("cpu"), group.size, lm_head=False)  # as capture loads it
+assert is_sharded(model) and model.get_output_embeddings() is None
+capture = HiddenStateCapture(model, layers) if group.is_leader else FollowerForward(model, layers)
 if group.is_leader:
     group.start_heartbeat()
     ids, mask = torch.load(out + ".in.pt")
@@ -129,6 +130,48 @@ def test_capture_loads_the_target_without_its_lm_head_and_captures_the_same_laye
     layers = [1, 3, 5]
     expected = HiddenStateCapture(whole, layers)(ids, torch.ones_like(ids))
     assert torch.equal(HiddenStateCapture(headless, layers)(ids, torch.ones_like(ids)), expected)
+
+
+def test_a_follower_runs_the_forward_through_the_last_captured_layer_and_keeps_no_capture_buffer(
+    demo_model_dir,
+):
+    """Only rank 0 fills the [B, T, K, H] buffer; a follower allocating it too would hold memory its rank
+    never uses (at the real width, 5 layers x 5120 of every token of the batch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dflash_assets.extraction.rank import FollowerForward
+
+    class LargestTensor(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for value in result if isinstance(result, tuple | list) else [result]:
+                if isinstance(value, torch.Tensor):
+                    self.largest = max(self.largest, value.numel())
+            return result
+
+    model = load_target_model(demo_model_dir, "cpu", lm_head=False)
+    layers = [1, 3, 5, 7, 9]
+    ran: list[int] = []
+    handles = [
+        layer.register_forward_pre_hook(lambda module, args, i=i: ran.append(i))
+        for i, layer in enumerate(model.layers)
+    ]
+    ids = torch.randint(0, 1000, (4, 64))
+    try:
+        with LargestTensor() as follower:
+            FollowerForward(model, layers)(ids, torch.ones_like(ids))
+        followed = list(ran)
+        ran.clear()
+        with LargestTensor() as leader:
+            HiddenStateCapture(model, layers)(ids, torch.ones_like(ids))
+    finally:
+        for handle in handles:
+            handle.remove()
+    buffer = 4 * 64 * len(layers) * model.config.hidden_size
+    assert followed == ran == list(range(10))  # through layer 9, the last captured, and no further
+    assert leader.largest >= buffer > follower.largest
 
 
 @pytest.mark.slow  # two ranks under torch.distributed's launcher
@@ -163,3 +206,116 @@ def test_two_ranks_capture_what_one_process_captures_to_float32_precision(demo_m
     print(json.dumps({"largest_float32_difference": difference}))
     torch.testing.assert_close(split[real], whole[real], atol=1e-5, rtol=1e-5)
     assert Path(str(out) + ".in.pt").exists()
+
+
+OUT_OF_MEMORY_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.extraction.rank import LeaderCapture, handlers
+from dflash_assets.storage.local_store import LocalStore
+from dflash_assets.target.ranks import TargetRankJob, run_target_rank
+from dflash_assets_tests.support.extraction import Extraction
+
+job = TargetRankJob.from_json(Path(sys.argv[1]).read_text())
+layers, root, failing = job.work["target_layer_ids"], Path(job.work["root"]), job.work["failing_rank"]
+rank = int(__import__("os").environ["RANK"])
+
+
+def fail_the_second_forward(model):
+    forwards = []
+
+    def hook(module, args):  # inside the forward: the other rank waits in one of its collectives
+        forwards.append(1)
+        if len(forwards) == 2 and rank == failing:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated on rank {rank} alone)")
+
+    model.layers[3].register_forward_pre_hook(hook)
+
+
+def lead(group, model, devices, link):
+    fail_the_second_forward(model)
+    samples = [TokenizedSample(100 + i, [5 + i] * 10, [1] * 10) for i in range(8)]  # batches of 4
+    extraction = Extraction(LocalStore(root / "store"), root / "staging")
+    try:
+        capture = LeaderCapture(model, layers, group)
+        extraction.run(model, samples, layer_ids=layers, capture=capture, max_tokens_per_batch=40)
+    finally:
+        for line in extraction.logs:
+            link.log(line)
+    return {}
+
+
+def follower_handlers(model):
+    fail_the_second_forward(model)
+    return handlers(job)(model)
+
+
+sys.exit(run_target_rank(job, lead, follower_handlers, lm_head=False))
+"""
+
+
+def _processes_with(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker.encode() in environ and state != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.slow  # two ranks under torch.distributed's launcher
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_rank_out_of_memory_mid_forward_stops_every_rank_at_once_instead_of_halving_the_batch_alone(
+    demo_model_dir, tmp_path, failing_rank
+):
+    """Halving on one rank would pair its smaller forward's collectives with the others' leftovers of the
+    failed one (a hang until the timeout, or wrong states): every rank stops instead, well before the
+    group's timeout, the step hears which rank ran out and what to lower, and no process is left."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from dflash_assets.target.ranks import EVENTS_QUEUE, TargetRankJob
+
+    timeout_s = 120.0
+    step = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    job = TargetRankJob(
+        stage="capture",
+        model_dir=str(demo_model_dir),
+        tp=2,
+        devices=["cpu:0", "cpu:1"],
+        lock_dir=str(tmp_path / "locks"),
+        holder="test",
+        timeout_s=timeout_s,
+        step=f"127.0.0.1:{step.port}",
+        work={"target_layer_ids": [1, 3, 5, 7], "root": str(tmp_path), "failing_rank": failing_rank},
+    )
+    (tmp_path / "job.json").write_text(job.to_json())
+    (tmp_path / "ranks.py").write_text(OUT_OF_MEMORY_SCRIPT)
+    marker = f"dflash-oom-test-{os.getpid()}-{failing_rank}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DFLASH_TEST_MARKER": marker}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "--max-restarts=0", str(tmp_path / "ranks.py"), str(tmp_path / "job.json")]  # fmt: skip
+    started = time.monotonic()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s + 60)
+    seconds = time.monotonic() - started
+    events = [
+        json.loads(step.queue_pop(EVENTS_QUEUE, block=False)) for _ in range(step.queue_len(EVENTS_QUEUE))
+    ]
+    errors = [e["body"] for e in events if e["kind"] == "error"]
+    lines = [e["body"] for e in events if e["kind"] == "log"]
+    output = result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.returncode != 0, output
+    assert not [line for line in lines if "splitting the batch" in line], lines
+    assert errors and f"rank {failing_rank} of the target split over 2 devices ran out of memory" in errors[0]
+    assert "cannot be halved on one rank alone" in errors[0] and "DFLASH_MAX_TOKENS_PER_BATCH" in errors[0]
+    assert seconds < timeout_s / 2, f"ended after {seconds:.0f} s: a rank waited for the group's timeout"
+    assert not _processes_with(marker)  # the launcher and both ranks are gone

@@ -5,8 +5,10 @@ state to the host, or skips with a warning naming the setting. Decided from made
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import struct
+import weakref
 from pathlib import Path
 
 import pytest
@@ -250,6 +252,65 @@ def test_an_out_of_memory_while_loading_the_target_skips_the_evaluation_not_the_
     )
     assert len(loads) == 3 and result.steps == 4 and result.speculative is None
     assert sum("ran out of memory" in line and SKIP_SETTING in line for line in lines) == 3
+
+
+class WatchedRelease:
+    """Each loaded target (a weak reference) and, at each release of the evaluation's memory, whether the
+    target, or a tensor a failed evaluation allocated, was still referenced."""
+
+    def __init__(self, monkeypatch, fail_evaluation: bool = False):
+        import dflash_assets.training.evaluation as evaluation_module
+        import dflash_assets.training.memory as memory_module
+
+        self.loaded: list = []
+        self.failed: list = []
+        self.alive_at_release: list[tuple[bool, bool]] = []
+        real_verifier, real_release = evaluation_module.TargetVerifier, memory_module._release_memory
+        watch = self
+
+        class Watched(real_verifier):
+            def __init__(self, model, layer_ids):
+                super().__init__(model, layer_ids)
+                watch.loaded.append(weakref.ref(self))
+
+            def run(self, ids, cache):
+                if fail_evaluation:
+                    activations = torch.empty(1 << 16)  # what the failed forward held
+                    watch.failed.append(weakref.ref(activations))
+                    raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+                return super().run(ids, cache)
+
+        def release(device_type):
+            gc.collect()  # a cycle would be collected on a GPU too; only a live reference keeps it
+            self.alive_at_release.append(
+                (
+                    any(ref() is not None for ref in self.loaded),
+                    any(ref() is not None for ref in self.failed),
+                )
+            )
+            real_release(device_type)
+
+        monkeypatch.setattr(evaluation_module, "TargetVerifier", Watched)
+        monkeypatch.setattr(memory_module, "_release_memory", release)
+
+
+@pytest.mark.parametrize("fail_evaluation", [False, True], ids=["evaluated", "out-of-memory mid-evaluation"])
+def test_the_evaluations_target_is_no_longer_referenced_when_its_memory_is_released(
+    config, capture, samples, tmp_path, monkeypatch, fail_evaluation
+):
+    """The caller's `with ... as` name outlives the block: were the target that name, it would be alive
+    while the memory is released and the optimiser state comes back beside it (an out-of-memory then
+    outside any handler, and the memory reserved until the next collection)."""
+    watch = WatchedRelease(monkeypatch, fail_evaluation)
+    memory = FakeMemory({"cpu": 64 * GIB})
+    result, reports, loads, lines = _train(config, capture, samples, tmp_path, monkeypatch, memory)
+    assert len(loads) == 3 and result.steps == 4
+    assert watch.alive_at_release == [(False, False)] * 3
+    if fail_evaluation:
+        assert len(watch.failed) == 3 and result.speculative is None
+        assert sum("the speculative evaluation ran out of memory" in line for line in lines) == 3
+    else:
+        assert all(r["speculative"] and r["speculative"]["matches_target_greedy"] for r in reports)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU the host is the device")

@@ -229,6 +229,135 @@ def test_a_checkpoint_with_a_non_finite_weight_is_never_committed(tmp_path, conf
     assert list(store.list("checkpoints/")) == []
 
 
+# ------------------------------------------------------------ the gradient reduction and out-of-memory redos
+
+# 12 samples, 5 held out: steps of 6 and 1 sequences. On 2 ranks: 3 each in the first (a budget of two
+# sequences a micro-batch: 2 + 1), then one rank has no sample at all.
+REDUCTION = {"eval_samples": 5, "global_batch_size": 6, "max_steps": 2}
+
+
+def _two_sequence_budget(setup: dict[str, Any]) -> int:
+    from dflash_assets.drafter.objective import estimate_step_bytes
+
+    config = tiny_drafter_config(Path(setup["target_dir"]))
+    return estimate_step_bytes(config, 2, max(setup["num_tokens"]), SETTINGS["num_anchors"])
+
+
+def _train_with_out_of_memory_on_rank_1(collective, setup) -> dict[str, Any]:
+    """A short run; on rank 1, in step 1, an out-of-memory error raised inside a backward: in the reducing
+    micro-batch (`reducing`), in one before it (`accumulating`), or anywhere with one sequence a
+    micro-batch (`unfit`)."""
+    import torch.distributed as dist
+
+    import dflash_assets.training.distributed as distributed
+
+    distributed.BUCKET_CAP_MB = 0.01  # the tiny drafter's gradients in many buckets, reduced one by one
+    all_reduce, reductions = dist.all_reduce, [0]
+
+    def counted_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        reductions[0] += 1
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted_all_reduce  # this rank's process only
+    where = setup["out_of_memory"]
+    budget = 1 if where == "unfit" else _two_sequence_budget(setup)
+    trainer = _trainer(collective, setup, **REDUCTION, micro_batch_bytes=budget)
+    lines: list[str] = []
+    trainer.log = lines.append
+    failed: dict[str, Any] = {}
+    backwards: list[bool] = []  # in step 1 on this rank: whether each micro-batch was the reducing one
+    during_backward: list[int] = []  # all-reduces begun in step 1 by the time its backward reaches layer 0
+    accumulate, in_step = trainer._accumulate, []
+
+    def accumulating(*args: Any) -> Any:
+        in_step.append(True)
+        reductions[0] = 0
+        try:
+            return accumulate(*args)
+        finally:
+            in_step.pop()
+
+    trainer._accumulate = accumulating
+
+    def fail_once(grad: torch.Tensor) -> torch.Tensor:
+        if trainer.step == 0 and in_step:
+            during_backward.append(reductions[0])
+            reducing = getattr(trainer, "_in_reduction", None)
+            backwards.append(reducing)
+            wanted = {"reducing": reducing, "accumulating": not reducing, "unfit": True}.get(where, False)
+            if collective.rank == 1 and not failed and wanted:
+                failed["launched"] = trainer.gradients.launched
+                raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return grad
+
+    # The first layer's MLP: late in the backward, when the later layers' buckets are being reduced.
+    trainer.model.layers[0].mlp.down_proj.weight.register_hook(fail_once)
+    trainer.resume()
+    try:
+        result = trainer.train()
+    except torch.OutOfMemoryError as error:
+        return {"error": str(error), "failed": failed}
+    return {
+        "weights": _fingerprint(result.model)["sums"],
+        "failed": failed,
+        "backwards": backwards,
+        "reduced_during_backward": max(during_backward),
+        "buckets": len(trainer.gradients.module.reducer._get_zeros_like_grad_buckets())
+        if hasattr(trainer, "gradients")
+        else None,
+        "warnings": [line for line in lines if "out of memory" in line],
+    }
+
+
+@pytest.fixture(scope="module")
+def one_process_weights(offline_setup) -> dict[str, float]:
+    """The weights one process reaches on the same samples: what every world size must reach."""
+    setup = {**offline_setup, "case": "reduction-alone", "run": "reduction-alone"}
+    trainer = _trainer(SingleProcess(), setup, **REDUCTION, micro_batch_bytes=_two_sequence_budget(setup))
+    trainer.resume()
+    return _fingerprint(trainer.train().model)["sums"]
+
+
+@pytest.mark.slow  # ranks in processes of their own
+@pytest.mark.parametrize("out_of_memory", ["none", "reducing", "accumulating"])
+def test_two_ranks_reach_one_process_s_weights_whatever_their_micro_batches_empty_shares_or_redos(
+    offline_setup, one_process_weights, out_of_memory
+):
+    setup = {**offline_setup, "case": f"reduction-{out_of_memory}", "out_of_memory": out_of_memory}
+    ranks = run_ranks(_train_with_out_of_memory_on_rank_1, 2, {**setup, "run": setup["case"]})
+    assert all("weights" in rank for rank in ranks), ranks
+    for rank in ranks:
+        assert rank["weights"] == pytest.approx(one_process_weights, rel=1e-4, abs=1e-5)
+    assert ranks[0]["weights"] == pytest.approx(ranks[1]["weights"], rel=1e-9)
+    one, other = ranks[1], ranks[0]
+    if out_of_memory == "none":
+        # The sum over the ranks overlaps the backward: buckets of the later layers are being reduced
+        # while the backward is still on the first.
+        assert one["reduced_during_backward"] > 0 and other["reduced_during_backward"] > 0
+        assert one["backwards"] == other["backwards"] == [False, True] and not one["warnings"]
+    elif out_of_memory == "reducing":
+        # Rank 1 failed part-way through its reducing backward (some buckets reduced, not all); it finished
+        # them with zeros and both ranks redid the step, rank 1 with one sequence a micro-batch.
+        assert 0 < one["failed"]["launched"] < one["buckets"]
+        assert one["backwards"] == [False, True, False, False, True]
+        assert other["backwards"] == [False, True, False, True]
+        assert "redone on every rank" in one["warnings"][0]
+    else:
+        # Out of memory before its reducing micro-batch: rank 1 redid its own share alone.
+        assert one["backwards"] == [False, False, False, True]
+        assert other["backwards"] == [False, True]
+        assert "redone on every rank" not in one["warnings"][0]
+
+
+@pytest.mark.slow  # ranks in processes of their own
+def test_a_sequence_that_does_not_fit_alone_on_one_rank_stops_every_rank_alike(offline_setup):
+    setup = {**offline_setup, "case": "reduction-unfit", "run": "reduction-unfit", "out_of_memory": "unfit"}
+    ranks = run_ranks(_train_with_out_of_memory_on_rank_1, 2, setup)
+    assert all("error" in rank for rank in ranks), ranks
+    assert ranks[1]["error"].startswith("one sequence does not fit on cpu (step 1")
+    assert ranks[0]["error"].startswith("one sequence does not fit on 1 other rank(s) (step 1")
+
+
 # ---------------------------------------------------------------------------------------- resuming
 
 
@@ -360,23 +489,26 @@ def test_kernels_are_compiled_before_the_first_timed_collective_and_the_ranks_th
     collective = _Recording()
     trainer = _trainer(collective, {**offline_setup, "case": "warm-up"}, max_steps=1, eval_samples=0)
     trainer.compiles = lambda: True  # what a GPU with flex attention reports; the CPU runs the same steps
-    forwards: list[tuple[str, int]] = []
+    forwards: list[tuple[str, bool, int]] = []
     loss = train_module.dflash_loss
 
-    def counted(model, batch, anchors, gamma):
-        forwards.append(("warm-up" if batch.sample_indices == [-1] else "step", batch.input_ids.shape[1]))
-        collective.calls.append(f"forward {forwards[-1][0]}")
-        return loss(model, batch, anchors, gamma)
+    def counted(model, batch, anchors, gamma, **kwargs):
+        kind = "warm-up" if set(batch.sample_indices) == {-1} else "step"
+        forwards.append((kind, torch.is_grad_enabled(), len(batch.sample_indices)))
+        collective.calls.append(f"forward {kind}")
+        return loss(model, batch, anchors, gamma, **kwargs)
 
     monkeypatch.setattr(train_module, "dflash_loss", counted)
     trainer.resume()
     trainer.train()
     timed = ("all_reduce_sum", "all_gather_object")
     first_timed = min(i for i, call in enumerate(collective.calls) if call in timed)
-    assert collective.calls[:3] == ["forward warm-up", "forward warm-up", "long_barrier"]
-    assert first_timed == 3
-    # Two lengths: a static kernel, then the dynamic one every later length uses.
-    assert len({length for kind, length in forwards if kind == "warm-up"}) == 2
+    assert collective.calls[:5] == ["forward warm-up"] * 4 + ["long_barrier"]
+    assert first_timed == 5
+    # What compiles apart (drafter/model.py): one sequence or several, with gradients (training) or without
+    # (evaluation, speculative drafting).
+    warm_ups = {(grad, sequences) for kind, grad, sequences in forwards if kind == "warm-up"}
+    assert warm_ups == {(True, 1), (True, 2), (False, 1), (False, 2)}
 
 
 # -------------------------------------------------------------------------------- which errors restart

@@ -93,7 +93,8 @@ def test_the_drafter_learns_a_repeated_small_dataset(
     batch = collate_tokenized_samples(held_out, settings.max_length, capture, config)
     before = evaluate_drafter(untrained, [batch], num_anchors=settings.num_anchors)
     after = evaluate_drafter(result.model, [batch], num_anchors=settings.num_anchors)
-    assert after["loss"] < before["loss"] - 1.0, (before["loss"], after["loss"])
+    # The plain cross-entropy per label falls (the objective's own loss is D-PACE's weighted sum).
+    assert after["ce"] < before["ce"] - 1.0, (before["ce"], after["ce"])
     assert after["teacher_forced_tau"] >= before["teacher_forced_tau"]
 
     assert result.steps == result.total_steps > 0
@@ -328,11 +329,11 @@ def test_running_out_of_memory_halves_the_micro_batch_budget_and_redoes_the_same
     real_loss = train_module.dflash_loss
     failures = []
 
-    def loss_that_fits_one_sequence(model, batch, anchors, gamma):
+    def loss_that_fits_one_sequence(model, batch, anchors, gamma, **kwargs):
         if len(batch.sample_indices) > 1:  # "out of memory" for anything bigger than one sequence
             failures.append(len(batch.sample_indices))
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
-        return real_loss(model, batch, anchors, gamma)
+        return real_loss(model, batch, anchors, gamma, **kwargs)
 
     def run(name: str) -> tuple[TrainResult, list[str]]:
         return train_logged(config, capture, samples, tmp_path, name, max_steps=2, micro_batch_bytes=4 * one)

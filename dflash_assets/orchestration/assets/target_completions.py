@@ -127,7 +127,9 @@ def target_completions_asset() -> AssetsDefinition:
 
         sample_range = SampleRange.parse(context.partition_key)
         object_store = store.check()
-        rows = list(iter_rows(dataset.local_path(), sample_range, require_assistant=False))
+        rows = list(
+            iter_rows(dataset.local_path(), sample_range, require_assistant=False, layout=dataset.layout())
+        )
         if not rows:
             raise dataset.past_the_end(sample_range)
         generation_settings = config.generation_settings(target_model.model_dir())

@@ -56,6 +56,7 @@ def _tokenize(
             max_length=config.token_limit(),
             overlong=config.overlong,
             max_bad_fraction=config.max_bad_fraction,
+            layout=dataset.layout(),
         )
         return result, {"completions": "dataset", "dataset": dataset.uri()}
     from dflash_assets.generation.records import COMPLETIONS_NAME

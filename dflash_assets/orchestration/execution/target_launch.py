@@ -112,10 +112,10 @@ class _Ranks:
         )
         self.tail = LauncherOutput(self.process.stdout, "target-launcher")
         self.outcome: dict[str, Any] | None = None
-        self.failure: str | None = None  # rank 0's error, as it said it
+        self.failure: str | None = None  # the first error a rank reported, as it said it (it names itself)
 
     def pump(self) -> None:
-        """Replay what rank 0 said since the last call."""
+        """Replay what the ranks reported since the last call (rank 0's logs, any rank's error)."""
         for event in self.store.events():
             kind, body = event.get("kind"), event.get("body")
             if kind == "log":
@@ -148,7 +148,7 @@ class _Ranks:
         if first:
             parts.append(f"{first} ended first")
         if self.failure:
-            parts.append(f"rank 0 said: {self.failure[:300]}")
+            parts.append(f"the ranks reported: {self.failure[:300]}")
         if not first and not self.failure:
             parts.append(f"the launcher ended with {how}; see the step's stderr for each rank's output")
         return (

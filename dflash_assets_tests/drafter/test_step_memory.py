@@ -1,0 +1,139 @@
+"""The activation memory micro-batches are planned with (`estimate_step_bytes`): by the attention that
+runs, against what a step measurably holds on the CPU, and what it gives at the real drafter shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_assets.bench.drafter_step import cpu_peak_bytes
+from dflash_assets.drafter.config import DrafterConfig, drafter_shape
+from dflash_assets.drafter.model import drafter_class, drafter_parameter_count
+from dflash_assets.drafter.objective import (
+    DrafterBatch,
+    Objective,
+    anchor_generator,
+    dflash_loss,
+    estimate_step_bytes,
+    sample_anchors,
+)
+from dflash_assets.target.layer_ids import dflash_target_layer_ids
+from dflash_assets.training.memory import drafter_frozen_bytes, planned_attention, training_memory
+from dflash_assets.training.plan import micro_batches
+from dflash_assets.training.settings import TrainSettings
+
+
+def drafter_config(hidden: int = 256, vocab: int = 20_000, **shape: object) -> DrafterConfig:
+    fields = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 32, "intermediate_size": 3 * hidden, **shape}
+    return DrafterConfig(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        mask_token_id=vocab - 1,
+        target_layer_ids=[1, 2, 3, 4, 5],
+        target_num_hidden_layers=8,
+        num_layers=2,
+        **fields,
+    )
+
+
+def step_inputs(config: DrafterConfig, batch_size: int, length: int, num_anchors: int):
+    torch.manual_seed(0)
+    embedding = torch.randn(config.vocab_size, config.hidden_size) * 0.02
+    drafter = drafter_class(config)(config, embedding, embedding.clone())
+    input_ids = torch.randint(0, config.vocab_size - 1, (batch_size, length))
+    loss_mask = torch.ones(batch_size, length, dtype=torch.bool)
+    states = torch.randn(batch_size, length, config.num_context_layers, config.target_hidden_size).bfloat16()
+    batch = DrafterBatch(
+        input_ids, loss_mask, states, torch.full((batch_size,), length), list(range(batch_size))
+    )
+    anchors = sample_anchors(loss_mask, num_anchors, [anchor_generator(0, 0, i) for i in range(batch_size)])
+    return drafter, batch, anchors
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize(("batch_size", "length", "num_anchors"), [(1, 512, 32), (2, 256, 64)])
+def test_the_materialised_estimate_covers_a_cpu_step_s_measured_peak_without_doubling_it(
+    batch_size: int, length: int, num_anchors: int, arch: str
+) -> None:
+    # DFlash2: its convolutions and selector (at a rank that weighs here as 256 does at a 248 K vocabulary).
+    config = drafter_config(arch=arch, selector_rank=64)
+    drafter, batch, anchors = step_inputs(config, batch_size, length, num_anchors)
+    objective = Objective()
+    dflash_loss(drafter, batch, anchors, objective).weighted_ce.backward()  # the gradients exist: not counted
+
+    measured = cpu_peak_bytes(lambda: dflash_loss(drafter, batch, anchors, objective).weighted_ce.backward())
+    estimate = estimate_step_bytes(config, batch_size, length, num_anchors, attention="materialised")
+    assert measured <= estimate <= 1.6 * measured, (measured, estimate)
+
+
+def test_flex_is_planned_by_what_it_saves_for_backward_with_no_score_matrix(monkeypatch) -> None:
+    import torch.nn.attention.flex_attention as flex_module
+
+    # torch refuses flex attention's backward on the CPU (its reference is slow), not its graph: what the
+    # forward saves for backward is what the GPU kernel's autograd saves (q, k, v, output, log-sum-exp).
+    monkeypatch.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+    config = drafter_config(vocab=1_000)
+    drafter, batch, anchors = step_inputs(config, 1, 512, 32)
+    drafter.set_attention_backend("flex")
+    kept: dict[int, int] = {}
+    weights = {t.untyped_storage().data_ptr() for t in [*drafter.parameters(), *drafter.buffers()]}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        dflash_loss(drafter, batch, anchors, 7.0)
+    saved = sum(kept.values())
+    flex = estimate_step_bytes(config, 1, 512, 32, attention="flex")
+    assert saved <= flex <= 1.8 * saved, (saved, flex)
+
+    # No score matrix: more context costs flex its keys, the materialised scores a row for every slot.
+    def growth(attention: str) -> int:
+        return estimate_step_bytes(config, 1, 1024, 32, attention=attention) - estimate_step_bytes(
+            config, 1, 512, 32, attention=attention
+        )
+
+    assert growth("flex") < growth("materialised") / 4
+
+
+def qwen_drafter(hidden: int, intermediate: int, vocab: int, layers: int, shape: str) -> DrafterConfig:
+    target = {"hidden_size": hidden, "intermediate_size": intermediate}
+    return DrafterConfig(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        mask_token_id=vocab - 1,
+        target_layer_ids=dflash_target_layer_ids(layers, 5),
+        target_num_hidden_layers=layers,
+        **drafter_shape(target, shape, 5),
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "sequences"),
+    [
+        ("Qwen3-8B", qwen_drafter(4096, 12288, 151_936, 36, "dflash"), 3),
+        ("Qwen3.6-27B", qwen_drafter(5120, 17408, 248_320, 64, "dflash-swa"), 2),
+    ],
+)
+def test_on_an_h200_flex_attention_fits_several_3072_token_sequences_a_micro_batch(
+    name: str, config: DrafterConfig, sequences: int
+) -> None:
+    # The trainer's default budget on a 141 GB device: 70 % of what is free once the drafter's float32
+    # weights and the frozen embedding and head are there, less 16 bytes a parameter for its state.
+    parameters = drafter_parameter_count(config)
+    free = 141 * 10**9 - 4 * parameters - drafter_frozen_bytes(config)
+    budget = int((free - 16 * parameters) * 0.7)
+    settings = TrainSettings(num_anchors=512, max_length=3072)
+    ids, lengths = list(range(8)), [3072] * 8
+
+    assert planned_attention("cuda") == "flex" and planned_attention("cpu") == "materialised"
+    flex = micro_batches(ids, lengths, config, settings, budget, planned_attention("cuda"))
+    materialised = micro_batches(ids, lengths, config, settings, budget, "materialised")
+    assert len(flex[0]) == sequences, name
+    assert len(materialised[0]) == 1  # the full score matrix: what every micro-batch held before
+    # The plan's training memory counts the same activations.
+    planned = training_memory(config, 3072, 512, attention="flex").activations
+    assert planned == estimate_step_bytes(config, 1, 3072, 512, attention="flex")
