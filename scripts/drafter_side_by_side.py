@@ -140,9 +140,9 @@ def main() -> None:
             torch.manual_seed(0)
             rows.append(train_variant(arch, loss, args, Path(scratch) / f"{arch}-{loss}"))
             print(json.dumps(rows[-1]), flush=True)
+            if args.out:  # after each variant: a long run interrupted keeps what it measured
+                args.out.write_text(json.dumps(rows, indent=1) + "\n")
     print(table(rows))
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

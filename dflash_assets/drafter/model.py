@@ -126,10 +126,11 @@ def _flex_functions(compiled: bool) -> tuple[Any, Any]:
     """(create_block_mask, flex_attention), compiled on first use (`FLEX_COMPILE_BACKEND`) or not.
 
     Compiled with dynamic shapes, so lengths and micro-batch sizes never recompile: what varies per
-    micro-batch reaches the mask as tensors (`_block_rule`), and the block mask is always built without
-    gradients. What still compiles a version of its own: a batch of one sequence (dynamo specialises a size
-    of 1) and, for the attention, gradients on or off; at most 2 versions of the mask and 4 of the
-    attention, whatever the layer mix (the trainer's warm-up compiles them all before its first step)."""
+    micro-batch reaches the mask as tensors (`_block_rule`), the sequences of a micro-batch are packed into
+    one row (`FlexMask`: no batch dimension for dynamo to specialise at 1), and the block mask is always
+    built without gradients. What still compiles a version of its own is the attention with gradients
+    and without: one version of the mask and two of the attention, whatever the layer mix, the lengths
+    and the batch sizes (the trainer's warm-up compiles them before its first step)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if not compiled:
@@ -179,21 +180,28 @@ def _tiles(n: int) -> int:
 def _block_rule(
     size: torch.Tensor,  # 0-dim: slots per block
     context_length: torch.Tensor,  # 0-dim: C
-    query_ends: torch.Tensor,  # [B, Q]: the context a query sees ends before this (its block's anchor)
-    query_positions: torch.Tensor,  # [B, Q]: a query's absolute position
+    row_queries: torch.Tensor,  # 0-dim: queries a sequence holds in the packed row (whole tiles)
+    row_keys: torch.Tensor,  # 0-dim: keys a sequence holds in the packed row (whole tiles)
+    query_ends: torch.Tensor,  # [B * row_queries]: the context a query sees ends before this (its anchor)
+    query_positions: torch.Tensor,  # [B * row_queries]: a query's absolute position
     window: torch.Tensor,  # 0-dim: FULL_WINDOW on a full-attention layer
     causal: torch.Tensor,  # 0-dim bool: inside the block, only slots at or before the query (sliding)
 ) -> Callable:
-    """The attention rule as a flex mask function. Every value it reads is a tensor, none a Python number:
-    torch.compile guards on the Python values a function closes over (one compiled version per window,
-    per length), while tensors are inputs of one compiled version."""
+    """The attention rule as a flex mask function over one packed row: sequence r's queries are
+    `r * row_queries ...` and its keys `r * row_keys ...`, and a query sees only its own sequence's keys.
+
+    Every value it reads is a tensor, none a Python number: torch.compile guards on the Python values a
+    function closes over (one compiled version per window, per length), while tensors are inputs of one
+    compiled version."""
 
     def mask(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        in_context = (kv < context_length) & (kv < query_ends[b, q]) & (query_positions[b, q] - kv < window)
-        key_slot = kv - context_length
-        behind = q % size - key_slot % size  # query slot - key slot, within a block
-        own_block = (kv >= context_length) & (key_slot // size == q // size) & (behind < window)
-        return in_context | (own_block & ((behind >= 0) | ~causal))
+        same_sequence = q // row_queries == kv // row_keys
+        query, key = q % row_queries, kv % row_keys  # positions inside the sequence's own stretch
+        in_context = (key < context_length) & (key < query_ends[q]) & (query_positions[q] - key < window)
+        key_slot = key - context_length
+        behind = query % size - key_slot % size  # query slot - key slot, within a block
+        own_block = (key >= context_length) & (key_slot // size == query // size) & (behind < window)
+        return same_sequence & (in_context | (own_block & ((behind >= 0) | ~causal)))
 
     return mask
 
@@ -202,10 +210,14 @@ class FlexMask:
     """The attention rule as flex-attention block masks over queries [every slot of every block] and
     keys [context ; every slot of every block], one mask per layer type, built once per forward.
 
-    Query q is slot `q % S` of block `q // S`; it sees context key c when c < its block's anchor (and,
-    on a sliding layer, its position minus c is inside the window), and block key j when j is in its
-    own block (on a sliding layer: at or before it, inside the window). Context positions are 0..C-1.
-    Padded queries (up to the tile) read as the last block's; their outputs are dropped.
+    The micro-batch's sequences are packed into one row, each padded to whole tiles (`row_queries`,
+    `row_keys`): the compiled functions never see a batch dimension, so a batch of one sequence and a
+    batch of several run the same compiled version (dynamo would specialise a batch of 1), and the tiles
+    between two sequences are empty, so the kernel skips them. Query q of a sequence is slot `q % S` of
+    block `q // S`; it sees context key c when c < its block's anchor (and, on a sliding layer, its
+    position minus c is inside the window), and block key j when j is in its own block (on a sliding
+    layer: at or before it, inside the window). Padded queries read as the last block's; their outputs
+    are dropped.
     """
 
     def __init__(
@@ -220,10 +232,11 @@ class FlexMask:
         batch, num_blocks, size = block_positions.shape
         device = block_positions.device
         queries = num_blocks * size
-        self.query_length = _tiles(queries)
-        self.key_length = _tiles(context_length + queries)
+        self.batch = batch
+        self.row_queries = _tiles(queries)
+        self.row_keys = _tiles(context_length + queries)
         create_block_mask, self._attention = _flex_functions(compiled)
-        pad = self.query_length - queries
+        pad = self.row_queries - queries
         query_ends = context_end.repeat_interleave(size, dim=1)  # [B, N*S]
         if num_blocks:
             query_ends = torch.cat([query_ends, query_ends[:, -1:].expand(batch, pad)], dim=1)
@@ -238,22 +251,43 @@ class FlexMask:
                     _block_rule(
                         scalar(size),
                         scalar(context_length),
-                        query_ends,
-                        positions,
+                        scalar(self.row_queries),
+                        scalar(self.row_keys),
+                        # Tensors of their own, not views: dynamo guards on a view's base (a batch of 1).
+                        query_ends.reshape(-1).clone(),
+                        positions.reshape(-1).clone(),
                         scalar(FULL_WINDOW if window is None else window),
                         scalar(window is not None),
                     ),
-                    batch,
+                    1,
                     None,
-                    self.query_length,
-                    self.key_length,
+                    batch * self.row_queries,
+                    batch * self.row_keys,
                     device=device,
                 )
                 for window in windows
             }
 
+    def pack(self, x: torch.Tensor, length: int) -> torch.Tensor:
+        """`[B, heads, L, hd]` -> `[1, heads, B * length, hd]`: each sequence padded to `length`, in one
+        row. The row is a tensor of its own, contiguous, not a view: dynamo guards on a view's base too
+        (its strides, and its sizes, a batch of 1 among them), which would compile versions apart."""
+        batch, heads, filled, head_dim = x.shape
+        row = x.new_zeros(1, heads, batch * length, head_dim)
+        row.view(heads, batch, length, head_dim)[:, :, :filled].copy_(x.movedim(0, 1))
+        return row
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> torch.Tensor:
-        return self._attention(q, k, v, block_mask=self.masks[window], enable_gqa=True)
+        """q `[B, h, Q, hd]`, k and v `[B, kv_h, K, hd]` -> `[B, h, Q, hd]`."""
+        batch, heads, queries, head_dim = q.shape
+        out = self._attention(
+            self.pack(q, self.row_queries),
+            self.pack(k, self.row_keys),
+            self.pack(v, self.row_keys),
+            block_mask=self.masks[window],
+            enable_gqa=True,
+        )
+        return out.reshape(heads, batch, self.row_queries, head_dim)[:, :, :queries].movedim(1, 0)
 
 
 class DrafterAttention(nn.Module):
@@ -352,12 +386,7 @@ class DrafterAttention(nn.Module):
         sin = torch.cat([context_rope[1], block_rope[1].flatten(1, 2)], dim=1)
         k = apply_rotary(self.k_norm(self.k_proj(keys_in).view(shape)), (cos, sin)).transpose(1, 2)
         v = self.v_proj(keys_in).view(shape).transpose(1, 2)  # [B, kv_h, C + N*S, hd]
-        queries = q.flatten(2, 3)  # [B, h, N*S, hd]
-        pad_q, pad_kv = flex.query_length - queries.shape[2], flex.key_length - k.shape[2]
-        # Contiguous whether or not there was padding to add: the compiled kernel guards on strides.
-        queries = F.pad(queries, (0, 0, 0, pad_q)).contiguous()
-        k, v = F.pad(k, (0, 0, 0, pad_kv)).contiguous(), F.pad(v, (0, 0, 0, pad_kv)).contiguous()
-        out = flex.attend(queries, k, v, self.sliding_window)[:, :, : num_blocks * block_size]
+        out = flex.attend(q.flatten(2, 3), k, v, self.sliding_window)  # [B, h, N*S, hd]
         return out.reshape(batch, heads, num_blocks, block_size, head_dim)
 
 

@@ -379,15 +379,15 @@ class DrafterTrainer:
     def warm_up(self) -> None:
         """Compile every version of the drafter's kernels that training and evaluation will meet before the
         first timed collective, so no rank compiles while another waits under the collective timeout (8
-        ranks compiling at once on one node take longer than one). Shapes are dynamic, but a batch of one
-        sequence and one of several compile apart, and so do gradients on and off (`drafter/model.py`):
-        one throwaway forward each, with its backward where training has one, under the step's autocast.
-        The ranks then meet with the long timeout. Gradients are discarded."""
+        ranks compiling at once on one node take longer than one). Shapes are dynamic and a micro-batch's
+        sequences reach the kernel packed into one row, so only gradients on and off compile apart
+        (`drafter/model.py`): one throwaway forward each, with its backward where training has one, under
+        the step's autocast. The ranks then meet with the long timeout. Gradients are discarded."""
         if self.compiles():
             length = min(self.settings.max_length, 4 * self.config.block_size)
             self.reporter.status("compiling the drafter's kernels", self.step)
-            for grad, sequences in ((True, 1), (True, 2), (False, 1), (False, 2)):
-                batch = self._throwaway_batch(sequences, length)
+            for grad in (True, False):
+                batch = self._throwaway_batch(2, length)
                 with self._autocast(), torch.set_grad_enabled(grad):
                     output = dflash_loss(
                         self.model, batch, self._anchors(batch, "warm-up"), self.settings.objective
