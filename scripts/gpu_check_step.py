@@ -31,7 +31,7 @@ import torch
 from dflash_assets.bench.drafter_step import DrafterShapeCase, random_batch
 from dflash_assets.drafter.config import DrafterConfig, drafter_shape
 from dflash_assets.drafter.model import DFlashDrafter, drafter_parameter_count
-from dflash_assets.drafter.objective import anchor_generator, dflash_loss, sample_anchors
+from dflash_assets.drafter.objective import Objective, anchor_generator, dflash_loss, sample_anchors
 from dflash_assets.target.layer_ids import dflash_target_layer_ids
 
 QWEN36_27B = DrafterShapeCase("Qwen3.6-27B drafter", 5120, 17408, 248320, 64, 3072, 512)
@@ -76,7 +76,7 @@ def run_pass(model: DFlashDrafter, case: DrafterShapeCase, device: torch.device)
             batch.loss_mask, case.num_anchors, [anchor_generator(0, 0, i) for i in batch.sample_indices]
         )
         with autocast:
-            return dflash_loss(model, batch, anchors, gamma=7.0)
+            return dflash_loss(model, batch, anchors, Objective())
 
     def train_step(batch_size: int) -> None:
         model.train()

@@ -52,7 +52,8 @@ class TrainConfig(Config):
         default=None, description="Tokens per sample trained on (DFLASH_MAX_LENGTH)."
     )
     num_anchors: int | None = Field(
-        default=None, description="Random anchor positions per sequence (the recipe: 512)."
+        default=None,
+        description="Random anchor positions per sequence (the recipe: 512; 64 on the bundled data).",
     )
     gamma: float | None = Field(
         default=None, description="Loss weight exp(-(p-1)/gamma) at block position p."
@@ -111,6 +112,7 @@ class TrainConfig(Config):
         values = {
             "mode": chosen(self.mode, settings.TRAIN_MODE.get),
             "max_steps": max_steps or None,
+            "num_anchors": chosen(self.num_anchors, settings.train_num_anchors),
             "global_batch_size": chosen(self.global_batch_size, settings.train_global_batch_size),
             "max_length": chosen(self.max_length, settings.MAX_LENGTH.get_int),
             "checkpoint_every_steps": every_steps or None,
@@ -121,7 +123,7 @@ class TrainConfig(Config):
             "block_size": self.block(),
             "drafter_init": chosen(self.drafter_init, settings.DRAFTER_INIT.get),
         }
-        recipe = ("epochs", "lr", "num_anchors", "gamma", "seed", "log_every_steps", "eval_samples",
+        recipe = ("epochs", "lr", "gamma", "seed", "log_every_steps", "eval_samples",
                   "spec_eval_prompts", "spec_eval_max_new_tokens")  # fmt: skip
         values.update({name: getattr(self, name) for name in recipe if getattr(self, name) is not None})
         return TrainSettings(**values)

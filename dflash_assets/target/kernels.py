@@ -4,7 +4,8 @@ Hybrid targets (Qwen3.5/3.6, Qwen3-Next: gated-delta-net layers beside full atte
 linear-attention kernels from optional packages. transformers picks them when its modeling module is
 imported: since 5.16 each kernel function (`chunk_gated_delta_rule`, `causal_conv1d_fn`) is wrapped by
 `use_kernel_func_from_hub_with_fallback`, which imports `fla` / `causal_conv1d` and keeps the found
-implementation in the wrapper's closure, else a pure-PyTorch one (and logs once that it fell back);
+implementation in the wrapper's closure, else a pure-PyTorch one (and logs once that it fell back); where
+the `kernels` package is installed, that wrapper sits inside a `Func` module;
 earlier releases stored the chosen function on each layer (`self.chunk_gated_delta_rule`,
 `self.causal_conv1d_fn`). Installing the `gpu` extra is all it takes; nothing needs to be switched on.
 The PyTorch fallback is correct but slow: on an H200, a Qwen3.6-27B-shaped target captured 1.47x
@@ -133,6 +134,11 @@ def _origin(function: Any) -> str:
     """The package a kernel function comes from, looking through transformers' fallback wrapper."""
     if function is None:
         return FALLBACK
+    # With the `kernels` package installed, the wrapper is itself wrapped: a `Func` module whose forward
+    # calls it (`func` in the forward's closure).
+    wrapped = _closure_value(getattr(type(function), "forward", None), "func")
+    if isinstance(function, nn.Module) and wrapped is not None:
+        function = wrapped
     chosen = _closure_value(function, "implementation")
     if chosen is not None:
         function = chosen

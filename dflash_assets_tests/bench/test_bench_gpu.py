@@ -71,7 +71,15 @@ def test_the_one_command_runs_every_variant_on_both_tiny_targets_and_prints_the_
     assert len(table_rows) == 2 * len(VARIANTS)  # every variant of both targets has an MFU
     # The drafter step is measured, not announced: both batch sizes, with an MFU against the peak.
     steps = [line for line in drafter.splitlines() if "s/step" in line]
-    assert len(steps) == 2 and all("materialised" in line and "MFU" in line and "%" in line for line in steps)
+    dflash = [line for line in steps if "materialised" in line]
+    assert len(dflash) == 2 and all("MFU" in line and "%" in line for line in dflash)
+    # DFlash2 beside it, at the first batch size, with the selector's and the convolutions' share.
+    (dflash2,) = [line for line in steps if "dflash2" in line]
+    # (Timed at toy shapes on a shared machine, the shares are noise-sized, either sign: only printed.)
+    shares = re.search(
+        r"([\d.]+)x DFlash's step; of it the selector (-?\d+)% and the convolutions (-?\d+)%", dflash2
+    )
+    assert shares and float(shares.group(1)) > 0, dflash2
     # Training scaling trains through the step's own path on what runs here: one rank, in this process
     # (the CPU row, `bench --only scaling`, launches two).
     _, scaling = drafter.split("training scaling, tiny dense (qwen3) target")

@@ -108,12 +108,14 @@ def test_a_drafter_trained_on_fp8_objects_learns_as_one_trained_on_bf16_objects_
         )
     bf16, fp8 = results["bf16"], results["fp8"]
     assert bf16.eval_sample_indices == fp8.eval_sample_indices
-    fresh = bf16.baseline["teacher_forced"]["loss"]
-    assert fp8.eval["loss"] < fresh - 1.0  # it learned
+    # The plain cross-entropy: the weighted loss's scale moves with the objective's weights (D-PACE's
+    # follow the drafter's own confidences), the cross-entropy of the same held-out labels does not.
+    fresh = bf16.baseline["teacher_forced"]["ce"]
+    assert fp8.eval["ce"] < fresh - 1.0  # it learned
     # fp8 keeps nearly all of bf16's gain over the fresh drafter on the same held-out samples.
-    gain_bf16, gain_fp8 = fresh - bf16.eval["loss"], fresh - fp8.eval["loss"]
-    print(f"held-out loss: fresh {fresh:.3f}, bf16 {bf16.eval['loss']:.3f}, fp8 {fp8.eval['loss']:.3f}")
-    assert gain_fp8 > 0.9 * gain_bf16, (fresh, bf16.eval["loss"], fp8.eval["loss"])
+    gain_bf16, gain_fp8 = fresh - bf16.eval["ce"], fresh - fp8.eval["ce"]
+    print(f"held-out cross-entropy: fresh {fresh:.3f}, bf16 {bf16.eval['ce']:.3f}, fp8 {fp8.eval['ce']:.3f}")
+    assert gain_fp8 > 0.9 * gain_bf16, (fresh, bf16.eval["ce"], fp8.eval["ce"])
 
 
 @pytest.mark.slow  # two drafters trained until tau moves, each decoded with the target

@@ -40,8 +40,13 @@ def _step_process(run_worker: int) -> int | None:
         cmdline = _cmdline(pid)
         if cmdline is not None and b"multiprocessing.forkserver" in cmdline:
             # Forked, not exec'd: a step has the forkserver's command line. While it preloads, the
-            # forkserver may run short-lived programs of its own (a library probing the system).
+            # forkserver may run short-lived programs of its own (a library probing the system), which
+            # carry that command line too from their fork to their exec: a step is one still there a
+            # second later.
             steps = [child for child in process_children(pid) if _cmdline(child) == cmdline]
+            if steps:
+                time.sleep(1.0)
+                steps = [child for child in steps if _cmdline(child) == cmdline]
             if steps:
                 # it preloaded what steps import: torch is mapped before any step asked for it
                 assert "libtorch" in Path(f"/proc/{pid}/maps").read_text()
