@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rehearse.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     rehearse.add_argument(
-        "--anchors", type=int, default=None, help="anchors a sequence (default: 512 on a GPU, 32 on a CPU)"
+        "--anchors", type=int, default=None, help="anchors a sequence (default: 512 on a GPU, 16 on a CPU)"
     )
     rehearse.add_argument(
         "--inner",

@@ -3,6 +3,8 @@ runs, against what a step measurably holds on the CPU, and what it gives at the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -116,6 +118,13 @@ def qwen_drafter(hidden: int, intermediate: int, vocab: int, layers: int, shape:
     [
         ("Qwen3-8B", qwen_drafter(4096, 12288, 151_936, 36, "dflash"), 3),
         ("Qwen3.6-27B", qwen_drafter(5120, 17408, 248_320, 64, "dflash-swa"), 2),
+        # DFlash2 (the default): its convolutions and selector take 28.7 and 35.3 GiB a sequence.
+        ("Qwen3-8B DFlash2", replace(qwen_drafter(4096, 12288, 151_936, 36, "dflash"), arch="dflash2"), 2),
+        (
+            "Qwen3.6-27B DFlash2",
+            replace(qwen_drafter(5120, 17408, 248_320, 64, "dflash-swa"), arch="dflash2"),
+            1,
+        ),
     ],
 )
 def test_on_an_h200_flex_attention_fits_several_3072_token_sequences_a_micro_batch(

@@ -156,6 +156,23 @@ class CeleryJoins:
             if lost is not None:
                 raise NodeLost(f"node {_node_of(join.hostname)} left the training ({lost})")
 
+    def lost_after_failure(self) -> str | None:
+        """After this node's ranks failed: which other node, if any, was lost, so the message names it
+        rather than the collective that broke (a dead peer usually shows first as a closed connection).
+        A node whose launcher has ended, or that still reports its launcher running, is not to blame;
+        one that has stopped answering is, once it has been silent for `lost_after_s`."""
+        deadline = time.monotonic() + self.lost_after_s + PLACE_EVERY_S
+        while True:
+            now, silent = time.monotonic(), False
+            for join in self.joins:
+                lost = self._lost(join, now)
+                if lost is not None and join.result.state == "STARTED":
+                    return f"node {_node_of(join.hostname)} left the training ({lost})"
+                silent |= join.result.state == "STARTED" and join.answered_at < now
+            if not silent or now >= deadline:
+                return None
+            time.sleep(PLACE_EVERY_S)
+
     def _lost(self, join: _Join, now: float) -> str | None:
         state = join.result.state
         if state == "SUCCESS":

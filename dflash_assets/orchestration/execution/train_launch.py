@@ -172,7 +172,7 @@ def train_launched(
 ) -> dict[str, Any]:
     """Launch this node's ranks (and, with `joins`, have the other nodes join), follow them, return rank
     0's outcome. `joins(published)` places the other nodes' launchers and returns a watch with `check()`
-    (raising `NodeLost`) and `stop()` (`celery_training.py`).
+    (raising `NodeLost`), `lost_after_failure()` and `stop()` (`celery_training.py`).
 
     On one node, torch.distributed's agent restarts the ranks itself after one dies. Over several nodes
     the step does: when a node is lost or any launcher fails, every node is launched again (a fresh
@@ -304,6 +304,13 @@ def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, 
         tail.join()
         for event in events.drain():
             heard.dispatch(event, reports)
+        # This node's ranks failed: when another node was lost, that is what to say (the ranks only saw
+        # a closed connection), and it is learnt before the joins are stopped.
+        lost_node = (
+            watch.lost_after_failure()
+            if watch is not None and heard.fatal is None and process.returncode != 0
+            else None
+        )
     finally:
         stop_launcher(process)
         shutil.rmtree(_launch_dir(spec, run_id), ignore_errors=True)
@@ -314,7 +321,7 @@ def _launch_once(job, launch: Launch, spec: NodeSpec, reports: Reports, events, 
     if process.returncode != 0 or heard.outcome is None:
         message = failure_message(process.returncode, list(tail.lines), heard.last_error)
         if launch.nnodes > 1:
-            raise NodeLost(message)
+            raise NodeLost(f"{lost_node}; {message}" if lost_node else message)
         raise TrainingFailed(message)
     return heard.outcome
 
@@ -402,6 +409,9 @@ class _Published:
 
     def check(self) -> None:
         pass
+
+    def lost_after_failure(self) -> str | None:
+        return None  # nodes that joined by hand report nothing of themselves
 
     def stop(self, grace_s: float = 0) -> None:
         with contextlib.suppress(Exception):
