@@ -532,7 +532,6 @@ BUNDLED_TRAIN_MAX_STEPS = 240
 # so 512 takes every one. On a 2-core machine the demo's 240 DFlash2 steps took 184 s at 512 and 112 s at
 # 64, for the same measured tau (3.56 and 3.73 on its 8 held-out prompts; docs/testing.md).
 BUNDLED_NUM_ANCHORS = 64
-RECIPE_NUM_ANCHORS = 512
 
 
 def train_global_batch_size() -> int:
@@ -547,9 +546,10 @@ def train_max_steps() -> int | None:
     return TRAIN_MAX_STEPS.get_optional_int()
 
 
-def train_num_anchors() -> int:
-    """Anchors per sequence when the run config does not say: the recipe's, or the bundled data's."""
-    return BUNDLED_NUM_ANCHORS if DATASET.get() == "bundled" else RECIPE_NUM_ANCHORS
+def train_num_anchors() -> int | None:
+    """Anchors per sequence when the run config does not say: the bundled data's, else None (the recipe's,
+    `TrainSettings.num_anchors`)."""
+    return BUNDLED_NUM_ANCHORS if DATASET.get() == "bundled" else None
 
 
 def samples_per_partition() -> int:

@@ -112,7 +112,6 @@ class TrainConfig(Config):
         values = {
             "mode": chosen(self.mode, settings.TRAIN_MODE.get),
             "max_steps": max_steps or None,
-            "num_anchors": chosen(self.num_anchors, settings.train_num_anchors),
             "global_batch_size": chosen(self.global_batch_size, settings.train_global_batch_size),
             "max_length": chosen(self.max_length, settings.MAX_LENGTH.get_int),
             "checkpoint_every_steps": every_steps or None,
@@ -126,6 +125,9 @@ class TrainConfig(Config):
         recipe = ("epochs", "lr", "gamma", "seed", "log_every_steps", "eval_samples",
                   "spec_eval_prompts", "spec_eval_max_new_tokens")  # fmt: skip
         values.update({name: getattr(self, name) for name in recipe if getattr(self, name) is not None})
+        anchors = chosen(self.num_anchors, settings.train_num_anchors)
+        if anchors is not None:
+            values["num_anchors"] = anchors
         return TrainSettings(**values)
 
     @property

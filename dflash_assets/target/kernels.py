@@ -136,9 +136,8 @@ def _origin(function: Any) -> str:
         return FALLBACK
     # With the `kernels` package installed, the wrapper is itself wrapped: a `Func` module whose forward
     # calls it (`func` in the forward's closure).
-    wrapped = _closure_value(getattr(type(function), "forward", None), "func")
-    if isinstance(function, nn.Module) and wrapped is not None:
-        function = wrapped
+    if isinstance(function, nn.Module):
+        function = _closure_value(type(function).forward, "func") or function
     chosen = _closure_value(function, "implementation")
     if chosen is not None:
         function = chosen

@@ -166,9 +166,11 @@ class CeleryJoins:
             now, silent = time.monotonic(), False
             for join in self.joins:
                 lost = self._lost(join, now)
-                if lost is not None and join.result.state == "STARTED":
+                if join.result.state != "STARTED":
+                    continue  # its launcher ended (or never began): not what broke the ranks
+                if lost is not None:
                     return f"node {_node_of(join.hostname)} left the training ({lost})"
-                silent |= join.result.state == "STARTED" and join.answered_at < now
+                silent |= join.answered_at < now
             if not silent or now >= deadline:
                 return None
             time.sleep(PLACE_EVERY_S)
