@@ -1,0 +1,25 @@
+"""What a training run takes when its run config leaves a field out: the bundled data's own step count,
+batch and anchors (the demo's, a shell's and the UI's alike), and the recipe's for a dataset of the user's."""
+
+from __future__ import annotations
+
+from dflash_assets.orchestration.training import TrainConfig
+
+
+def test_the_bundled_data_trains_240_steps_of_4_sequences_at_64_anchors_unless_the_run_config_says(
+    monkeypatch,
+):
+    monkeypatch.delenv("DFLASH_DATASET", raising=False)
+    monkeypatch.delenv("DFLASH_TRAIN_MAX_STEPS", raising=False)
+    monkeypatch.delenv("DFLASH_TRAIN_GLOBAL_BATCH_SIZE", raising=False)
+    bundled = TrainConfig().train_settings()
+    assert (bundled.max_steps, bundled.global_batch_size, bundled.num_anchors) == (240, 4, 64)
+    assert TrainConfig(num_anchors=512).train_settings().num_anchors == 512
+
+
+def test_a_users_dataset_trains_the_recipes_anchors(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_DATASET", str(tmp_path / "chat.jsonl"))
+    monkeypatch.delenv("DFLASH_TRAIN_GLOBAL_BATCH_SIZE", raising=False)
+    own = TrainConfig().train_settings()
+    assert (own.num_anchors, own.global_batch_size) == (512, 32)
+    assert TrainConfig(num_anchors=16).train_settings().num_anchors == 16
