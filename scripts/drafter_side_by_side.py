@@ -1,15 +1,17 @@
-"""DFlash + decay, DFlash + D-PACE and DFlash2 + D-PACE trained side by side on the demo's data, at equal
-steps, data, seed and held-out prompts, each measured by two decoding loops: the trainer's own (greedy
-speculative decoding with the target, `drafter/speculative.py`) and z-lab's `dflash_generate` from the
-`dflash` package on the export. Every decoding is checked against the target's own greedy output.
+"""Drafters trained side by side on the configured target's stored hidden states, at equal steps, data, seed
+and held-out prompts, each measured by two decoding loops: the trainer's own (greedy speculative decoding
+with the target, `drafter/speculative.py`) and z-lab's `dflash_generate` from the `dflash` package on the
+export; beside them, on the same prompts, a training-free prompt-lookup drafter (the floor a trained one
+must clear). Every decoding is checked against the target's own greedy output.
 
-    bash scripts/up.sh --no-ui        # or `dflash-assets demo`: the demo's ranges in $DFLASH_HOME/store
-    python scripts/drafter_side_by_side.py [--steps 240] [--prompts 32] [--new-tokens 40] [--out FILE]
+    DFLASH_TARGET_MODEL=smollm2 dflash-assets demo     # the real model's own answers, captured
+    DFLASH_TARGET_MODEL=smollm2 python scripts/drafter_side_by_side.py --steps 960 --out side.json
 
-It trains through the product's trainer (`DrafterTrainer`, offline from the stored hidden states, the
-demo's 4 sequences a step), so the figures are those of the recipe a user runs. z-lab's package is a test
-dependency (`scripts/setup.sh` installs it); `dflash_assets_tests/support/zlab.py` says what it is given
-to run on a CPU with transformers 5.25.
+A variant is `<arch>-<loss>-<block>` (`dflash2-dpace-8`); `--variants` lists them. Each trains through the
+product's trainer (`DrafterTrainer`, offline from the store) and is evaluated `--evals` times along the way
+(the curve: τ against steps), then exported and decoded by z-lab's loop. z-lab's package is a test
+dependency (`scripts/setup.sh` installs it); `dflash_assets_tests/support/zlab.py` says what it is given to
+run on a CPU with transformers 5.25.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_assets import settings  # noqa: E402
-from dflash_assets.drafter.config import DrafterConfig  # noqa: E402
 from dflash_assets.drafter.export import export_drafter  # noqa: E402
+from dflash_assets.drafter.model import drafter_parameter_count  # noqa: E402
+from dflash_assets.drafter.speculative import PromptLookup, SpeculativeEvaluator, TargetVerifier  # noqa: E402
+from dflash_assets.orchestration.resources import TargetModelResource  # noqa: E402
+from dflash_assets.orchestration.training import TrainConfig, configured_drafter  # noqa: E402
 from dflash_assets.storage.open_store import open_store  # noqa: E402
 from dflash_assets.target.model import load_target_model  # noqa: E402
 from dflash_assets.training.job import TrainingJob, offline_data  # noqa: E402
@@ -35,18 +40,15 @@ from dflash_assets.training.settings import TrainSettings  # noqa: E402
 from dflash_assets.training.train import DrafterTrainer  # noqa: E402
 from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate  # noqa: E402
 
-VARIANTS = (("dflash", "decay"), ("dflash", "dpace"), ("dflash2", "dpace"))
+DEFAULT_VARIANTS = "dflash-decay-16,dflash-dpace-16,dflash2-dpace-16,dflash2-dpace-8"
 
 
-def train_variant(arch: str, loss: str, args: argparse.Namespace, work: Path) -> dict:
-    from dflash_assets.orchestration.resources import TargetModelResource
+def parse_variant(name: str) -> tuple[str, str, int]:
+    arch, loss, block = name.split("-")
+    return arch, loss, int(block)
 
-    target = TargetModelResource()
-    config = DrafterConfig.from_target(
-        target.model_dir(), num_layers=target.draft_layers(), target_layer_ids=target.layer_ids(), arch=arch
-    )
-    config.extra["target_model_name"] = target.name  # what the hidden-state objects record
-    store = open_store(settings.store_url())
+
+def committed_prefixes(store) -> list[str]:
     prefixes = sorted(
         {
             info.key.rsplit("/", 1)[0]
@@ -56,27 +58,39 @@ def train_variant(arch: str, loss: str, args: argparse.Namespace, work: Path) ->
     )
     if not prefixes:
         raise SystemExit(f"no committed hidden-state ranges in {settings.store_url()}: run the demo first")
+    return prefixes
+
+
+def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict, DrafterTrainer]:
+    arch, loss, block = parse_variant(name)
+    target = TargetModelResource()
+    config = configured_drafter(target, TrainConfig(drafter_arch=arch, block_size=block))
+    config.extra["target_model_name"] = target.name  # what the hidden-state objects record
+    store = open_store(settings.store_url())
+    every = max(1, args.steps // args.evals)
     train = TrainSettings(
-        mode="offline", max_steps=args.steps, global_batch_size=4, loss=loss, eval_samples=args.prompts,
-        spec_eval_prompts=args.prompts, spec_eval_max_new_tokens=args.new_tokens, checkpoint_every_steps=None,
-        checkpoint_every_minutes=None, log_every_steps=max(1, args.steps // 4),
+        mode="offline", max_steps=args.steps, global_batch_size=args.batch, loss=loss, block_size=block,
+        num_anchors=args.anchors, lr=args.lr, seed=args.seed, eval_samples=args.prompts,
+        spec_eval_prompts=args.prompts, spec_eval_max_new_tokens=args.new_tokens,
+        checkpoint_every_steps=every, checkpoint_every_minutes=None, log_every_steps=max(1, every // 2),
     )  # fmt: skip
     job = TrainingJob(
-        run=f"{arch}-{loss}", mode="offline", store_url=settings.store_url(),
-        hidden_state_partitions=prefixes, tokenized_partitions=[], drafter_config=config.to_json(),
-        target_model_name=target.name, settings={},
+        run=name, mode="offline", store_url=settings.store_url(),
+        hidden_state_partitions=committed_prefixes(store), tokenized_partitions=[],
+        drafter_config=config.to_json(), target_model_name=target.name, settings={},
     )  # fmt: skip
     data = offline_data(job, store, work / "cache", 1)
+    torch.manual_seed(args.seed)
     started = time.monotonic()
     trainer = DrafterTrainer(
-        config, train, data, store=open_store(str(work / "store")), run=job.run, work_dir=work / job.run,
-        log=lambda line: print(f"  [{job.run}] {line}", flush=True),
+        config, train, data, store=open_store(str(work / "store")), run=name, work_dir=work / name,
+        log=lambda line: print(f"  [{name}] {line}", flush=True),
     )  # fmt: skip
     result = trainer.train()
     seconds = time.monotonic() - started
     evaluator = trainer.evaluator._speculative  # the prompts and greedy outputs the trainer measured
-    export_drafter(result.model, work / job.run / "export")
-    zlab, info = load_zlab_drafter(work / job.run / "export")
+    export_drafter(result.model, work / name / "export")
+    zlab, info = load_zlab_drafter(work / name / "export")
     model = load_target_model(config.target_model, "cpu")
     lengths, lossless = [], True
     for prompt, greedy in zip(evaluator.prompts, evaluator._greedy, strict=True):
@@ -84,65 +98,106 @@ def train_variant(arch: str, loss: str, args: argparse.Namespace, work: Path) ->
         lossless &= tokens == greedy
         lengths += rounds
     speculative, baseline = result.speculative or {}, (result.baseline or {}).get("speculative") or {}
-    return {
+    row = {
+        "variant": name,
         "arch": arch,
         "loss": loss,
+        "block_size": block,
         "steps": result.steps,
         "train_seconds": seconds,
+        "evaluation_seconds": result.evaluation_seconds,
+        "parameters": drafter_parameter_count(config),
         "tau_trainer": speculative.get("acceptance_length_tau"),
         "tau_trainer_fresh": baseline.get("acceptance_length_tau"),
         "trainer_matches_greedy": speculative.get("matches_target_greedy"),
         "tau_zlab": sum(lengths) / len(lengths) if lengths else None,
         "zlab_matches_greedy": lossless,
-        "zlab_loading": {name: sorted(keys) for name, keys in info.items() if keys},
+        "zlab_loading": {key: sorted(keys) for key, keys in info.items() if keys},
         "teacher_forced_tau": result.teacher_forced_tau,
+        "curve": result.evaluations,
         "prompts": len(evaluator.prompts),
         "tokens_per_s": result.tokens_per_second,
     }
+    return row, trainer
 
 
-def table(rows: list[dict]) -> str:
+def prompt_lookup_row(evaluator: SpeculativeEvaluator, block: int, target_model: str, layer_ids) -> dict:
+    """The training-free floor on the trainer's own held-out prompts, decoded by the same loop."""
+    evaluator.verifier = TargetVerifier(load_target_model(target_model, "cpu"), layer_ids)
+    result = evaluator.evaluate(PromptLookup(block_size=block))
+    return {
+        "variant": f"prompt-lookup-{block}",
+        "block_size": block,
+        "tau": result["acceptance_length_tau"],
+        "matches_target_greedy": result["matches_target_greedy"],
+        "prompts": result["prompts"],
+    }
+
+
+def table(rows: list[dict], floors: list[dict]) -> str:
+    first = next((row for row in rows if row["tau_zlab"]), None)
     lines = [
-        "| drafter | objective | tau, trainer | tau, z-lab `dflash_generate` | x today (trainer / z-lab) "
-        "| lossless (trainer / z-lab) | fresh tau | train s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| drafter | objective | block | τ, z-lab `dflash_generate` | τ, trainer | × first row (z-lab) "
+        "| lossless (z-lab / trainer) | τ fresh | τ teacher-forced | parameters | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    today = rows[0]
     for row in rows:
-        ratio = (
-            f"{row['tau_trainer'] / today['tau_trainer']:.2f} / {row['tau_zlab'] / today['tau_zlab']:.2f}"
-            if today["tau_trainer"] and today["tau_zlab"]
-            else "n/a"
-        )
+        ratio = f"{row['tau_zlab'] / first['tau_zlab']:.2f}" if first and row["tau_zlab"] else "n/a"
         lines.append(
-            f"| {row['arch']} | {row['loss']} | {row['tau_trainer']:.3f} | {row['tau_zlab']:.3f} | {ratio} | "
-            f"{row['trainer_matches_greedy']} / {row['zlab_matches_greedy']} | "
-            f"{row['tau_trainer_fresh']:.3f} | {row['train_seconds']:.0f} |"
+            f"| {row['arch']} | {row['loss']} | {row['block_size']} | {row['tau_zlab']:.3f} | "
+            f"{row['tau_trainer']:.3f} | {ratio} | "
+            f"{row['zlab_matches_greedy']} / {row['trainer_matches_greedy']} | "
+            f"{row['tau_trainer_fresh']:.3f} | {row['teacher_forced_tau']:.2f} | "
+            f"{row['parameters'] / 1e6:.1f} M | {row['train_seconds']:.0f} |"
         )
+    for floor in floors:
+        lines.append(
+            f"| prompt lookup (no training) | — | {floor['block_size']} | — | {floor['tau']:.3f} | — | "
+            f"— / {floor['matches_target_greedy']} | — | — | 0 | 0 |"
+        )
+    lines += ["", "Curves (τ measured by the trainer at each evaluation, by step):"]
+    for row in rows:
+        points = ", ".join(f"{p['step']}: {p['tau']:.2f}" for p in row["curve"] if p["tau"] is not None)
+        lines.append(f"- {row['variant']}: {points}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=240, help="optimiser steps each (the demo's 240)")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="<arch>-<loss>-<block>, comma-separated")
+    parser.add_argument("--steps", type=int, default=240, help="optimiser steps each")
+    parser.add_argument("--batch", type=int, default=4, help="sequences a step")
+    parser.add_argument("--anchors", type=int, default=64, help="anchors a sequence")
+    parser.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evals", type=int, default=4, help="evaluations along the way (the curve)")
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts (and samples)")
-    parser.add_argument("--new-tokens", type=int, default=40, help="tokens decoded per prompt")
-    parser.add_argument("--only", default="", help="comma-separated variants, e.g. dflash2-dpace")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per prompt")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = parser.parse_args()
-    wanted = {name for name in args.only.split(",") if name}
-    rows = []
+    rows: list[dict] = []
+    floors: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as scratch:
-        for arch, loss in VARIANTS:
-            if wanted and f"{arch}-{loss}" not in wanted:
-                continue
-            print(f"training {arch} + {loss}: {args.steps} steps", flush=True)
-            torch.manual_seed(0)
-            rows.append(train_variant(arch, loss, args, Path(scratch) / f"{arch}-{loss}"))
-            print(json.dumps(rows[-1]), flush=True)
+        for name in filter(None, args.variants.split(",")):
+            print(f"training {name}: {args.steps} steps", flush=True)
+            row, trainer = train_variant(name, args, Path(scratch) / name)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if row["block_size"] not in {floor["block_size"] for floor in floors}:
+                config = trainer.config
+                floors.append(
+                    prompt_lookup_row(
+                        trainer.evaluator._speculative,
+                        row["block_size"],
+                        config.target_model,
+                        config.target_layer_ids,
+                    )
+                )
+                print(json.dumps(floors[-1]), flush=True)
             if args.out:  # after each variant: a long run interrupted keeps what it measured
-                args.out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(table(rows))
+                record = {"args": {**vars(args), "out": str(args.out)}, "rows": rows, "prompt_lookup": floors}
+                args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(table(rows, floors))
 
 
 if __name__ == "__main__":

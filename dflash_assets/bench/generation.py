@@ -1,5 +1,8 @@
 """Generation figures: the in-process engine's batched answers against `generate` one conversation at a
-time, the way a script without batching regenerates, on the same prompts in the same run."""
+time, the way a script without batching regenerates, on the same prompts in the same run; and on the
+configured target when it is not the demo (a real model, `DFLASH_TARGET_MODEL=smollm2`), the engine's
+batches, whose rows leave once they stop, against one `generate` call per batch, which decodes every row
+until the longest answer ends."""
 
 from __future__ import annotations
 
@@ -13,7 +16,12 @@ from dflash_assets import settings
 from dflash_assets.conversations.datasets import bundled_dataset_path
 from dflash_assets.generation.conversation import Regeneration
 from dflash_assets.generation.engine import TurnScheduler
-from dflash_assets.generation.in_process import InProcessEngine, prompt_token_ids
+from dflash_assets.generation.in_process import (
+    InProcessEngine,
+    _generate_once,
+    generate_rows,
+    prompt_token_ids,
+)
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.target.demo_model import ensure_demo_model
 from dflash_assets.target.model import load_target_model
@@ -144,4 +152,85 @@ def bench_generation(
         "generation tokens/s, one conversation at a time": statistics.median(single_rates),
         f"generation conversations/s, a demo range of {range_size} (every turn)": middle["conversations/s"],
         f"generation batches for that range's {middle['turns']:.0f} turns": middle["batches"],
+    }
+
+
+ROWS_LEAVING_FIGURE = (
+    "generation tokens/s on the configured target, rows leaving the batch / one generate call"
+)
+
+
+def bench_target_generation(
+    model_dir: str, name: str, count: int = 48, rounds: int = 2, max_new_tokens: int = 384
+) -> dict[str, float]:
+    """The configured target's first-turn answers to `count` bundled prompts in one batch, greedy, up to
+    `max_new_tokens` each: `generate_rows` (rows leave the batch once they stop) against one `generate`
+    call (every row decoded until the longest ends), interleaved over `rounds`. Also where the time goes:
+    row-steps decoded per token kept (1.0 wastes nothing) and the answers' lengths."""
+    from transformers import AutoTokenizer
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    model = load_target_model(model_dir, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = InProcessEngine(
+        model, tokenizer, GenerationSettings(max_new_tokens=max_new_tokens), device=device
+    )
+    prompts = [prompt_token_ids(tokenizer, p, engine.settings) for p in _first_turns(count)]
+    config, stop = engine.generation_config, engine.stop_ids
+    print(
+        f"generation: {name}, {len(prompts)} prompts in one batch, up to {max_new_tokens} new tokens each, "
+        f"greedy, {rounds} interleaved rounds"
+    )
+    row_steps = [0]
+
+    def count_rows(module, args, kwargs) -> None:
+        rows, positions = kwargs["input_ids"].shape
+        if positions == 1:  # a decoding step: one position a row
+            row_steps[0] += rows
+
+    def cut(row: list[int]) -> list[int]:
+        end = next((i for i, token in enumerate(row) if token in stop), None)
+        return row[: end + 1] if end is not None else row
+
+    ways = {
+        "rows leave": lambda: generate_rows(model, prompts, engine.pad_id, config, None, device),
+        "one call": lambda: [
+            cut(r) for r in _generate_once(model, prompts, engine.pad_id, config, None, device)
+        ],
+    }
+    hook = model.register_forward_pre_hook(count_rows, with_kwargs=True)
+    rates: dict[str, list[float]] = {way: [] for way in ways}
+    waste: dict[str, float] = {}
+    answers: dict[str, list[list[int]]] = {}
+    try:
+        for round_index in range(rounds):
+            for way in ways if round_index % 2 == 0 else reversed(list(ways)):
+                row_steps[0] = 0
+                started = time.perf_counter()
+                answers[way] = ways[way]()
+                seconds = time.perf_counter() - started
+                kept = sum(len(a) for a in answers[way])
+                rates[way].append(kept / seconds)
+                waste[way] = row_steps[0] / max(1, kept - len(prompts))  # the prefill makes each first token
+                print(f"  round {round_index + 1}: {way}: {kept / seconds:,.1f} tokens/s", flush=True)
+    finally:
+        hook.remove()
+    lengths = sorted(len(a) for a in answers["rows leave"])
+    same = sum(a == b for a, b in zip(answers["rows leave"], answers["one call"], strict=True))
+    print(
+        f"  answers: {same}/{len(prompts)} equal both ways; lengths p50 {lengths[len(lengths) // 2]}, max "
+        f"{lengths[-1]} ({sum(n >= max_new_tokens for n in lengths)} at the limit); row-steps decoded per "
+        f"token kept: {waste['rows leave']:.2f} with rows leaving, {waste['one call']:.2f} in one call"
+    )
+    ratios = [a / b for a, b in zip(rates["rows leave"], rates["one call"], strict=True)]
+    return {
+        ROWS_LEAVING_FIGURE: statistics.median(ratios),
+        "generation tokens/s on the configured target, rows leaving the batch": statistics.median(
+            rates["rows leave"]
+        ),
+        "generation tokens/s on the configured target, one generate call": statistics.median(
+            rates["one call"]
+        ),
+        "generation row-steps per kept token, rows leaving the batch": waste["rows leave"],
+        "generation row-steps per kept token, one generate call": waste["one call"],
     }

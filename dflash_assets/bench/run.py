@@ -11,9 +11,10 @@ import os
 
 import torch
 
+from dflash_assets import settings
 from dflash_assets.bench.extraction import FP8_WRITES_FIGURE, WITH_WRITES_FIGURE, bench_extraction
 from dflash_assets.bench.fidelity import bench_fidelity
-from dflash_assets.bench.generation import bench_generation
+from dflash_assets.bench.generation import bench_generation, bench_target_generation
 from dflash_assets.bench.scaling import cpu_scaling
 from dflash_assets.bench.training import bench_training
 
@@ -43,6 +44,17 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
             if quick
             else bench_generation(64, rounds=3)
         )
+        if settings.TARGET_MODEL.get() != "demo":  # a real model beside the demo's
+            from dflash_assets.orchestration.resources import TargetModelResource
+
+            target = TargetModelResource()
+            figures.update(
+                bench_target_generation(
+                    str(target.model_dir()), target.name, count=8, rounds=1, max_new_tokens=64
+                )
+                if quick
+                else bench_target_generation(str(target.model_dir()), target.name)
+            )
     if only in (None, "fidelity"):
         # As the demo trains: every bundled conversation, 240 steps of 4 (quick: a smoke run).
         figures.update(bench_fidelity(64 if quick else 500, steps=12 if quick else 240))

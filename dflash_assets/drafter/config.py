@@ -449,13 +449,23 @@ def _target_file(target_model: str | Path, filename: str) -> Path:
     return Path(hf_hub_download(str(target_model), filename))
 
 
+class MaskTokenError(ValueError):
+    """No id can be the drafter's mask token, and none was given: one line naming the setting."""
+
+
 def resolve_mask_token(target_model: str | Path, explicit: int | None, vocab_size: int) -> tuple[int, str]:
-    """The mask token id and why it was chosen: an explicit id, else the tokenizer's `mask_token`, else
-    the first id past the tokenizer's vocabulary that still has a row in the embedding matrix (what the
-    published drafters do: 151669 for Qwen3 is exactly `len(tokenizer)`)."""
+    """The mask token id and why it was chosen, by the first rule that gives one:
+
+    1. an explicit id (`DFLASH_MASK_TOKEN_ID`, run config `mask_token_id`);
+    2. the tokenizer's `mask_token`;
+    3. the first id past the tokenizer's vocabulary that still has a row in the embedding matrix (what the
+       published drafters do: 151669 for Qwen3 is exactly `len(tokenizer)`);
+    4. for a tokenizer that names every row (SmolLM2, Llama 3), its last reserved special token: one that
+       is no role of the tokenizer and that its chat template never writes (`reserved_special_token`).
+    """
     if explicit is not None:
         if not 0 <= explicit < vocab_size:
-            raise ValueError(
+            raise MaskTokenError(
                 f"{MASK_TOKEN_SETTING}={explicit} is outside the target's embedding matrix "
                 f"({vocab_size} rows, ids 0..{vocab_size - 1})"
             )
@@ -471,11 +481,59 @@ def resolve_mask_token(target_model: str | Path, explicit: int | None, vocab_siz
             f"first id past the tokenizer's {named} named tokens, inside the {vocab_size}-row embedding "
             "matrix (the tokenizer has no mask_token)"
         )
-    raise ValueError(
-        f"the tokenizer of {target_model} has no mask_token and names all {vocab_size} embedding rows, so "
-        f"no unused id is left for the drafter's mask slots; set {MASK_TOKEN_SETTING} (or run config "
-        "mask_token_id) to an id whose embedding the drafter may use"
+    reserved = reserved_special_token(tokenizer)
+    if reserved is not None and reserved < vocab_size:
+        return reserved, (
+            f"the tokenizer names all {vocab_size} embedding rows and has no mask_token: its last special "
+            "token that is none of its roles and that the chat template never writes"
+        )
+    raise MaskTokenError(
+        f"the tokenizer of {target_model} has no mask_token, names all {vocab_size} embedding rows and has "
+        f"no special token its chat template leaves unused, so no id is free for the drafter's mask "
+        f"slots; set {MASK_TOKEN_SETTING} (or run config mask_token_id) to an id whose embedding the "
+        "drafter may use"
     )
+
+
+def reserved_special_token(tokenizer: Any) -> int | None:
+    """The highest id among the tokenizer's special tokens that play no part in a conversation: not its
+    bos, eos, pad, unk, sep or cls token, and not written by its chat template for a probe conversation
+    (system, user, assistant, user, and the generation prompt). ChatML's `<|im_start|>`/`<|im_end|>` are
+    written; SmolLM2's `<empty_output>` or Llama 3's `<|reserved_special_token_247|>` are not, so a
+    rendered sample never holds them and their embedding row is free for the drafter's mask slots. None
+    when every special token has a part."""
+    roles = {
+        getattr(tokenizer, f"{role}_token_id", None) for role in ("bos", "eos", "pad", "unk", "sep", "cls")
+    }
+    written = set(_template_token_ids(tokenizer))
+    special = [
+        int(token_id)
+        for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if getattr(token, "special", False) and token_id not in roles and token_id not in written
+    ]
+    return max(special, default=None)
+
+
+def _template_token_ids(tokenizer: Any) -> list[int]:
+    """The ids the chat template writes around a probe conversation (none without a template). A template
+    that refuses a system turn is asked again without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    turns = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "u"},
+    ]
+    for conversation in ([{"role": "system", "content": "s"}, *turns], turns):
+        try:
+            ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception:  # a template's own refusal (raise_exception) of this shape of conversation
+            continue
+        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        return [int(i) for i in ids]
+    return []
 
 
 def mask_token_text(target_model: str | Path, mask_token_id: int) -> str | None:

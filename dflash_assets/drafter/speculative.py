@@ -102,13 +102,16 @@ def greedy_decode(
 
 
 def speculative_decode(
-    drafter: DFlashDrafter,
+    drafter: DFlashDrafter | PromptLookup,
     verifier: TargetVerifier,
     prompt: Sequence[int],
     max_new_tokens: int,
     stop_token_ids: set[int],
 ) -> DecodeResult:
-    """Greedy speculative decoding of up to `max_new_tokens` after `prompt` (stops after a stop token)."""
+    """Greedy speculative decoding of up to `max_new_tokens` after `prompt` (stops after a stop token).
+
+    A trained drafter drafts from the target's states before the anchor; a `PromptLookup` from the tokens
+    so far alone. Either way the target verifies, and the accepted tokens are the target's own."""
     if not prompt:
         raise ValueError("speculative decoding needs a non-empty prompt")
     committed = verifier.new_cache()
@@ -117,7 +120,10 @@ def speculative_decode(
     lengths: list[int] = []
     while len(generated) < max_new_tokens and generated[-1] not in stop_token_ids:
         anchor = generated[-1]
-        drafts = drafter.draft_block(context, anchor).tolist()
+        if isinstance(drafter, PromptLookup):
+            drafts = drafter.propose([*prompt, *generated])
+        else:
+            drafts = drafter.draft_block(context, anchor).tolist()
         # greedy[j]: the target's token after anchor + drafts[:j], on a copy of the committed cache
         greedy, _ = verifier.run([anchor, *drafts], copy.deepcopy(committed))
         accepted = 0
@@ -138,6 +144,32 @@ def speculative_decode(
     return DecodeResult(tokens=generated, acceptance_lengths=lengths)
 
 
+@dataclass(frozen=True)
+class PromptLookup:
+    """A training-free drafter (prompt lookup, the n-gram drafter vLLM and transformers ship): the last
+    `n` tokens so far (n from `max_ngram` down to `min_ngram`) are looked up earlier in the prompt and
+    answer, and the tokens that followed their most recent earlier occurrence are the drafts, at most
+    `block_size - 1` of them; no occurrence drafts nothing (the round is a plain decoding step). It
+    learns nothing, so it is the floor a trained drafter must clear on the same prompts: text that
+    repeats itself (loops, copied code, quoted questions) is what it catches."""
+
+    block_size: int = 16
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        """Drafts to follow `tokens` (the prompt, then every token generated, the anchor last)."""
+        tokens = list(tokens)
+        budget = self.block_size - 1
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            suffix = tokens[-n:]
+            # The most recent earlier start of the suffix, not the suffix itself.
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    return tokens[start + n : start + n + budget]
+        return []
+
+
 @dataclass
 class SpeculativeEvaluator:
     """Measured acceptance on fixed held-out prompts, comparable across checkpoints of one run.
@@ -151,7 +183,7 @@ class SpeculativeEvaluator:
     stop_token_ids: set[int] = field(default_factory=set)
     _greedy: list[list[int]] | None = field(default=None, init=False, repr=False)
 
-    def evaluate(self, drafter: DFlashDrafter) -> dict[str, Any]:
+    def evaluate(self, drafter: DFlashDrafter | PromptLookup) -> dict[str, Any]:
         """`{acceptance_length_tau, rounds, tokens, prompts, matches_target_greedy, mismatched_prompts,
         seconds}`; tau is the mean acceptance length over every round of every prompt."""
         started = time.monotonic()
@@ -162,15 +194,17 @@ class SpeculativeEvaluator:
                 greedy_decode(self.verifier, prompt, self.max_new_tokens, self.stop_token_ids)
                 for prompt in self.prompts
             ]
-        was_training = drafter.training
-        drafter.eval()
+        was_training = getattr(drafter, "training", False)
+        if was_training:
+            drafter.eval()
         try:
             results = [
                 speculative_decode(drafter, self.verifier, prompt, self.max_new_tokens, self.stop_token_ids)
                 for prompt in self.prompts
             ]
         finally:
-            drafter.train(was_training)
+            if was_training:
+                drafter.train(True)
         lengths = [n for result in results for n in result.acceptance_lengths]
         mismatched = [i for i, (r, g) in enumerate(zip(results, self._greedy, strict=True)) if r.tokens != g]
         return {
@@ -221,12 +255,19 @@ def held_out_prompts(
 
 
 def stop_token_ids_of(target_model: str) -> set[int]:
-    """End-of-turn ids of the target's tokenizer: its eos token and ChatML's `<|im_end|>` if it has one."""
-    from transformers import AutoTokenizer
+    """End-of-turn ids of the target, as regeneration stops on them: its generation config's
+    `eos_token_id` (one id or a list: Gemma's `<end_of_turn>` beside `<eos>`), its tokenizer's eos token,
+    and ChatML's `<|im_end|>` if the tokenizer has one."""
+    from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_model))
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
         ids.add(im_end)
+    try:
+        eos = GenerationConfig.from_pretrained(str(target_model)).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids.update(int(i) for i in (eos if isinstance(eos, list | tuple) else [eos]) if i is not None)
     return ids

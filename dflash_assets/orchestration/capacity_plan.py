@@ -153,6 +153,17 @@ def build_plan(
     )
     plan = plan_capacity(workload, facts, profile, plan_settings, stages, measured)
     plan.figures["target_split"] = split_target.as_dict()
+    from dflash_assets.orchestration.training import drafter_summary
+
+    plan.figures["drafter"] = {
+        "arch": drafter.arch,
+        "layers": drafter.num_layers,
+        "block_size": drafter.block_size,
+        "mask_token_id": drafter.mask_token_id,
+        "mask_token": drafter.mask_token,
+        "mask_token_source": drafter.extra["mask_token_source"],
+        "summary": drafter_summary(drafter),
+    }
     plan.warnings.extend(split_target.warnings)
     nproc = settings.train_nproc_per_node()
     stated_from = f"{settings.TRAIN_NPROC_PER_NODE.name}={settings.TRAIN_NPROC_PER_NODE.get()}, " + (
@@ -262,19 +273,11 @@ def planned_object_bytes(
 
 def planned_drafter(target_model: TargetModelResource):
     """The drafter the configured target gets (`DFLASH_DRAFTER_SHAPE`, `DFLASH_DRAFTER_ARCH`,
-    `DFLASH_BLOCK_SIZE`, `DFLASH_NUM_DRAFT_LAYERS`); its mask
-    token does not matter to a plan, so no tokenizer is needed."""
-    from dflash_assets.drafter.config import DrafterConfig
+    `DFLASH_BLOCK_SIZE`, `DFLASH_NUM_DRAFT_LAYERS`, `DFLASH_MASK_TOKEN_ID`): the one a run trains, its
+    mask token resolved, so a plan refuses a target no drafter can be trained for (`MaskTokenError`)."""
+    from dflash_assets.orchestration.training import configured_drafter
 
-    return DrafterConfig.from_target(
-        target_model.model_dir(),
-        num_layers=target_model.draft_layers(),
-        target_layer_ids=target_model.layer_ids(),
-        mask_token_id=0,
-        shape=settings.DRAFTER_SHAPE.get(),
-        arch=settings.DRAFTER_ARCH.get(),
-        block_size=settings.BLOCK_SIZE.get_int(),
-    )
+    return configured_drafter(target_model)
 
 
 def recommended_online_split(
@@ -417,6 +420,7 @@ def format_plan(plan) -> str:
             f"{f['target']['name']}: layers {f['target']['layer_ids']}, hidden "
             f"{f['target']['hidden_size']:,}",
         ),
+        ("drafter", f["drafter"]["summary"]),
         (
             "bytes per token",
             f"{f['bytes_per_token']:,} in {dtype} ({f['bytes_per_token_by_dtype'][other]:,} in {other})",

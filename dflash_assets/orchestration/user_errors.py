@@ -254,20 +254,25 @@ def check_settings() -> None:
 # ------------------------------------------------------------------------------ reporting
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
+def user_error_types() -> tuple[type[BaseException], ...]:
     from dflash_assets.conversations.datasets import DatasetError
+    from dflash_assets.drafter.config import MaskTokenError
     from dflash_assets.drafter.published import DrafterInitError
     from dflash_assets.orchestration.partitions import NotASampleRange
     from dflash_assets.storage.store import StoreConfigError
+    from dflash_assets.target.smollm2 import RealModelMissing
 
-    return (SettingError, DatasetError, StoreConfigError, NotASampleRange, DrafterInitError)
+    return (
+        SettingError, DatasetError, StoreConfigError, NotASampleRange, DrafterInitError, MaskTokenError,
+        RealModelMissing,
+    )  # fmt: skip
 
 
 def user_error_message(error: BaseException) -> str | None:
     """The one line for a mistake of the user's anywhere in `error`'s chain (a bad setting, a missing
     dataset, a store URL or credentials refused, a partition key that is no range of the dataset); None
     for anything else, which keeps its traceback."""
-    types = _user_error_types()
+    types = user_error_types()
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:

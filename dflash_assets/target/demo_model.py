@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,14 +115,17 @@ def demo_model_dir_name() -> str:
 
 
 def ensure_demo_model(cache_dir: Path) -> Path:
-    """The demo target's directory in the cache, built on first use.
+    """The demo target's directory in the cache, built on first use (`ensure_built`)."""
+    return ensure_built(Path(cache_dir), demo_model_dir_name(), build_demo_model)
+
+
+def ensure_built(root: Path, name: str, build: Callable[[Path], Any]) -> Path:
+    """`root / name`, a model directory `build(directory)` writes, built on first use.
 
     Concurrent callers (several Dagster runs starting at once) serialise on a lock file; the build
     goes to a temporary directory renamed into place, so a killed build never leaves a half model.
     """
-    root = Path(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
-    name = demo_model_dir_name()
     target = root / name
     if (target / "config.json").is_file():
         return target
@@ -136,7 +139,7 @@ def ensure_demo_model(cache_dir: Path) -> Path:
             shutil.rmtree(target)
         building = Path(tempfile.mkdtemp(prefix=f".{name}.building-", dir=root))
         try:
-            build_demo_model(building)
+            build(building)
             building.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
             os.rename(building, target)
         except BaseException:

@@ -99,6 +99,8 @@ class TrainResult:
     objective: dict[str, Any]  # loss, gamma, dpace_alpha, drafter_init: how the weights were trained
     model: DFlashDrafter = field(repr=False)
     evaluation_seconds: float = 0.0  # this process's time in held-out evaluations (the rest: steps, I/O)
+    # This process's evaluations in order, the curve: step, measured tau, teacher-forced tau, held-out CE.
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
 
 
 REDO, UNFIT = 1, 2  # how a rank's step ran out of memory where every rank must know (`_local_step`)
@@ -264,6 +266,7 @@ class DrafterTrainer:
         self.world_sizes: list[dict[str, Any]] = []  # earlier processes' world sizes (from a checkpoint)
         self._evaluated = False  # since this process started (the same on every rank)
         self.evaluation_seconds = 0.0  # spent in `evaluate` by this process
+        self.evaluations: list[dict[str, Any]] = []  # each `evaluate`'s headline figures, by step
         self.skipped_nonfinite = self._consecutive_nonfinite = 0
         self._gradients: Any = None  # see `gradients`
         self._in_reduction = False  # this rank's reducing micro-batch has begun (`_accumulate`)
@@ -649,6 +652,7 @@ class DrafterTrainer:
         self.evaluation_seconds += time.monotonic() - started
         self._evaluated = True
         self.reporter.evaluation(self.step, result)
+        self.evaluations.append(evaluation_point(self.step, result))
         return result
 
     def _world_sizes(self) -> list[dict[str, Any]]:
@@ -834,7 +838,20 @@ class DrafterTrainer:
             },
             model=self.model,
             evaluation_seconds=self.evaluation_seconds,
+            evaluations=list(self.evaluations),
         )
+
+
+def evaluation_point(step: int, result: dict[str, Any] | None) -> dict[str, Any]:
+    """One point of the curve: `{step, tau, teacher_forced_tau, ce}` (None where not measured)."""
+    result = result or {}
+    teacher_forced, speculative = result.get("teacher_forced") or {}, result.get("speculative") or {}
+    return {
+        "step": step,
+        "tau": speculative.get("acceptance_length_tau"),
+        "teacher_forced_tau": teacher_forced.get("teacher_forced_tau"),
+        "ce": teacher_forced.get("ce"),
+    }
 
 
 def train_drafter(

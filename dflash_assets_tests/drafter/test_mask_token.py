@@ -1,4 +1,5 @@
-"""The mask token: an explicit id, else the tokenizer's mask_token, else the first unused embedding row."""
+"""The mask token: an explicit id, else the tokenizer's mask_token, else the first unused embedding row,
+else a reserved special token the chat template never writes."""
 
 from __future__ import annotations
 
@@ -9,16 +10,33 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dflash_assets.drafter.config import DrafterConfig, mask_token_text, resolve_mask_token
+from dflash_assets.drafter.config import DrafterConfig, MaskTokenError, mask_token_text, resolve_mask_token
 
 WORDS = ["<eos>", "hello", "world", "again"]
 
 
-def tokenizer_dir(tmp_path: Path, *, mask_token: str | None, embedding_rows: int) -> Path:
+# ChatML around the turns, as SmolLM2's template writes them.
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
+)
+
+
+def tokenizer_dir(
+    tmp_path: Path,
+    *,
+    mask_token: str | None,
+    embedding_rows: int,
+    specials: tuple[str, ...] = (),
+    chat_template: str | None = None,
+) -> Path:
     vocab = {word: i for i, word in enumerate(WORDS + ([mask_token] if mask_token else []))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", mask_token=mask_token)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    if chat_template:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": embedding_rows}))
     return tmp_path
@@ -47,8 +65,36 @@ def test_an_explicit_id_wins_and_must_have_an_embedding_row(tmp_path: Path) -> N
 
 def test_a_tokenizer_that_names_every_row_and_no_mask_token_asks_for_the_setting(tmp_path: Path) -> None:
     directory = tokenizer_dir(tmp_path, mask_token=None, embedding_rows=len(WORDS))
-    with pytest.raises(ValueError, match="set DFLASH_MASK_TOKEN_ID"):
+    with pytest.raises(MaskTokenError, match="set DFLASH_MASK_TOKEN_ID") as raised:
         resolve_mask_token(directory, None, len(WORDS))
+    assert "\n" not in str(raised.value)
+
+
+def test_a_tokenizer_naming_every_row_lends_its_last_special_token_that_no_conversation_holds(
+    tmp_path: Path,
+) -> None:
+    # SmolLM2's case: 49,152 named rows, no mask token, ChatML's two tokens written by the template and a
+    # tail of special tokens (`<repo_name>` .. `<empty_output>`) that a chat never holds.
+    specials = ("<|im_start|>", "<|im_end|>", "<file_sep>", "<empty_output>")
+    rows = len(WORDS) + len(specials)
+    directory = tokenizer_dir(
+        tmp_path, mask_token=None, embedding_rows=rows, specials=specials, chat_template=CHATML
+    )
+    mask_id, reason = resolve_mask_token(directory, None, rows)
+    assert mask_id == len(WORDS) + 3  # `<empty_output>`: the last, and unwritten
+    assert "never writes" in reason and "names all 8 embedding rows" in reason
+    assert mask_token_text(directory, mask_id) == "<empty_output>"  # what SGLang looks it up by
+
+
+def test_special_tokens_the_chat_template_writes_or_the_tokenizer_uses_are_never_lent(tmp_path: Path) -> None:
+    # `<|im_end|>` is the last special token, but every turn ends with it; `<eos>` is the eos token.
+    specials = ("<|im_start|>", "<|im_end|>")
+    rows = len(WORDS) + len(specials)
+    directory = tokenizer_dir(
+        tmp_path, mask_token=None, embedding_rows=rows, specials=specials, chat_template=CHATML
+    )
+    with pytest.raises(MaskTokenError, match="no special token its chat template leaves unused"):
+        resolve_mask_token(directory, None, rows)
 
 
 # -- dflash_config.mask_token: the text SGLang looks the mask token up by

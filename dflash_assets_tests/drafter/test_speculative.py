@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.speculative import (
+    PromptLookup,
     SpeculativeEvaluator,
     TargetVerifier,
     greedy_decode,
@@ -144,6 +145,32 @@ def test_decoding_stops_after_a_stop_token(verifier: TargetVerifier, config: Dra
     drafter = ScriptedDrafter(config, len(prompt), continuation, wrong=False)
     assert speculative_decode(drafter, verifier, prompt, 40, {stop}).tokens == continuation[: first + 1]
     assert greedy_decode(verifier, prompt, 40, {stop}) == continuation[: first + 1]
+
+
+def test_prompt_lookup_drafts_what_followed_the_most_recent_earlier_occurrence_of_the_last_tokens() -> None:
+    lookup = PromptLookup(block_size=4, max_ngram=3)
+    # "5 6 7" occurred twice before; the later occurrence was followed by 1 2 3 (3 drafts: block 4).
+    assert lookup.propose([5, 6, 7, 9, 9, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7]) == [1, 2, 3]
+    # No trigram matches: the longest shorter n-gram that does (the bigram "8 7").
+    assert lookup.propose([8, 7, 4, 4, 4, 1, 8, 7]) == [4, 4, 4]
+    # Near the end the drafts are what there is; a token seen nowhere before drafts nothing.
+    assert lookup.propose([3, 1, 2, 3]) == [1, 2, 3]
+    assert lookup.propose([1, 2, 3, 4]) == []
+
+
+def test_prompt_lookup_decoding_is_the_targets_greedy_output_and_catches_what_repeats(
+    verifier: TargetVerifier,
+) -> None:
+    prompt = prompts(1, seed=8)[0]
+    greedy = greedy_decode(verifier, prompt, 40, set())
+    # A prompt holding the target's own answer: the lookup finds it and drafts it.
+    repeated = prompt + greedy + prompt
+    expected = greedy_decode(verifier, repeated, 40, set())
+    result = speculative_decode(PromptLookup(block_size=8), verifier, repeated, 40, set())
+    assert result.tokens == expected
+    assert sum(result.acceptance_lengths) / len(result.acceptance_lengths) > 1.0
+    plain = speculative_decode(PromptLookup(block_size=8), verifier, prompt, 40, set())
+    assert plain.tokens == greedy
 
 
 def test_held_out_prompts_end_where_the_last_assistant_turn_begins() -> None:

@@ -147,3 +147,35 @@ def test_zlab_dflash_generate_decodes_the_target_s_greedy_output_and_measures_ou
     # One drafter, one target, the same prompts: the two loops measure the same tau (the rounds may
     # split differently where a near-tie in the target's float32 states flips a draft).
     assert zlab_tau == pytest.approx(ours_tau, rel=0.1), (ours_lengths, zlab_lengths)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_drafter_for_a_real_model_loads_in_zlab_dflash_and_decodes_its_greedy_output(
+    smollm2_dir: Path, tmp_path: Path, arch: str
+) -> None:
+    """SmolLM2-135M-Instruct as the target: its tokenizer names every row, so the mask token is a reserved
+    special token; the export of either kind loads in z-lab's classes with every weight, and decoding with
+    z-lab's `dflash_generate` gives the target's own greedy answer to a chat prompt."""
+    from transformers import AutoTokenizer
+
+    config = DrafterConfig.from_target(smollm2_dir, num_layers=2, arch=arch)
+    assert (config.mask_token_id, config.mask_token) == (16, "<empty_output>")
+    export_drafter(trained_like(config, seed=3), tmp_path)
+    zlab, info = load_zlab_drafter(tmp_path)
+    assert type(zlab).__name__ == config.architecture
+    assert {name: sorted(keys) for name, keys in info.items() if keys} == {}
+
+    target = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    verifier = FullPrecisionVerifier(target, config.target_layer_ids)
+    stop = {tokenizer.eos_token_id}
+    greedy = greedy_decode(verifier, prompt, 16, stop)
+    assert tokenizer.decode(greedy).startswith("The capital of France is Paris.")
+    decoded, lengths = zlab_generate(zlab, target, prompt, 16, sorted(stop))
+    assert decoded == greedy and sum(lengths) == len(greedy) - 1

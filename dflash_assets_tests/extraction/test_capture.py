@@ -208,3 +208,38 @@ def test_capture_finds_the_layers_of_a_multimodal_qwen3_5_checkpoint():
         reference = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(captured[0, :, 0], reference[1][0])
     torch.testing.assert_close(captured[0, :, 1], reference[3][0])
+
+
+# -- a real language model
+
+
+def test_on_a_real_model_captured_layer_i_is_hf_hidden_states_i_plus_1(smollm2_dir: Path) -> None:
+    """SmolLM2-135M-Instruct (llama, 30 layers, hidden 576): the DFlash rule's layers of two chat samples of
+    different lengths, captured in one padded batch, against transformers' own `output_hidden_states`."""
+    from transformers import AutoTokenizer
+
+    model = load_target_model(smollm2_dir, "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    samples = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+            tokenize=True,
+            return_dict=False,
+        )
+        for question, answer in [
+            ("What is the capital of France?", "The capital of France is Paris."),
+            ("Name three primary colours.", "Red, yellow and blue are the three primary colours of paint."),
+        ]
+    ]
+    layer_ids = resolve_target_layer_ids(model.config, None, num_draft_layers=5)
+    assert layer_ids == [1, 8, 14, 20, 27]
+    captured = HiddenStateCapture(model, layer_ids)(*pad_batch(samples, pad_id=tokenizer.pad_token_id))
+    assert captured.shape == (2, max(map(len, samples)), 5, 576)
+    for row, tokens in enumerate(samples):
+        reference = reference_hidden_states(model, tokens)
+        for slot, layer_id in enumerate(layer_ids):
+            got = captured[row, : len(tokens), slot]
+            torch.testing.assert_close(
+                got.bfloat16(), reference[layer_id + 1].bfloat16(), atol=BF16_ATOL * 4, rtol=BF16_RTOL
+            )
+            assert not torch.allclose(got, reference[layer_id], atol=1e-2)  # an off-by-one shows

@@ -108,6 +108,45 @@ def test_an_answer_ends_at_the_end_of_turn_token_or_at_max_new_tokens(demo_targe
     assert all("<|im_end|>" not in a.content for a in answers)
 
 
+def test_rows_leave_the_batch_once_they_stop_and_the_answers_stay_those_of_one_generate_call(
+    demo_target, monkeypatch: pytest.MonkeyPatch
+):
+    """A batch decodes in rounds (here of 4, 8, 16 then 12 new tokens, up to 40); rows that have stopped
+    take no part in the next round, where one `generate` call decodes every row until the last ends."""
+    from dflash_assets.generation import in_process
+
+    model, tokenizer = demo_target
+    monkeypatch.setattr(in_process, "FIRST_ROUND_TOKENS", 4)
+    engine = InProcessEngine(model, tokenizer, GenerationSettings(max_new_tokens=40), device="cpu")
+    prompts = [prompt_token_ids(tokenizer, c[:1], engine.settings) for c in bundled_conversations(12)]
+    config, stop = engine.generation_config, engine.stop_ids
+    decoded: list[int] = []  # rows of every decoding step (one position a row)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: decoded.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[1] == 1
+        else None,
+        with_kwargs=True,
+    )
+    try:
+        rounds = in_process.generate_rows(model, prompts, engine.pad_id, config, None, "cpu")
+        rows_in_rounds, decoded[:] = list(decoded), []
+        once = in_process._generate_once(model, prompts, engine.pad_id, config, None, "cpu")
+        rows_in_one_call = list(decoded)
+    finally:
+        hook.remove()
+
+    def cut(row: list[int]) -> list[int]:
+        end = next((i for i, token in enumerate(row) if token in stop), None)
+        return row[: end + 1] if end is not None else row
+
+    assert rounds == [cut(row) for row in once]
+    lengths = sorted(len(row) for row in rounds)
+    assert lengths[0] < 40 and lengths[-1] == 40  # some stop early, some run to the limit
+    assert max(rows_in_one_call) == min(rows_in_one_call) == len(prompts)  # one call: always every row
+    assert rows_in_rounds[-1] == sum(n == 40 for n in lengths)  # the last round: only rows still going
+    assert sum(rows_in_rounds) < sum(rows_in_one_call)
+
+
 def test_a_batch_out_of_memory_is_halved_only_after_the_failed_generate_has_let_go_of_its_tensors(
     demo_target,
 ):

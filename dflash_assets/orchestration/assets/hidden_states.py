@@ -29,6 +29,7 @@ from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 from dflash_assets.orchestration.progress import RangeProgressReporter
 from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.orchestration.training import announce_drafter
 from dflash_assets.storage.manifest import StoredPartition, partition_prefix, read_manifest
 
 
@@ -87,6 +88,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
         sample_range = SampleRange.parse(context.partition_key)
         object_store = store.check()
         layer_ids = target_model.layer_ids()  # validated before anything touches a device
+        announce_drafter(target_model, context.log.info)
         dtype = config.stored_dtype()
         samples = load_shard(tokenized, store.read_cache_dir())
         if not samples:

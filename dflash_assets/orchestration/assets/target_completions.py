@@ -23,6 +23,7 @@ from dflash_assets.orchestration.resources import (
     StoreResource,
     TargetModelResource,
 )
+from dflash_assets.orchestration.training import announce_drafter
 from dflash_assets.storage.manifest import partition_prefix
 
 
@@ -127,6 +128,7 @@ def target_completions_asset() -> AssetsDefinition:
 
         sample_range = SampleRange.parse(context.partition_key)
         object_store = store.check()
+        announce_drafter(target_model, context.log.info)  # a target no drafter trains for stops here
         rows = list(
             iter_rows(dataset.local_path(), sample_range, require_assistant=False, layout=dataset.layout())
         )

@@ -23,6 +23,7 @@ from dflash_assets.orchestration.metadata import dagster_metadata
 from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
+from dflash_assets.orchestration.training import announce_drafter
 from dflash_assets.storage.manifest import StoredPartition, partition_prefix
 
 
@@ -104,6 +105,7 @@ def tokenized_completions_asset(completions: str) -> AssetsDefinition:
     ) -> PartitionOutput:
         sample_range = SampleRange.parse(context.partition_key)
         store.check()
+        drafter = announce_drafter(target_model, context.log.info)
         completions, read_cache = upstream.get("completions"), store.read_cache_dir()
         result, source = _tokenize(config, sample_range, dataset, target_model, completions, read_cache)
         if result.rows == 0:
@@ -120,7 +122,18 @@ def tokenized_completions_asset(completions: str) -> AssetsDefinition:
             result.samples, sample_range.key, store=store, dataset=dataset, target_model=target_model,
             warn=context.log.warning,
         )  # fmt: skip
-        here = {"completions": source["completions"], "node": step_node(context)}
+        holding_mask = sum(drafter.mask_token_id in sample.input_ids for sample in result.samples)
+        if holding_mask:
+            context.log.warning(
+                f"{sample_range.key}: {holding_mask} samples hold the drafter's mask token "
+                f"{drafter.mask_token_id} ({drafter.mask_token!r}) as text; the drafter reads it there as a "
+                f"mask slot. Set {settings.MASK_TOKEN_ID.name} to an id no sample holds"
+            )
+        here = {
+            "completions": source["completions"],
+            "node": step_node(context),
+            "samples_holding_mask_token": holding_mask,
+        }
         context.add_output_metadata(dagster_metadata({**result.metadata(), **here, **plan}))
         return PartitionOutput(
             staged_files={SHARD_NAME: shard},
