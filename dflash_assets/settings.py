@@ -52,6 +52,9 @@ def environment(values: dict[str, str | None]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 class SettingError(ValueError):
     """A `DFLASH_*` setting (or the run config field standing for it) holds a value that cannot be used.
     The message names the setting and what to do: the CLI prints it as one line, without a traceback."""
@@ -98,6 +101,15 @@ class Setting:
             return float(raw)
         except ValueError:
             raise SettingError(f"{self.name}={raw!r} is not a number: {self._fix('a number')}") from None
+
+    def get_bool(self) -> bool:
+        """`1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case)."""
+        raw = self.get().lower()
+        if raw in TRUE_WORDS:
+            return True
+        if raw in FALSE_WORDS:
+            return False
+        raise SettingError(f"{self.name}={raw!r} is not 1 or 0: {self._fix('1 (on) or 0 (off)')}")
 
     def _fix(self, what: str) -> str:
         default = f"the default, {self.default}" if self.default else "its default"
@@ -238,6 +250,14 @@ HIDDEN_STATE_DTYPE = Setting(
     "How hidden-state objects store the states: `bf16`, or `fp8` (e4m3 with a float32 scale per token and "
     "layer: half the bytes). Part of a range's fingerprint: changing it re-extracts a range.",
 )
+CAPTURE_FINAL_STATE = Setting(
+    "DFLASH_CAPTURE_FINAL_STATE",
+    "1",
+    "Store the target's final hidden state (after its final norm: what its LM head reads) in every "
+    "hidden-state object beside the captured layers, for distillation objectives (`DFLASH_DISTILL_WEIGHT`); "
+    "`0` leaves it out (one layer's bytes a token fewer, and the forward stops after the last captured "
+    "layer). Part of a range's fingerprint: changing it re-extracts a range.",
+)
 TRAIN_MODE = Setting(
     "DFLASH_TRAIN_MODE", "offline", "`offline` (stored hidden states) or `online` (target runs)."
 )
@@ -284,6 +304,14 @@ DPACE_ALPHA = Setting(
     "DFLASH_DPACE_ALPHA",
     "0.5",
     "D-PACE's confidence smoothing, in [0, 1] (1: every position weighs the same).",
+)
+DISTILL_WEIGHT = Setting(
+    "DFLASH_DISTILL_WEIGHT",
+    "0",
+    "Weight in [0, 1] of distillation in the drafter's loss: at each labelled position, KL from the target's "
+    "own distribution (its LM head on its stored final hidden state) to the drafter's, mixed with the "
+    "cross-entropy on the label as `(1 - w) CE + w KL` under the same position weights. Needs objects "
+    "captured with `DFLASH_CAPTURE_FINAL_STATE=1` (offline) or the live target (online).",
 )
 BLOCK_SIZE = Setting(
     "DFLASH_BLOCK_SIZE",

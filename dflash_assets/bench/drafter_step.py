@@ -75,14 +75,19 @@ def build_drafter(case: DrafterShapeCase, device: torch.device, arch: str = "dfl
         return drafter_class(config)(config, embedding, lm_head)
 
 
-def random_batch(case: DrafterShapeCase, batch_size: int, device: torch.device) -> DrafterBatch:
-    length, layers = case.sequence_length, 5
+def random_batch(
+    case: DrafterShapeCase, batch_size: int, device: torch.device, final_state: bool = False
+) -> DrafterBatch:
+    """Random states of the 5 captured layers (and the target's final state after them, `final_state`)."""
+    length, layers = case.sequence_length, 5 + int(final_state)
     input_ids = torch.randint(0, case.vocab_size - 1, (batch_size, length))
     loss_mask = torch.ones(batch_size, length, dtype=torch.bool)
     loss_mask[:, :64] = False  # a prompt, as real samples have
     hidden = torch.randn(batch_size, length, layers, case.hidden_size, device=device, dtype=torch.bfloat16)
     lengths = torch.full((batch_size,), length)
-    return DrafterBatch(input_ids, loss_mask, hidden, lengths, list(range(batch_size)))
+    return DrafterBatch(
+        input_ids, loss_mask, hidden, lengths, list(range(batch_size)), final_state=final_state
+    )
 
 
 def step_flops(model: DFlashDrafter, batch: DrafterBatch, num_blocks: int, labels: int) -> float:
@@ -141,8 +146,10 @@ def time_steps(
     backend: str,
     steps: int,
     device: torch.device,
+    objective: Any = 7.0,
 ) -> dict[str, Any]:
-    """Seconds per step (median of `steps` after a warm-up step), peak memory above the idle state."""
+    """Seconds per step (median of `steps` after a warm-up step), peak memory above the idle state.
+    `objective`: the loss's (`drafter.objective.Objective`; a number is the paper's decay)."""
     from dflash_assets.drafter.objective import dflash_loss
 
     model.set_attention_backend(backend)
@@ -154,7 +161,7 @@ def time_steps(
 
     def one_step() -> float:
         with autocast:
-            output = dflash_loss(model, batch, anchors, 7.0)
+            output = dflash_loss(model, batch, anchors, objective)
         output.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -247,6 +254,7 @@ def drafter_step_lines(
             mfu=best["tokens_per_s"] * flops / peak if peak else None,
         )
     lines += dflash2_lines(case, device, trained_with, results.get((trained_with, 1)), steps, record)
+    lines += distillation_lines(case, device, trained_with, steps, record)
     for batch_size in (1, 2):
         flex, dense = results.get(("flex", batch_size)), results.get(("materialised", batch_size))
         if flex and dense:
@@ -314,3 +322,36 @@ def dflash2_lines(
             "convolution_parameters": convolutions,
         }
     return lines
+
+
+def distillation_lines(
+    case: DrafterShapeCase, device: torch.device, backend: str, steps: int, record: dict[str, Any] | None
+) -> list[str]:
+    """The step with distillation (`DFLASH_DISTILL_WEIGHT` 0.5: the target's head on its final state, a
+    chunk of rows at a time) beside the same step without it (D-PACE, one sequence), interleaved over
+    rounds on a CPU, each its fastest round; and the peak memory of each."""
+    from dflash_assets.drafter.objective import Objective
+
+    model = build_drafter(case, device)
+    batch = random_batch(case, 1, device, final_state=True)
+    ways = {"without": Objective(loss="dpace"), "distilling": Objective(loss="dpace", distill_weight=0.5)}
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in ways}
+    for _ in range(1 if device.type == "cuda" else 3):
+        for name, objective in ways.items():
+            rounds[name].append(time_steps(model, batch, case.num_anchors, backend, steps, device, objective))
+    timed = {name: min(runs, key=lambda run: run["seconds"]) for name, runs in rounds.items()}
+    without, distilling = timed["without"], timed["distilling"]
+    memory = distilling["peak_bytes"] / without["peak_bytes"] if without["peak_bytes"] else None
+    if record is not None:
+        record["distillation"] = {
+            "seconds": distilling["seconds"],
+            "without_seconds": without["seconds"],
+            "peak_bytes": distilling["peak_bytes"],
+            "without_peak_bytes": without["peak_bytes"],
+        }
+    return [
+        f"  distilling   1 x {case.sequence_length}: {distilling['seconds']:7.3f} s/step, "
+        f"{distilling['seconds'] / without['seconds']:.2f}x the step without it (weight 0.5: the target's "
+        f"head over {case.vocab_size:,} tokens beside the drafter's)"
+        + (f", peak memory {memory:.2f}x" if memory is not None else "")
+    ]

@@ -8,6 +8,7 @@ read (z-lab/dflash `DFlashDraftModel` / `DFlash2DraftModel`, SGLang `models/dfla
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -449,6 +450,22 @@ def _target_file(target_model: str | Path, filename: str) -> Path:
     return Path(hf_hub_download(str(target_model), filename))
 
 
+def target_tokenizer(target_model: str | Path) -> Any:
+    """The target's tokenizer, loaded once a process for each version of its files (a 262 K vocabulary's
+    takes seconds to load, and every data stage resolves the mask token before it starts)."""
+    directory = Path(target_model)
+    files = sorted(directory.glob("tokenizer*")) if directory.is_dir() else []
+    stamp = tuple((path.name, path.stat().st_mtime_ns) for path in files if path.is_file())
+    return _load_tokenizer(str(target_model), stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(target_model: str, stamp: tuple) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_model)
+
+
 class MaskTokenError(ValueError):
     """No id can be the drafter's mask token, and none was given: one line naming the setting."""
 
@@ -470,9 +487,7 @@ def resolve_mask_token(target_model: str | Path, explicit: int | None, vocab_siz
                 f"({vocab_size} rows, ids 0..{vocab_size - 1})"
             )
         return int(explicit), f"explicit setting ({MASK_TOKEN_SETTING} / run config mask_token_id)"
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(target_model))
+    tokenizer = target_tokenizer(target_model)
     if tokenizer.mask_token_id is not None:
         return int(tokenizer.mask_token_id), f"the tokenizer's mask_token {tokenizer.mask_token!r}"
     named = len(tokenizer)
@@ -546,9 +561,7 @@ def mask_token_text(target_model: str | Path, mask_token_id: int) -> str | None:
     not have. None when the target has no loadable tokenizer (the config then keeps `<|MASK|>`).
     """
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(target_model))
+        tokenizer = target_tokenizer(target_model)
     except Exception:  # no tokenizer beside the weights (test targets): the text stays unknown
         return None
     if mask_token_id < len(tokenizer):

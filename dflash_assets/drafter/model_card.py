@@ -32,7 +32,7 @@ def drafter_model_card(
     `data_source`: whose answers it trained on (`completions`: `target` or `dataset`, and for `target`
     `regenerated_by` and the `generation` settings). `world_sizes`: the data-parallel world sizes it was
     trained at, by steps (`from_step`, `to_step`, `world_size`, `nodes`). `objective`: the run's `loss`,
-    `gamma`, `dpace_alpha` and `drafter_init` (training settings)."""
+    `gamma`, `dpace_alpha`, `distill_weight` and `drafter_init` (training settings)."""
     accuracy = metrics.get("per_position_accuracy") or []
     accuracy_text = ", ".join(_number(a, 2) for a in accuracy[:8]) + (" ..." if len(accuracy) > 8 else "")
     ranges = ", ".join(trained_sample_ranges[:6]) + (" ..." if len(trained_sample_ranges) > 6 else "")
@@ -135,12 +135,21 @@ def describe_architecture(config: DrafterConfig) -> str:
 
 
 def describe_objective(objective: dict[str, Any] | None) -> str:
-    """The position weights it was trained with, and where its weights started."""
+    """What each position learned from (the labels, mixed with the target's own distribution when
+    distilling), the position weights it was trained with, and where its weights started."""
     objective = objective or {}
-    if objective.get("loss", "dpace") == "decay":
-        text = f"the paper's fixed position weights exp(-(p-1)/{objective.get('gamma', 7.0):g})"
+    weight = float(objective.get("distill_weight") or 0.0)
+    if weight > 0:
+        text = (
+            f"{1 - weight:g} x cross-entropy on the labels + {weight:g} x KL from the target's own "
+            "distribution (its LM head on its final hidden state, `DFLASH_DISTILL_WEIGHT`), under "
+        )
     else:
-        text = f"D-PACE position weights (alpha {objective.get('dpace_alpha', 0.5):g})"
+        text = "cross-entropy on the labels, under "
+    if objective.get("loss", "dpace") == "decay":
+        text += f"the paper's fixed position weights exp(-(p-1)/{objective.get('gamma', 7.0):g})"
+    else:
+        text += f"D-PACE position weights (alpha {objective.get('dpace_alpha', 0.5):g})"
     start = objective.get("drafter_init")
     return text + (f", starting from the drafter in `{start}`" if start else ", from fresh weights")
 

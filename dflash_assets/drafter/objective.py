@@ -12,6 +12,13 @@ sum, or the number of labels) and is summed over the whole global batch, so the 
 however the samples are split over ranks and micro-batches. DFlash2's selector adds a K-way
 cross-entropy over each slot's unary top-k (the true token put in where it is missing), weighted the same
 way from the selector's own confidences.
+
+Distillation (`Objective.distill_weight` w > 0): at each labelled position the target's own distribution,
+its LM head on its final hidden state at the position before (the state that predicted that token), is
+the teacher, and a position's term is `(1 - w) CE + w KL(teacher || drafter)` under the same position
+weights and normaliser. The teacher's logits are computed in the step, a chunk of rows at a time beside
+the drafter's (never `[labels, V]` at once), without gradient. DFlash2's selector keeps learning from the
+labels: its candidates are the drafter's own top-k, which the distilled unary term shapes already.
 """
 
 from __future__ import annotations
@@ -32,28 +39,37 @@ from dflash_assets.drafter.model import DFlashDrafter
 
 @dataclass
 class DrafterBatch:
-    """Right-padded samples with their captured target layers: what offline and online modes both yield."""
+    """Right-padded samples with their captured target layers: what offline and online modes both yield.
+    With `final_state` the states hold one more slot after the K layers: the target's final hidden state
+    (after its final norm), which distillation reads the target's own distribution from."""
 
     input_ids: torch.Tensor  # [B, T] long (padding: 0)
     loss_mask: torch.Tensor  # [B, T] bool, False on padding
-    hidden_states: torch.Tensor  # [B, T, K, H] as stored: bfloat16, or float8_e4m3fn (padding: 0)
+    hidden_states: torch.Tensor  # [B, T, K(+1), H] as stored: bfloat16, or float8_e4m3fn (padding: 0)
     lengths: torch.Tensor  # [B] long
     sample_indices: list[int]
-    hidden_states_scale: torch.Tensor | None = None  # [B, T, K] float32 for fp8 states, else None
+    hidden_states_scale: torch.Tensor | None = None  # [B, T, K(+1)] float32 for fp8 states, else None
+    final_state: bool = False  # the last slot of `hidden_states` is the target's final hidden state
 
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def context_states(self, device: torch.device) -> torch.Tensor:
-        """The captured target layers on `device`: bf16 as stored, or fp8 dequantised there (float32),
-        so what crosses to the device is the stored bytes (see `extraction/fp8.py` for the format). The
-        copy is queued without the host waiting for it (collation pins the states: `training/data.py`)."""
+    def device_states(self, device: torch.device) -> torch.Tensor:
+        """Every stored slot on `device` `[B, T, K(+1), H]`: bf16 as stored, or fp8 dequantised there
+        (float32), so what crosses to the device is the stored bytes (see `extraction/fp8.py` for the
+        format). The copy is queued without the host waiting for it (collation pins the states:
+        `training/data.py`)."""
         if self.hidden_states_scale is None:
             return self.hidden_states.to(device, non_blocking=True)
         values = self.hidden_states.to(device, non_blocking=True)
         scale = self.hidden_states_scale.to(device, non_blocking=True)
         return values.float() * scale.unsqueeze(-1)
+
+    def context_states(self, device: torch.device) -> torch.Tensor:
+        """The captured target layers on `device`, `[B, T, K, H]` (the final state left out)."""
+        states = self.device_states(device)
+        return states[:, :, :-1] if self.final_state else states
 
 
 @dataclass
@@ -112,10 +128,15 @@ class Objective:
     gamma: float = 7.0
     dpace_alpha: float = 0.5
     selector_weight: float = 1.0
+    distill_weight: float = 0.0  # w: (1 - w) CE + w KL from the target's distribution
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"drafter loss {self.loss!r} (DFLASH_DRAFTER_LOSS) is not one of {list(LOSSES)}")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(
+                f"distill_weight (DFLASH_DISTILL_WEIGHT) must be in [0, 1], got {self.distill_weight}"
+            )
         if self.gamma <= 0 or not 0.0 <= self.dpace_alpha <= 1.0:
             raise ValueError(
                 f"gamma must be positive and dpace_alpha (DFLASH_DPACE_ALPHA) in [0, 1]; got {self.gamma}, "
@@ -184,6 +205,7 @@ class BlockLossOutput:
     expected_accepted_sum: torch.Tensor  # scalar: sum over blocks of sum_j prod_{i<=j} q_i (D-PACE's target)
     selector_ce_sum: torch.Tensor  # scalar: DFlash2's selector's K-way cross-entropy summed (0 for DFlash)
     selector_recall: torch.Tensor  # scalar: DFlash2's labels inside their slot's unary top-k (0 for DFlash)
+    kl_sum: torch.Tensor  # scalar: KL from the target's distribution summed (0 without distillation)
 
 
 @dataclass
@@ -192,20 +214,32 @@ class _Rows:
 
     ce: torch.Tensor  # [R]
     pick: torch.Tensor  # [R] long
+    kl: torch.Tensor | None = None  # [R] with grad: KL from the target's distribution (distillation)
     selector_ce: torch.Tensor | None = None  # [R] with grad
     in_top_k: torch.Tensor | None = None  # [R] bool
 
 
 def _label_rows(
-    model: DFlashDrafter, hidden: torch.Tensor, labels: torch.Tensor, predecessors: torch.Tensor | None
+    model: DFlashDrafter,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    predecessors: torch.Tensor | None,
+    teacher: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """One chunk of rows: unary CE and argmax; with `predecessors` (DFlash2) also the selector's K-way CE
-    over the unary top-k, with the label in place of the weakest candidate where the top-k misses it, its
-    teacher-forced pick, and whether the label was in the top-k (a pick decoding could make)."""
+    """One chunk of rows: unary CE and argmax; with `teacher` (the target's final states that predicted
+    these labels, `[r, H]`) the KL from the target's distribution to the drafter's; with `predecessors`
+    (DFlash2) also the selector's K-way CE over the unary top-k, with the label in place of the weakest
+    candidate where the top-k misses it, its teacher-forced pick, and whether the label was in the top-k
+    (a pick decoding could make)."""
     logits = model.logits(hidden)  # [r, V] float32
     ce = F.cross_entropy(logits, labels, reduction="none")
+    kl = None
+    if teacher is not None:
+        with torch.no_grad():  # the target's head on its own state: the same logits its LM head gives
+            target_log_p = torch.log_softmax(model.logits(teacher), dim=-1)
+        kl = (target_log_p.exp() * (target_log_p - torch.log_softmax(logits, dim=-1))).sum(dim=-1)
     if predecessors is None:
-        return ce, logits.argmax(dim=-1)
+        return (ce, logits.argmax(dim=-1)) if kl is None else (ce, logits.argmax(dim=-1), kl)
     selector = model.candidate_selector
     candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # [r, K], strongest first
     hits = candidates == labels[:, None]
@@ -216,19 +250,29 @@ def _label_rows(
     scores = logits.gather(1, candidates) + selector.pair_scores(hidden, predecessors, candidates)
     selector_ce = F.cross_entropy(scores, target, reduction="none")
     pick = candidates.gather(1, scores.detach().argmax(dim=-1, keepdim=True))[:, 0]
-    return ce, pick, selector_ce, in_top_k
+    return (ce, pick, selector_ce, in_top_k) if kl is None else (ce, pick, selector_ce, in_top_k, kl)
 
 
 def _chunked_rows(
-    model: DFlashDrafter, rows: torch.Tensor, labels: torch.Tensor, predecessors: torch.Tensor | None
+    model: DFlashDrafter,
+    rows: torch.Tensor,
+    labels: torch.Tensor,
+    predecessors: torch.Tensor | None,
+    teacher: torch.Tensor | None = None,
 ) -> _Rows:
     """`_label_rows` over every row, in chunks recomputed in backward: a production vocabulary's logits
-    (`[R, 248K]`) are too large to keep alive at once."""
-    chunk = logits_chunk_rows(model.config.vocab_size)
+    (`[R, 248K]`) are too large to keep alive at once (with a teacher, its logits too: half the rows)."""
+    chunk = logits_chunk_rows(model.config.vocab_size, distill=teacher is not None)
     parts = []
     for start in range(0, rows.shape[0], chunk):
         window = slice(start, start + chunk)
-        args = (model, rows[window], labels[window], None if predecessors is None else predecessors[window])
+        args = (
+            model,
+            rows[window],
+            labels[window],
+            None if predecessors is None else predecessors[window],
+            None if teacher is None else teacher[window],
+        )
         if torch.is_grad_enabled():
             parts.append(checkpoint(_label_rows, *args, use_reentrant=False))
         else:
@@ -236,9 +280,14 @@ def _chunked_rows(
     if not parts:
         empty = rows.new_zeros(0, dtype=torch.float32)
         none = predecessors is None
-        return _Rows(empty, labels, None if none else empty, None if none else labels.bool())
+        kl = None if teacher is None else empty
+        return _Rows(empty, labels, kl, None if none else empty, None if none else labels.bool())
     columns = [torch.cat(column) for column in zip(*parts, strict=True)]
-    return _Rows(*columns)
+    if predecessors is None:
+        ce, pick, *kl = columns
+        return _Rows(ce, pick, kl[0] if kl else None)
+    ce, pick, selector_ce, in_top_k, *kl = columns
+    return _Rows(ce, pick, kl[0] if kl else None, selector_ce, in_top_k)
 
 
 def _on_grid(values: torch.Tensor, label_index: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -268,9 +317,10 @@ def block_labels(
     return slot_positions, tokens, in_span[:, :, 1:] & keep[:, :, None]
 
 
-def logits_chunk_rows(vocab_size: int) -> int:
-    """Rows of logits the loss computes at once: 2**27 elements (512 MiB in float32) at the most."""
-    return max(1, 2**27 // vocab_size)
+def logits_chunk_rows(vocab_size: int, distill: bool = False) -> int:
+    """Rows of logits the loss computes at once: 2**27 elements (512 MiB in float32) at the most, half that
+    with distillation (the target's logits and log-probabilities beside the drafter's)."""
+    return max(1, (2**26 if distill else 2**27) // vocab_size)
 
 
 def _on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -303,6 +353,12 @@ def dflash_loss(
     objective = as_objective(objective)
     config, device = model.config, model.device
     block_size = config.block_size
+    distill = objective.distill_weight > 0
+    if distill and not batch.final_state:
+        raise ValueError(
+            "distillation (DFLASH_DISTILL_WEIGHT > 0) needs the target's final hidden state beside its "
+            "layers: objects captured with DFLASH_CAPTURE_FINAL_STATE=1, or online training"
+        )
     host = DrafterBatch(
         batch.input_ids.cpu(), batch.loss_mask.cpu(), batch.hidden_states, batch.lengths.cpu(),
         batch.sample_indices,
@@ -314,7 +370,10 @@ def dflash_loss(
 
     block_input_ids = torch.full_like(tokens, config.mask_token_id)
     block_input_ids[:, :, 0] = tokens[:, :, 0]
-    block_input_ids, slot_positions, context_end, labels, label_index, predecessors = _on_device(
+    # The target predicted the token at position p from its final state at p - 1: [R] flat into [B * T].
+    per_sequence = labelled.shape[1] * block_size
+    teacher_at = (label_index // per_sequence) * length + slot_positions.flatten()[label_index] - 1
+    block_input_ids, slot_positions, context_end, labels, label_index, predecessors, teacher_at = _on_device(
         device,
         block_input_ids,
         slot_positions,
@@ -322,18 +381,23 @@ def dflash_loss(
         tokens.flatten()[label_index],
         label_index,
         tokens.flatten()[label_index - 1],  # the token before each labelled slot (DFlash2's selector)
+        teacher_at,
     )
+    states = batch.device_states(device)  # [B, T, K(+1), H]: the layers, and the final state last
     hidden = (forward or model)(
         block_input_ids,
         slot_positions,
-        batch.context_states(device),
+        states[:, :, :-1] if batch.final_state else states,
         torch.arange(length, device=device).expand(batch_size, -1),
         context_end,
     )  # [B, N, S, D]
 
     rows = hidden.flatten(0, 2).index_select(0, label_index)  # [R, D]; labels [R]
+    teacher = (
+        states[:, :, -1].reshape(batch_size * length, -1).index_select(0, teacher_at) if distill else None
+    )
     # DFlash2's selector scores each slot's candidates given the true token before it (teacher forcing).
-    terms = _chunked_rows(model, rows, labels, predecessors if config.has_selector else None)
+    terms = _chunked_rows(model, rows, labels, predecessors if config.has_selector else None, teacher)
     grid = labelled.shape  # [B, N, S]: per-row values go back to their slots to be weighed by block
     valid = _on_grid(torch.ones_like(labels, dtype=torch.bool), label_index, grid)
 
@@ -342,8 +406,13 @@ def dflash_loss(
         return F.pad(weights, (1, 0)).flatten().index_select(0, label_index)  # back to the rows' slots
 
     weight_sum = loss_normaliser(objective, valid)
+    # Each label's term: its cross-entropy, mixed with the KL from the target's distribution when distilling;
+    # weighed by the position weights of its cross-entropy either way (D-PACE's confidences are the labels').
+    term = terms.ce
+    if terms.kl is not None:
+        term = (1.0 - objective.distill_weight) * terms.ce + objective.distill_weight * terms.kl
     # A batch with no label keeps a (zero) graph so backward() and the optimiser step stay uniform.
-    weighted_ce = (terms.ce * weights_of(terms.ce)).sum() if rows.shape[0] else hidden.sum() * 0.0
+    weighted_ce = (term * weights_of(terms.ce)).sum() if rows.shape[0] else hidden.sum() * 0.0
     selector_ce_sum = None
     if terms.selector_ce is not None and rows.shape[0]:
         selector_term = (terms.selector_ce * weights_of(terms.selector_ce)).sum()
@@ -375,6 +444,7 @@ def dflash_loss(
         expected_accepted_sum=expected.sum(),
         selector_ce_sum=selector_ce_sum if selector_ce_sum is not None else zero,
         selector_recall=terms.in_top_k.sum() if terms.in_top_k is not None else zero,
+        kl_sum=terms.kl.detach().sum() if terms.kl is not None else zero,
     )
 
 

@@ -1,7 +1,11 @@
-"""Capturing the raw outputs of chosen target decoder layers, stopping the forward after the last one.
+"""Capturing the raw outputs of chosen target decoder layers, stopping the forward after the last one;
+and, when asked, the target's final hidden state too.
 
 "Layer i" is the raw output of decoder layer i (0-based) = Hugging Face `output_hidden_states[i + 1]`.
-The forward never reaches later layers, the final norm or the LM head, so no logits are ever computed.
+Without the final state the forward never reaches later layers, the final norm or the LM head. With it
+(`final_state=True`) the forward runs every layer and the final norm, whose output (what the LM head
+reads; Hugging Face's `hidden_states[-1]`) is one more slot after the chosen layers: `[B, T, K + 1, H]`.
+The LM head never runs either way, so no logits are ever computed here.
 """
 
 from __future__ import annotations
@@ -23,20 +27,30 @@ class _StopForward(Exception):
 
 
 class HiddenStateCapture:
-    """`capture(input_ids [B, T], attention_mask [B, T]) -> [B, T, K, H]`, in the model's dtype.
+    """`capture(input_ids [B, T], attention_mask [B, T]) -> [B, T, K, H]` (`[B, T, K + 1, H]` with
+    `final_state`, the last slot the target's final hidden state), in the model's dtype.
 
     Forward hooks copy each chosen layer's output into one preallocated buffer; the hook on the last
-    chosen layer then raises, so later layers, the final norm and the LM head never run. Hooks are
+    chosen layer then raises, so later layers, the final norm and the LM head never run, unless the final
+    state is wanted: the forward then runs to the final norm, whose output fills the last slot. Hooks are
     attached only for the duration of a call, so the model stays usable elsewhere.
     """
 
-    def __init__(self, model: nn.Module, target_layer_ids: Sequence[int]) -> None:
+    def __init__(
+        self, model: nn.Module, target_layer_ids: Sequence[int], *, final_state: bool = False
+    ) -> None:
         self.model = model
         self.base_model, self.layers = find_decoder(model)
         self.target_layer_ids = resolve_target_layer_ids(
             {"num_hidden_layers": len(self.layers)}, list(target_layer_ids)
         )
         self.hidden_size = hidden_size_of(model.config)
+        self.final_state = final_state
+
+    @property
+    def num_slots(self) -> int:
+        """States a token gets: the chosen layers, and the final state when it is captured."""
+        return len(self.target_layer_ids) + int(self.final_state)
 
     @property
     def device(self) -> torch.device:
@@ -58,9 +72,9 @@ class HiddenStateCapture:
         # Allocated outside inference mode (and filled in place inside it), so the result is an ordinary
         # tensor that online training can feed to modules that save inputs for backward.
         captured = torch.empty(
-            (batch, length, len(self.target_layer_ids), self.hidden_size), dtype=self.dtype, device=device
+            (batch, length, self.num_slots, self.hidden_size), dtype=self.dtype, device=device
         )
-        last = self.target_layer_ids[-1]
+        last = None if self.final_state else self.target_layer_ids[-1]
         seen: list[int] = []
 
         def make_hook(slot: int, layer_id: int):
@@ -80,11 +94,13 @@ class HiddenStateCapture:
         try:
             # This thread's current CUDA device is the model's (a replica's thread starts on GPU 0).
             with current_device(device), torch.inference_mode():
-                self.base_model(
+                output = self.base_model(
                     input_ids=_to_device(input_ids, device),
                     attention_mask=_to_device(attention_mask, device),
                     use_cache=False,
                 )
+                if self.final_state:  # after the final norm: what the LM head reads
+                    captured[:, :, -1].copy_(full_tensor(final_hidden_state(output)))
         except _StopForward:
             pass
         finally:
@@ -96,6 +112,14 @@ class HiddenStateCapture:
                 "its decoder layers in order"
             )
         return captured
+
+
+def final_hidden_state(output: Any) -> torch.Tensor:
+    """The base model's output after its final norm, `[B, T, H]` (`last_hidden_state`)."""
+    hidden = getattr(output, "last_hidden_state", None)
+    if hidden is None:
+        hidden = output[0]
+    return hidden
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -119,6 +143,7 @@ class ReplicatedCapture:
         self.output_device = torch.device(output_device)
         self.target_layer_ids = self.captures[0].target_layer_ids
         self.hidden_size = self.captures[0].hidden_size
+        self.final_state = self.captures[0].final_state
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         from concurrent.futures import ThreadPoolExecutor

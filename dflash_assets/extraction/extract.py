@@ -23,7 +23,7 @@ from dflash_assets.extraction.monitor import (
     ExtractionProgress,
     UploadRecord,
 )
-from dflash_assets.extraction.object_size import check_hidden_state_dtype
+from dflash_assets.extraction.object_size import FINAL_STATE_KEY, check_hidden_state_dtype
 from dflash_assets.extraction.resume import ExtractionIncomplete, RangeInStore, resubmit_staged
 from dflash_assets.extraction.sample_format import (
     SAMPLE_FORMAT,
@@ -108,10 +108,13 @@ def extraction_fingerprint(
     hidden_size: int,
     hidden_state_dtype: str = "bf16",
     made_from: dict[str, str] | None = None,
+    final_state: bool = False,
 ) -> dict[str, Any]:
     """What must be equal for two objects to belong to the same partition: a range is never a mix of
-    targets, layer sets or stored dtypes (a changed `DFLASH_HIDDEN_STATE_DTYPE` re-extracts it), nor of
-    tokenized ranges (`made_from`: where the samples were read and `samples_digest` of them)."""
+    targets, layer sets or stored dtypes (a changed `DFLASH_HIDDEN_STATE_DTYPE` re-extracts it), of
+    objects with and without the target's final state (`DFLASH_CAPTURE_FINAL_STATE`; the key is there only
+    when they hold it, so a range made before it keeps its fingerprint), nor of tokenized ranges
+    (`made_from`: where the samples were read and `samples_digest` of them)."""
     fingerprint: dict[str, Any] = {
         "format": SAMPLE_FORMAT,
         "target_model": target_model,
@@ -119,6 +122,8 @@ def extraction_fingerprint(
         "hidden_size": int(hidden_size),
         "hidden_state_dtype": check_hidden_state_dtype(hidden_state_dtype),
     }
+    if final_state:
+        fingerprint[FINAL_STATE_KEY] = True
     if made_from is not None:
         fingerprint["made_from"] = dict(made_from)
     return fingerprint
@@ -145,6 +150,7 @@ def extract_range(
     hidden_state_dtype: str = "bf16",
     source: str | None = None,
     capture: HiddenStateCapture | None = None,
+    final_state: bool = False,
 ) -> ExtractionResult:
     """Make `<prefix>/hs_<index>.safetensors` exist in `store` for every sample, computing only the gaps.
 
@@ -160,7 +166,8 @@ def extract_range(
     records what the objects were made from (it and a digest of the samples), so staged files or
     objects made from another tokenized range are never taken for this one's. `capture` replaces the
     plain `HiddenStateCapture(model, target_layer_ids)` (a target split over devices: rank 0's, which
-    has the other ranks run each forward too).
+    has the other ranks run each forward too). `final_state` stores the target's final hidden state
+    beside the layers (its forward then runs every layer and the final norm).
 
     The steps, in order: (1) one listing of the prefix, deleting objects another producer made;
     (2) what the store already holds; (3) finished files in staging, uploaded as they are; (4) the
@@ -170,12 +177,19 @@ def extract_range(
     started = time.monotonic()
     warn = warn or (lambda message: log(f"WARNING: {message}"))
     by_index = _index_samples(samples)
-    capture = capture or HiddenStateCapture(model, target_layer_ids)
+    capture = capture or HiddenStateCapture(model, target_layer_ids, final_state=final_state)
+    if capture.final_state != final_state:
+        raise ValueError(f"the capture's final_state is {capture.final_state}, the range's {final_state}")
     staging_dir = Path(staging_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)
     made_from = {"tokenized": source, "samples_sha256": samples_digest(samples)} if source else None
     fingerprint = extraction_fingerprint(
-        target_model_name, capture.target_layer_ids, capture.hidden_size, hidden_state_dtype, made_from
+        target_model_name,
+        capture.target_layer_ids,
+        capture.hidden_size,
+        hidden_state_dtype,
+        made_from,
+        final_state,
     )
     partition = RangeInStore(store, prefix, fingerprint, by_index, capture, target_model_name, warn)
     staging = StagingDirectory(staging_dir, fingerprint)
@@ -195,7 +209,8 @@ def extract_range(
         log(
             f"{partition.where}: {len(samples)} samples; {len(in_store)} already stored, "
             f"{len(from_staging)} finished in staging (uploading), {len(missing)} to extract on {device} "
-            f"(layers {capture.target_layer_ids}, stored as {fingerprint['hidden_state_dtype']})"
+            f"(layers {capture.target_layer_ids}{' and the final state' if final_state else ''}, stored as "
+            f"{fingerprint['hidden_state_dtype']})"
         )
         if missing:
             report_kernel_paths(model, capture.device, log=log, warn=warn)

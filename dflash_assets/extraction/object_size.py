@@ -9,6 +9,10 @@ Stored dtypes (`DFLASH_HIDDEN_STATE_DTYPE`):
 - `bf16`: `hidden_states` BF16 [T, K, H].
 - `fp8`: `hidden_states` F8_E4M3 [T, K, H] and `hidden_states_scale` F32 [T, K], one scale per (token,
   layer): the states are `hidden_states.float() * hidden_states_scale[..., None]`.
+
+With the target's final state (`DFLASH_CAPTURE_FINAL_STATE`, the default): `final_hidden_states` [T, H]
+beside them, in the same dtype, and for fp8 its `final_hidden_states_scale` F32 [T]: one more layer's
+bytes a token (1 + 1/K times the taps').
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ READABLE_FORMATS = frozenset({"dflash-assets.hidden-states/1", SAMPLE_FORMAT})
 HIDDEN_STATE_DTYPE_SETTING = "DFLASH_HIDDEN_STATE_DTYPE"
 HIDDEN_STATE_DTYPES = ("bf16", "fp8")
 SCALE_TENSOR = "hidden_states_scale"
+FINAL_TENSOR, FINAL_SCALE_TENSOR = "final_hidden_states", "final_hidden_states_scale"
+# Metadata key: "1" when the object holds the target's final state (objects made before it lack the key).
+FINAL_STATE_KEY = "final_hidden_states"
 # Safetensors dtype names of the states, and bytes per element.
 STATE_TENSOR_DTYPES = {"bf16": ("BF16", 2), "fp8": ("F8_E4M3", 1)}
 RESERVED_METADATA_KEYS = frozenset(
@@ -35,6 +42,7 @@ RESERVED_METADATA_KEYS = frozenset(
         "hidden_size",
         "num_tokens",
         "hidden_state_dtype",
+        FINAL_STATE_KEY,
     }
 )
 # Room for the JSON header beyond the caller's metadata, for `estimate_sample_nbytes`: four tensor entries,
@@ -53,21 +61,27 @@ def check_hidden_state_dtype(name: str) -> str:
     return value
 
 
-def bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
-    """Stored bytes per token, header excluded: the states (and fp8's scales), the int32 id, the mask byte."""
+def bytes_per_token(num_layers: int, hidden_size: int, dtype: str, final_state: bool = False) -> int:
+    """Stored bytes per token, header excluded: the states (the final state's too, with `final_state`;
+    and fp8's scales), the int32 id, the mask byte."""
     dtype = check_hidden_state_dtype(dtype)
     _, element = STATE_TENSOR_DTYPES[dtype]
-    scale = 4 * num_layers if dtype == "fp8" else 0
-    return num_layers * hidden_size * element + scale + 4 + 1
+    slots = num_layers + int(final_state)
+    scale = 4 * slots if dtype == "fp8" else 0
+    return slots * hidden_size * element + scale + 4 + 1
 
 
-def tensor_specs(num_tokens: int, num_layers: int, hidden_size: int, dtype: str) -> list[TensorSpec]:
+def tensor_specs(
+    num_tokens: int, num_layers: int, hidden_size: int, dtype: str, final_state: bool = False
+) -> list[TensorSpec]:
     """The object's tensors in file order: widest alignment first, so each starts aligned to its element."""
     dtype = check_hidden_state_dtype(dtype)
     state_dtype, element = STATE_TENSOR_DTYPES[dtype]
     specs: list[TensorSpec] = [("input_ids", "I32", [num_tokens], 4 * num_tokens)]
     if dtype == "fp8":
         specs.append((SCALE_TENSOR, "F32", [num_tokens, num_layers], 4 * num_tokens * num_layers))
+        if final_state:
+            specs.append((FINAL_SCALE_TENSOR, "F32", [num_tokens], 4 * num_tokens))
     specs.append(
         (
             "hidden_states",
@@ -76,6 +90,10 @@ def tensor_specs(num_tokens: int, num_layers: int, hidden_size: int, dtype: str)
             element * num_tokens * num_layers * hidden_size,
         )
     )
+    if final_state:
+        specs.append(
+            (FINAL_TENSOR, state_dtype, [num_tokens, hidden_size], element * num_tokens * hidden_size)
+        )
     specs.append(("loss_mask", "U8", [num_tokens], num_tokens))
     return specs
 
@@ -89,6 +107,7 @@ def sample_metadata(
     hidden_size: int,
     dtype: str,
     extra_metadata: Mapping[str, str] | None = None,
+    final_state: bool = False,
 ) -> dict[str, str]:
     """The safetensors metadata of an object (str -> str), the contracted keys over the caller's extra."""
     return {
@@ -100,6 +119,7 @@ def sample_metadata(
         "hidden_size": str(hidden_size),
         "num_tokens": str(num_tokens),
         "hidden_state_dtype": check_hidden_state_dtype(dtype),
+        FINAL_STATE_KEY: "1" if final_state else "0",
     }
 
 
@@ -112,10 +132,11 @@ def sample_object_nbytes(
     hidden_size: int,
     dtype: str,
     extra_metadata: Mapping[str, str] | None = None,
+    final_state: bool = False,
 ) -> int:
     """The exact size of the object `write_sample` writes for this sample (header + tensors)."""
     num_layers = len(target_layer_ids)
-    specs = tensor_specs(num_tokens, num_layers, hidden_size, dtype)
+    specs = tensor_specs(num_tokens, num_layers, hidden_size, dtype, final_state)
     metadata = sample_metadata(
         sample_index=sample_index,
         num_tokens=num_tokens,
@@ -124,25 +145,35 @@ def sample_object_nbytes(
         hidden_size=hidden_size,
         dtype=dtype,
         extra_metadata=extra_metadata,
+        final_state=final_state,
     )
     return len(safetensors_header(specs, metadata)) + sum(spec[3] for spec in specs)
 
 
 def estimate_sample_nbytes(
-    num_tokens: int, num_layers: int, hidden_size: int, metadata_nbytes: int = 0, dtype: str = "bf16"
+    num_tokens: int,
+    num_layers: int,
+    hidden_size: int,
+    metadata_nbytes: int = 0,
+    dtype: str = "bf16",
+    final_state: bool = False,
 ) -> int:
     """Upper bound on an object's size, header included, without its metadata: what staging reserves
     before writing it. `metadata_nbytes` is the length of the caller's variable metadata (the target
     model's name)."""
-    tensor_bytes = num_tokens * bytes_per_token(num_layers, hidden_size, dtype)
+    tensor_bytes = num_tokens * bytes_per_token(num_layers, hidden_size, dtype, final_state)
     return 8 + HEADER_ALLOWANCE_BYTES + 2 * metadata_nbytes + tensor_bytes
 
 
-def min_sample_nbytes(num_tokens: int, num_layers: int, hidden_size: int, dtype: str = "bf16") -> int:
+def min_sample_nbytes(
+    num_tokens: int, num_layers: int, hidden_size: int, dtype: str = "bf16", final_state: bool = False
+) -> int:
     """Lower bound on an object's size: its tensors and the header's length field."""
-    return 8 + num_tokens * bytes_per_token(num_layers, hidden_size, dtype)
+    return 8 + num_tokens * bytes_per_token(num_layers, hidden_size, dtype, final_state)
 
 
-def estimate_num_tokens(object_nbytes: int, num_layers: int, hidden_size: int, dtype: str = "bf16") -> int:
+def estimate_num_tokens(
+    object_nbytes: int, num_layers: int, hidden_size: int, dtype: str = "bf16", final_state: bool = False
+) -> int:
     """Tokens of an object of this size: near enough to bucket samples by length (headers are ~500 B)."""
-    return max(1, round((object_nbytes - 512) / bytes_per_token(num_layers, hidden_size, dtype)))
+    return max(1, round((object_nbytes - 512) / bytes_per_token(num_layers, hidden_size, dtype, final_state)))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.extraction.capture import HiddenStateCapture, final_hidden_state
 from dflash_assets.settings import MAX_TOKENS_PER_BATCH
 from dflash_assets.target.devices import current_device
 from dflash_assets.target.layer_ids import resolve_target_layer_ids
@@ -37,8 +37,10 @@ def _batch(input_ids: torch.Tensor) -> str:
 class LeaderCapture(HiddenStateCapture):
     """Rank 0's capture: each batch goes to the other ranks first, then through this rank's shard."""
 
-    def __init__(self, model: torch.nn.Module, target_layer_ids: list[int], group: Any) -> None:
-        super().__init__(model, target_layer_ids)
+    def __init__(
+        self, model: torch.nn.Module, target_layer_ids: list[int], group: Any, *, final_state: bool = False
+    ) -> None:
+        super().__init__(model, target_layer_ids, final_state=final_state)
         self.group = group
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -57,14 +59,17 @@ class FollowerForward:
     captured layer's output made whole as rank 0 makes it (a plan that leaves it sharded gathers it, a
     collective rank 0 joins too), and nothing kept."""
 
-    def __init__(self, model: torch.nn.Module, target_layer_ids: list[int]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, target_layer_ids: list[int], *, final_state: bool = False
+    ) -> None:
         self.base_model, self.layers = find_decoder(model)
         self.target_layer_ids = resolve_target_layer_ids(
             {"num_hidden_layers": len(self.layers)}, list(target_layer_ids)
         )
+        self.final_state = final_state  # then the forward runs to the final norm, as rank 0's does
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        last = self.target_layer_ids[-1]
+        last = None if self.final_state else self.target_layer_ids[-1]
 
         def make_hook(layer_id: int):
             def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -78,9 +83,11 @@ class FollowerForward:
         device = next(self.base_model.parameters()).device
         try:
             with current_device(device), torch.inference_mode():
-                self.base_model(
+                output = self.base_model(
                     input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
                 )
+                if self.final_state:
+                    full_tensor(final_hidden_state(output))
         except _StopForward:
             pass
         finally:
@@ -108,7 +115,7 @@ def lead(job: TargetRankJob) -> Any:
         with Uploader(store, **work["upload"]) as uploader:
             result = extract_range(
                 model=model,
-                capture=LeaderCapture(model, layer_ids, group),
+                capture=LeaderCapture(model, layer_ids, group, final_state=bool(work.get("final_state"))),
                 target_model_name=work["target_model_name"],
                 samples=samples,
                 target_layer_ids=layer_ids,
@@ -125,6 +132,7 @@ def lead(job: TargetRankJob) -> Any:
                 on_progress=progress,
                 hidden_state_dtype=work["hidden_state_dtype"],
                 source=work["source"],
+                final_state=bool(work.get("final_state")),
             )
         return {
             "objects": result.objects,
@@ -146,7 +154,7 @@ def handlers(job: TargetRankJob):
     layer_ids = [int(i) for i in job.work["target_layer_ids"]]
 
     def make(model: torch.nn.Module) -> dict[str, Any]:
-        forward = FollowerForward(model, layer_ids)
+        forward = FollowerForward(model, layer_ids, final_state=bool(job.work.get("final_state")))
         rank, size = int(os.environ["RANK"]), job.tp
         device = next(model.parameters()).device
 

@@ -65,6 +65,7 @@ class RangeInStore:
         self.hidden_size = capture.hidden_size
         self.metadata_nbytes = len(target_model_name.encode())
         self.hidden_state_dtype: str = fingerprint["hidden_state_dtype"]  # bf16 or fp8, the whole range
+        self.final_state = capture.final_state  # the target's final state beside the layers
         self.warn = warn
 
     def reconcile_fingerprint(self) -> dict[str, int]:
@@ -105,8 +106,9 @@ class RangeInStore:
     def _size_bounds(self, num_tokens: int) -> tuple[int, int]:
         """Sizes a complete object of this sample can have, in the range's stored dtype."""
         shape = (num_tokens, self.num_layers, self.hidden_size)
-        low = min_sample_nbytes(*shape, self.hidden_state_dtype)
-        return low, estimate_sample_nbytes(*shape, self.metadata_nbytes, self.hidden_state_dtype)
+        low = min_sample_nbytes(*shape, self.hidden_state_dtype, self.final_state)
+        high = estimate_sample_nbytes(*shape, self.metadata_nbytes, self.hidden_state_dtype, self.final_state)
+        return low, high
 
     def verify_store(self, uploaded_sizes: dict[str, int], dropped: dict[int, str]) -> dict[str, int]:
         self.store.sync(self.base)  # before the manifest can be written: every object's name is durable

@@ -3,9 +3,12 @@
 Tensors: `input_ids` int32 [T], `loss_mask` uint8 [T], `hidden_states` [T, K, H] where `[:, j]` is the
 raw output of decoder layer `target_layer_ids[j]`: bfloat16, or (`DFLASH_HIDDEN_STATE_DTYPE=fp8`)
 float8_e4m3fn beside `hidden_states_scale` float32 [T, K], one scale per (token, layer), so the states
-are `hidden_states.float() * hidden_states_scale[..., None]` (see `fp8.py`). Metadata (str -> str)
-carries `format`, `sample_index`, `target_layer_ids` (JSON), `target_model`, `hidden_size`,
-`num_tokens` and `hidden_state_dtype` (`bf16`/`fp8`). The byte layout itself is in `object_size.py`.
+are `hidden_states.float() * hidden_states_scale[..., None]` (see `fp8.py`); and, unless
+`DFLASH_CAPTURE_FINAL_STATE=0`, `final_hidden_states` [T, H], the target's last hidden state after its
+final norm (what its LM head reads), in the same dtype (fp8: with `final_hidden_states_scale` [T]).
+Metadata (str -> str) carries `format`, `sample_index`, `target_layer_ids` (JSON), `target_model`,
+`hidden_size`, `num_tokens`, `hidden_state_dtype` (`bf16`/`fp8`) and `final_hidden_states` (`1`/`0`;
+objects made before it lack the key). The byte layout itself is in `object_size.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from safetensors.torch import load as load_safetensors_bytes
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.extraction.fp8 import EncodedStates, encode_states
 from dflash_assets.extraction.object_size import (
+    FINAL_SCALE_TENSOR,
+    FINAL_STATE_KEY,
+    FINAL_TENSOR,
     READABLE_FORMATS,
     RESERVED_METADATA_KEYS,
     SAMPLE_FORMAT,
@@ -82,10 +88,16 @@ class HiddenStateSample:
     hidden_size: int
     metadata: dict[str, str] = field(repr=False)
     hidden_states_scale: torch.Tensor | None = None  # float32 [T, K] for fp8 objects, else None
+    final_hidden_states: torch.Tensor | None = None  # [T, H] as stored, when the object holds it
+    final_hidden_states_scale: torch.Tensor | None = None  # float32 [T] for fp8 objects that hold it
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def has_final_state(self) -> bool:
+        return self.final_hidden_states is not None
 
     @property
     def hidden_state_dtype(self) -> str:
@@ -98,6 +110,12 @@ class HiddenStateSample:
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The hidden states as `dtype` [T, K, H] (fp8 values times their scales)."""
         return self.states.dequantize(dtype)
+
+    def final_dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The final hidden state as `dtype` [T, H]; a `ValueError` when the object has none."""
+        if self.final_hidden_states is None:
+            raise ValueError(f"sample {self.sample_index} holds no final hidden state")
+        return EncodedStates(self.final_hidden_states, self.final_hidden_states_scale).dequantize(dtype)
 
 
 def sample_object_name(index: int) -> str:
@@ -112,7 +130,7 @@ def parse_sample_object_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _check_finite(sample_index: int, states: EncodedStates, target_layer_ids: Sequence[int]) -> None:
+def _check_finite(sample_index: int, states: EncodedStates, target_layer_ids: Sequence[int | str]) -> None:
     finite = torch.isfinite(states.values if states.scale is None else states.dequantize(torch.float32))
     if bool(finite.all()):
         return
@@ -139,12 +157,15 @@ def write_sample(
     check_finite: bool = True,
     durable: bool = True,
     hidden_state_dtype: str = "bf16",
+    final_state: bool = False,
 ) -> int:
     """Write one sample atomically (temp name in the same directory, then rename); returns its size.
 
     `hidden_states` is a float tensor [T, K, H], stored as `hidden_state_dtype` (`bf16` or `fp8`,
     quantised here on the host), or states already encoded (`EncodedStates`: extraction quantises on
-    the device), stored as they are.
+    the device), stored as they are. With `final_state` it has K + 1 slots, the last the target's final
+    hidden state, stored as `final_hidden_states` beside the K layers: both written from the one buffer a
+    token's row at a time, without copying the states.
 
     A reader never sees a half-written file under the final name, so "the file exists" means "done".
     `check_finite=False` is for callers that already checked the values where they were computed
@@ -162,7 +183,8 @@ def write_sample(
         raise ValueError(
             f"sample {sample_index}: hidden_states must be [T, K, H], got shape {tuple(encoded.values.shape)}"
         )
-    num_tokens, num_layers, hidden_size = encoded.values.shape
+    num_tokens, num_slots, hidden_size = encoded.values.shape
+    num_layers = num_slots - int(final_state)
     ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64).reshape(-1), dtype="<i4")
     mask = np.asarray(loss_mask).reshape(-1)
     if ids.shape[0] != num_tokens or mask.shape[0] != num_tokens:
@@ -171,8 +193,9 @@ def write_sample(
             f"but hidden states for {num_tokens} tokens"
         )
     if num_layers != len(target_layer_ids):
+        final = " (the final state last)" if final_state else ""
         raise ValueError(
-            f"sample {sample_index}: hidden states hold {num_layers} layers but target_layer_ids "
+            f"sample {sample_index}: hidden states hold {num_slots} layers{final} but target_layer_ids "
             f"names {len(target_layer_ids)}: {list(target_layer_ids)}"
         )
     if mask.size and not bool(((mask == 0) | (mask == 1)).all()):
@@ -191,13 +214,13 @@ def write_sample(
         if encoded.scale is not None
         else None,
     )
-    if states.scale is not None and tuple(states.scale.shape) != (num_tokens, num_layers):
+    if states.scale is not None and tuple(states.scale.shape) != (num_tokens, num_slots):
         raise ValueError(
             f"sample {sample_index}: fp8 hidden states need one scale per (token, layer), shape "
-            f"{(num_tokens, num_layers)}, got {tuple(states.scale.shape)}"
+            f"{(num_tokens, num_slots)}, got {tuple(states.scale.shape)}"
         )
     if check_finite:
-        _check_finite(sample_index, states, target_layer_ids)
+        _check_finite(sample_index, states, [*target_layer_ids, *(["final"] if final_state else [])])
 
     metadata = sample_metadata(
         sample_index=sample_index,
@@ -207,14 +230,23 @@ def write_sample(
         hidden_size=hidden_size,
         dtype=states.dtype,
         extra_metadata=extra,
+        final_state=final_state,
     )
-    data = {
-        "input_ids": memoryview(ids).cast("B"),
-        SCALE_TENSOR: _bytes_of(states.scale) if states.scale is not None else None,
-        "hidden_states": _bytes_of(states.values),
-        "loss_mask": memoryview(np.ascontiguousarray(mask, dtype=np.uint8)).cast("B"),
+    data: dict[str, list[memoryview]] = {
+        "input_ids": [memoryview(ids).cast("B")],
+        "loss_mask": [memoryview(np.ascontiguousarray(mask, dtype=np.uint8)).cast("B")],
     }
-    specs = tensor_specs(num_tokens, num_layers, hidden_size, states.dtype)
+    if final_state:  # each token's K layers, then each token's final state: row views of the one buffer
+        data["hidden_states"] = [_bytes_of(row) for row in states.values[:, :num_layers]]
+        data[FINAL_TENSOR] = [_bytes_of(row) for row in states.values[:, num_layers]]
+        if states.scale is not None:
+            data[SCALE_TENSOR] = [_bytes_of(states.scale[:, :num_layers].contiguous())]
+            data[FINAL_SCALE_TENSOR] = [_bytes_of(states.scale[:, num_layers].contiguous())]
+    else:
+        data["hidden_states"] = [_bytes_of(states.values)]
+        if states.scale is not None:
+            data[SCALE_TENSOR] = [_bytes_of(states.scale)]
+    specs = tensor_specs(num_tokens, num_layers, hidden_size, states.dtype, final_state)
     buffers = [data[name] for name, _, _, _ in specs]
 
     temp = path.with_name(f".{path.name}{_TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -239,11 +271,18 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying them (pinned memory included)."""
     if tensor.numel() == 0:
         return memoryview(b"")
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"a tensor of shape {tuple(tensor.shape)} is not contiguous: its bytes would be copied"
+        )
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _safetensors_buffers(specs: list, buffers: list[memoryview], metadata: dict) -> list[bytes | memoryview]:
-    """The safetensors layout as a list of buffers, so the bytes are deterministic and never copied.
+def _safetensors_buffers(
+    specs: list, buffers: list[list[memoryview]], metadata: dict
+) -> list[bytes | memoryview]:
+    """The safetensors layout as a list of buffers, so the bytes are deterministic and never copied: each
+    tensor is one buffer, or its rows in order where it is not contiguous in memory.
 
     The header is `storage.safetensors_layout`'s (sorted keys: `safetensors.torch.save_file` orders them
     at random, so the same sample would give different bytes on every run)."""
@@ -251,10 +290,15 @@ def _safetensors_buffers(specs: list, buffers: list[memoryview], metadata: dict)
         raise RuntimeError(
             "safetensors files are little-endian; this writer only runs on little-endian hosts"
         )
-    for (name, _, _, nbytes), data in zip(specs, buffers, strict=True):
-        if data.nbytes != nbytes:
-            raise ValueError(f"tensor {name} has {data.nbytes} bytes, its header entry says {nbytes}")
-    return [safetensors_header(specs, metadata), *(data for data in buffers if data.nbytes)]
+    for (name, _, _, nbytes), parts in zip(specs, buffers, strict=True):
+        if sum(part.nbytes for part in parts) != nbytes:
+            raise ValueError(
+                f"tensor {name} has {sum(p.nbytes for p in parts)} bytes, its header entry says {nbytes}"
+            )
+    return [
+        safetensors_header(specs, metadata),
+        *(part for parts in buffers for part in parts if part.nbytes),
+    ]
 
 
 # Linux caps one writev at IOV_MAX buffers and just under 2 GiB; larger samples take several calls.
@@ -388,7 +432,11 @@ def sample_from_tensors(
     """The sample an object's tensors and (checked) metadata make; a tensor the format requires and the
     object lacks is a `CorruptSampleError` naming it."""
     fp8 = metadata.get("hidden_state_dtype") == "fp8"
-    for key in ("input_ids", "loss_mask", "hidden_states", *([SCALE_TENSOR] if fp8 else [])):
+    final = metadata.get(FINAL_STATE_KEY) == "1"
+    required = ["input_ids", "loss_mask", "hidden_states", *([SCALE_TENSOR] if fp8 else [])]
+    if final:
+        required += [FINAL_TENSOR, *([FINAL_SCALE_TENSOR] if fp8 else [])]
+    for key in required:
         if key not in tensors:
             raise CorruptSampleError(f"{where}: tensor {key!r} is missing")
     return HiddenStateSample(
@@ -401,6 +449,8 @@ def sample_from_tensors(
         hidden_size=int(metadata["hidden_size"]),
         metadata=metadata,
         hidden_states_scale=tensors.get(SCALE_TENSOR) if fp8 else None,
+        final_hidden_states=tensors.get(FINAL_TENSOR) if final else None,
+        final_hidden_states_scale=tensors.get(FINAL_SCALE_TENSOR) if final and fp8 else None,
     )
 
 
@@ -422,6 +472,8 @@ def staged_file_problem(
         "hidden_size": int(metadata.get("hidden_size", -1)),
         "hidden_state_dtype": metadata.get("hidden_state_dtype", "bf16"),
     }
+    if metadata.get(FINAL_STATE_KEY) == "1":
+        made_by[FINAL_STATE_KEY] = True
     if made_by != fingerprint:
         return f"made by {made_by}"
     try:
@@ -434,6 +486,11 @@ def staged_file_problem(
                 if metadata.get("hidden_state_dtype") == "fp8"
                 else None
             )
+            final_shape = (
+                list(handle.get_slice(FINAL_TENSOR).get_shape())
+                if metadata.get(FINAL_STATE_KEY) == "1"
+                else None
+            )
     except Exception as error:  # safetensors raises its own error types for damaged files
         return f"unreadable ({error})"
     if input_ids != list(sample.input_ids) or loss_mask != list(sample.loss_mask):
@@ -442,4 +499,6 @@ def staged_file_problem(
         return f"hidden_states shape {shape}"
     if scale_shape is not None and scale_shape != [sample.num_tokens, num_layers]:
         return f"{SCALE_TENSOR} shape {scale_shape}"
+    if final_shape is not None and final_shape != [sample.num_tokens, hidden_size]:
+        return f"{FINAL_TENSOR} shape {final_shape}"
     return None

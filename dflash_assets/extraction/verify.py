@@ -1,7 +1,7 @@
 """Verification of a committed hidden-state partition: complete, every object in the store with the size
 and checksum its manifest recorded (compared without downloading anything), and a sample of them
 decodable, finite, and stored in the dtype the range was extracted in (bf16, or fp8 with its
-per-token-and-layer scales)."""
+per-token-and-layer scales), with the target's final state where the range says it has it."""
 
 from __future__ import annotations
 
@@ -97,6 +97,7 @@ def verify_hidden_state_partition(
             listed_index=parse_sample_object_name(name),
             target_layer_ids=target_layer_ids,
             hidden_state_dtype=expected_dtype,
+            final_state=manifest.get("final_hidden_states"),
         )
         if problem:
             report.problems.append(f"{name}: {problem}")
@@ -112,7 +113,10 @@ def _decode_problem(
     listed_index: int | None,
     target_layer_ids: list[int],
     hidden_state_dtype: str | None,
+    final_state: bool | None = None,
 ) -> str | None:
+    """What is wrong with one object, or None. `final_state`: whether the range's manifest says its objects
+    hold the target's final state (None: a range committed before it was recorded)."""
     try:
         sample = read_sample(store.get_bytes(key))
     except Exception as error:  # any decode failure is a finding, not a crash of the check
@@ -137,6 +141,18 @@ def _decode_problem(
             return "hidden_states_scale holds a zero, negative or NaN scale"
     if not bool(torch.isfinite(sample.dequantized()).all()):
         return "hidden_states contain non-finite values"
+    if final_state is not None and sample.has_final_state != bool(final_state):
+        held = "holds" if sample.has_final_state else "lacks"
+        return (
+            f"{held} final_hidden_states, where the range's manifest says final_hidden_states={final_state}"
+        )
+    if sample.has_final_state:
+        final = sample.final_hidden_states
+        if tuple(final.shape) != (tokens, hidden.shape[2]) or final.dtype != expected_dtype:
+            expected = f"[{tokens}, H] {expected_dtype}"
+            return f"final_hidden_states {tuple(final.shape)} {final.dtype}, expected {expected}"
+        if not bool(torch.isfinite(sample.final_dequantized()).all()):
+            return "final_hidden_states contain non-finite values"
     if sample.sample_index != listed_index:
         return f"metadata sample_index {sample.sample_index} != name index {listed_index}"
     if list(sample.target_layer_ids) != list(target_layer_ids):

@@ -201,7 +201,7 @@ class SampleWrites:
         self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="hs-writer")
 
     def submit(self, items: Sequence[tuple[TokenizedSample, EncodedStates]]) -> None:
-        """Write `(sample, states [T, K, H] on the host, as stored)` pairs, in chunks of up to `_CHUNK_BYTES`.
+        """Write `(sample, states [T, K(+1), H] on the host, as stored)` pairs, in chunks of `_CHUNK_BYTES`.
 
         A chunk starts as soon as the next sample's space cannot be reserved: its own reservations may
         be what fills the budget, and only its written, uploaded files can free it."""
@@ -216,6 +216,7 @@ class SampleWrites:
                     self.partition.hidden_size,
                     self.partition.metadata_nbytes,
                     self.partition.hidden_state_dtype,
+                    self.partition.final_state,
                 )
                 if not self.uploader.try_reserve(nbytes):
                     if chunk:
@@ -256,6 +257,7 @@ class SampleWrites:
                     target_layer_ids=self.target_layer_ids,
                     target_model=self.target_model,
                     check_finite=False,  # the whole batch was checked on the device
+                    final_state=self.partition.final_state,  # the last slot of `hidden`
                     durable=self.staging.files_need_fsync,  # staging.py: the store holds the durable copy
                 )
             except BaseException:

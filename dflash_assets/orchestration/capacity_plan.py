@@ -100,7 +100,10 @@ def build_plan(
                 "distribution scaled to that mean)",
             )
     model_dir, layer_ids = target_model.model_dir(), target_model.layer_ids()
-    facts = target_facts(model_dir, target_model.name, layer_ids, workload.lengths, settings.cache_dir())
+    final_state = settings.CAPTURE_FINAL_STATE.get_bool()
+    facts = target_facts(
+        model_dir, target_model.name, layer_ids, workload.lengths, settings.cache_dir(), final_state
+    )
     measured = load_gpu_result(gpu_result or gpu_result_path(settings.cache_dir()))
     configured = settings.devices()
     profile = device_profile(
@@ -256,6 +259,7 @@ def planned_object_bytes(
         except Exception as error:  # a config-only target has no tokenizer; an absent dataset no rows
             mean = SEED_MEAN_TOKENS
             how = f"the seeds' mean length: the dataset's could not be read ({type(error).__name__})"
+    final_state = settings.CAPTURE_FINAL_STATE.get_bool()
     size = sample_object_nbytes(
         sample_index=0,
         num_tokens=mean,
@@ -263,12 +267,10 @@ def planned_object_bytes(
         target_model=target_model.name,
         hidden_size=hidden,
         dtype=dtype,
+        final_state=final_state,
     )
-    return (
-        size,
-        mean,
-        (f"{target_model.name}: {len(layer_ids)} layers × {hidden:,} in {dtype} × {mean:,} tokens ({how})"),
-    )
+    layers = f"{len(layer_ids)} layers{' and the final state' if final_state else ''}"
+    return size, mean, f"{target_model.name}: {layers} × {hidden:,} in {dtype} × {mean:,} tokens ({how})"
 
 
 def planned_drafter(target_model: TargetModelResource):
@@ -421,6 +423,7 @@ def format_plan(plan) -> str:
             f"{f['target']['hidden_size']:,}",
         ),
         ("drafter", f["drafter"]["summary"]),
+        ("final state", _final_state_row(f)),
         (
             "bytes per token",
             f"{f['bytes_per_token']:,} in {dtype} ({f['bytes_per_token_by_dtype'][other]:,} in {other})",
@@ -475,6 +478,23 @@ def format_plan(plan) -> str:
     lines += [f"note: {note}" for note in estimate["notes"]]
     lines += [f"WARNING: {warning}" for warning in plan.warnings]
     return "\n".join(lines)
+
+
+def _final_state_row(figures: dict[str, Any]) -> str:
+    """What storing the target's final state costs: bytes a token and layers of forward."""
+    final = figures["final_state"]
+    if not final["stored"]:
+        return (
+            f"not stored ({settings.CAPTURE_FINAL_STATE.name}=0): the forward stops after layer "
+            f"{final['forward_layers'] - 1}; distillation ({settings.DISTILL_WEIGHT.name}) cannot train "
+            "offline"
+        )
+    added, total = final["bytes_per_token"], figures["bytes_per_token"]
+    return (
+        f"stored beside the layers: +{added:,} bytes a token (+{added / max(1, total - added):.0%}), and the "
+        f"forward runs all {final['forward_layers']} layers instead of {final['forward_layers_without']} "
+        f"({settings.CAPTURE_FINAL_STATE.name}=0 leaves it out)"
+    )
 
 
 def target_split_rows(split: dict[str, Any] | None) -> list[tuple[str, str]]:

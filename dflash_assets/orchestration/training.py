@@ -68,6 +68,10 @@ class TrainConfig(Config):
         default=None, description="Position weights: `dpace` or `decay` (DFLASH_DRAFTER_LOSS)."
     )
     dpace_alpha: float | None = Field(default=None, description="D-PACE's smoothing (DFLASH_DPACE_ALPHA).")
+    distill_weight: float | None = Field(
+        default=None,
+        description="Weight of distillation from the target's distribution, 0..1 (DFLASH_DISTILL_WEIGHT).",
+    )
     block_size: int | None = Field(default=None, description="Drafter block size (DFLASH_BLOCK_SIZE).")
     drafter_init: str | None = Field(
         default=None,
@@ -119,6 +123,7 @@ class TrainConfig(Config):
             "micro_batch_bytes": int(self.micro_batch_gib * 2**30) if self.micro_batch_gib else None,
             "loss": chosen(self.loss, settings.DRAFTER_LOSS.get),
             "dpace_alpha": chosen(self.dpace_alpha, settings.DPACE_ALPHA.get_float),
+            "distill_weight": chosen(self.distill_weight, settings.DISTILL_WEIGHT.get_float),
             "block_size": self.block(),
             "drafter_init": chosen(self.drafter_init, settings.DRAFTER_INIT.get),
         }
@@ -276,6 +281,8 @@ def training_job(
         from dflash_assets.drafter.published import check_initial_drafter
 
         check_initial_drafter(drafter_config, train_settings.drafter_init)
+    if train_settings.distill_weight > 0 and train_settings.mode == "offline":
+        check_final_states(hidden_states, train_settings.distill_weight)
     log(
         f"mask token {drafter_config.mask_token_id}: {drafter_config.extra['mask_token_source']}; "
         f"drafter {config_summary(drafter_config)}"
@@ -305,6 +312,21 @@ def training_job(
         s3=store.s3_settings_fields(),
         upload=store.uploader_fields(),
     )
+
+
+def check_final_states(hidden_states: list[StoredPartition], weight: float) -> None:
+    """Distillation reads the target's final state from every object: a range captured without it (before
+    it was captured, or with `DFLASH_CAPTURE_FINAL_STATE=0`) is named here, before any rank starts."""
+    lacking = [
+        p.prefix.rsplit("/", 1)[-1] for p in hidden_states if not p.manifest.get("final_hidden_states")
+    ]
+    if lacking:
+        ranges = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+        raise settings.SettingError(
+            f"{settings.DISTILL_WEIGHT.name}={weight:g} reads the target's final hidden state, which "
+            f"hidden-state range {ranges} does not hold: materialise hidden_state_partitions for it again "
+            f"with {settings.CAPTURE_FINAL_STATE.name}=1, or train with {settings.DISTILL_WEIGHT.name}=0"
+        )
 
 
 def run_training(

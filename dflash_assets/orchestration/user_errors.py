@@ -180,9 +180,19 @@ def _git_url(value: str) -> None:
         )
 
 
-def _dpace_alpha(value: str) -> None:
-    if not 0.0 <= settings.DPACE_ALPHA.get_float() <= 1.0:
-        raise SettingError(f"{settings.DPACE_ALPHA.name}={value!r} must be between 0 and 1")
+def _between_0_and_1(setting: Setting) -> Callable[[str], None]:
+    def check(value: str) -> None:
+        if not 0.0 <= setting.get_float() <= 1.0:
+            raise SettingError(f"{setting.name}={value!r} must be between 0 and 1")
+
+    return check
+
+
+def _flag(setting: Setting) -> Callable[[str], None]:
+    def check(value: str) -> None:
+        setting.get_bool()
+
+    return check
 
 
 def _special() -> dict[Setting, Callable[[str], None]]:
@@ -200,7 +210,9 @@ def _special() -> dict[Setting, Callable[[str], None]]:
         settings.RUN_NAME: _run_name,
         settings.TRAIN_NPROC_PER_NODE: _ranks_per_node,
         settings.GIT_URL: _git_url,
-        settings.DPACE_ALPHA: _dpace_alpha,
+        settings.DPACE_ALPHA: _between_0_and_1(settings.DPACE_ALPHA),
+        settings.DISTILL_WEIGHT: _between_0_and_1(settings.DISTILL_WEIGHT),
+        settings.CAPTURE_FINAL_STATE: _flag(settings.CAPTURE_FINAL_STATE),
         settings.DRAFTER_INIT: _local_directory(settings.DRAFTER_INIT),
     }
 

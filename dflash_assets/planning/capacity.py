@@ -59,8 +59,10 @@ class TargetFacts:
     layer_ids: list[int]
     hidden_size: int
     model_type: str
-    flops_per_token: float  # model FLOPs per real token of a forward through the last captured layer
+    flops_per_token: float  # model FLOPs per real token of a forward through the last layer it needs
     weight_bytes_bf16: int
+    final_state: bool = False  # objects hold the final state too: one more layer's bytes, every layer run
+    num_layers: int = 0  # the target's decoder layers (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,13 @@ class CapacityPlan:
 
 @functools.lru_cache(maxsize=65536)
 def _header_bytes(
-    index_digits: int, num_tokens: int, layers: tuple[int, ...], hidden: int, name: str, dtype: str
+    index_digits: int,
+    num_tokens: int,
+    layers: tuple[int, ...],
+    hidden: int,
+    name: str,
+    dtype: str,
+    final_state: bool = False,
 ):
     """Header bytes of an object: they depend on the index only through its digit count."""
     index = 10 ** (index_digits - 1) if index_digits > 1 else 0
@@ -116,19 +124,27 @@ def _header_bytes(
         target_model=name,
         hidden_size=hidden,
         dtype=dtype,
+        final_state=final_state,
     )
-    return size - num_tokens * bytes_per_token(len(layers), hidden, dtype)
+    return size - num_tokens * bytes_per_token(len(layers), hidden, dtype, final_state)
+
+
+def target_bytes_per_token(target: TargetFacts, dtype: str) -> int:
+    """Stored bytes per token of the target's objects in `dtype`, the final state included when stored."""
+    return bytes_per_token(len(target.layer_ids), target.hidden_size, dtype, target.final_state)
 
 
 def range_object_bytes(workload: RangeWorkload, target: TargetFacts, dtype: str) -> float:
     """The range's objects in the store: exact per sample where lengths are known, else its sample count
     times a representative header plus its tokens times the bytes per token."""
-    layers, per_token = (
-        tuple(target.layer_ids),
-        bytes_per_token(len(target.layer_ids), target.hidden_size, dtype),
-    )
+    layers, per_token = tuple(target.layer_ids), target_bytes_per_token(target, dtype)
     header = functools.partial(
-        _header_bytes, layers=layers, hidden=target.hidden_size, name=target.name, dtype=dtype
+        _header_bytes,
+        layers=layers,
+        hidden=target.hidden_size,
+        name=target.name,
+        dtype=dtype,
+        final_state=target.final_state,
     )
     if workload.lengths is not None and workload.sample_indices is not None:
         return sum(
@@ -152,7 +168,8 @@ def staging_bytes_needed(lengths: list[int], target: TargetFacts, settings: Plan
     batches = plan_batches(lengths, settings.max_tokens_per_batch, settings.max_batch_size)
     name_bytes = len(target.name.encode())
     shape = (len(target.layer_ids), target.hidden_size)
-    reserve = [estimate_sample_nbytes(n, *shape, name_bytes, settings.hidden_state_dtype) for n in lengths]
+    dtype = settings.hidden_state_dtype
+    reserve = [estimate_sample_nbytes(n, *shape, name_bytes, dtype, target.final_state) for n in lengths]
     return max(sum(reserve[i] for i in batch) for batch in batches)
 
 
@@ -328,8 +345,15 @@ def plan_capacity(
         },
         "target": {"name": target.name, "layer_ids": target.layer_ids, "hidden_size": hidden},
         "hidden_state_dtype": dtype,
-        "bytes_per_token": bytes_per_token(layers, hidden, dtype),
-        "bytes_per_token_by_dtype": {d: bytes_per_token(layers, hidden, d) for d in HIDDEN_STATE_DTYPES},
+        "bytes_per_token": target_bytes_per_token(target, dtype),
+        "bytes_per_token_by_dtype": {d: target_bytes_per_token(target, d) for d in HIDDEN_STATE_DTYPES},
+        "final_state": {
+            "stored": target.final_state,
+            # What the final state adds: one more layer's bytes a token, and the layers after the last tap.
+            "bytes_per_token": target_bytes_per_token(target, dtype) - bytes_per_token(layers, hidden, dtype),
+            "forward_layers": target.num_layers if target.final_state else max(target.layer_ids) + 1,
+            "forward_layers_without": max(target.layer_ids) + 1,
+        },
         "hidden_state_bytes": bytes_now,
         "hidden_state_bytes_by_dtype": total_by_dtype,
         "objects": round(samples),

@@ -15,19 +15,26 @@ FLOPS_LENGTHS = 20_000  # sample lengths the attention term is averaged over
 
 
 def target_facts(
-    model_dir: Path, name: str, layer_ids: Sequence[int], lengths: Sequence[int], cache_dir: Path
+    model_dir: Path,
+    name: str,
+    layer_ids: Sequence[int],
+    lengths: Sequence[int],
+    cache_dir: Path,
+    final_state: bool = False,
 ) -> TargetFacts:
-    """FLOPs per token of a forward through the last captured layer, counted on the target built on the
-    meta device (exact for any architecture transformers builds; kept in `cache_dir`); from its
-    parameter count when it cannot be built (2 FLOPs per weight of the layers run)."""
+    """FLOPs per token of a forward through the last captured layer (every layer with `final_state`: the
+    final state is after the last), counted on the target built on the meta device (exact for any
+    architecture transformers builds; kept in `cache_dir`); from its parameter count when it cannot be
+    built (2 FLOPs per weight of the layers run)."""
     config = target_config(model_dir)
     parameters = parameter_count(model_dir)
     sample = list(lengths)[:: max(1, len(lengths) // FLOPS_LENGTHS)] or [1]
+    last = num_decoder_layers(config) - 1 if final_state else max(layer_ids)
     try:
         shape = target_forward_shape(model_dir, cache_dir)
-        flops_per_token = shape.flops(sample, max(layer_ids), lm_head=False) / sum(sample)
+        flops_per_token = shape.flops(sample, last, lm_head=False) / sum(sample)
     except Exception:  # an architecture transformers cannot build here: the parameter count will do
-        share = (max(layer_ids) + 1) / num_decoder_layers(config)
+        share = (last + 1) / num_decoder_layers(config)
         flops_per_token = 2.0 * parameters * share
     return TargetFacts(
         model_dir=Path(model_dir),
@@ -37,6 +44,8 @@ def target_facts(
         model_type=str(config.get("model_type", "")),
         flops_per_token=flops_per_token,
         weight_bytes_bf16=2 * parameters,
+        final_state=final_state,
+        num_layers=num_decoder_layers(config),
     )
 
 

@@ -80,19 +80,31 @@ class OnlineData:
 
 
 def collate_hidden_state_samples(
-    samples: Sequence[HiddenStateSample], max_length: int, *, pin_memory: bool = False
+    samples: Sequence[HiddenStateSample],
+    max_length: int,
+    *,
+    pin_memory: bool = False,
+    final_state: bool = False,
 ) -> DrafterBatch:
     """Right-pad stored samples (truncated to `max_length`) into one batch, in their stored dtype: fp8
     samples stay fp8 with their scales, dequantised on the training device (`context_states`). A batch
     mixing bf16 and fp8 ranges (a dtype changed between ranges) is collated in bf16. `pin_memory` puts
-    the hidden states in page-locked memory, which a CUDA device copies from fastest."""
+    the hidden states in page-locked memory, which a CUDA device copies from fastest. `final_state` adds
+    each sample's final hidden state as one more slot after its layers (distillation reads it)."""
+    if final_state:
+        lacking = [sample.sample_index for sample in samples if not sample.has_final_state]
+        if lacking:
+            raise ValueError(
+                f"samples {lacking} hold no final hidden state, which distillation (DFLASH_DISTILL_WEIGHT) "
+                "reads: capture their ranges again with DFLASH_CAPTURE_FINAL_STATE=1"
+            )
     lengths = [min(sample.num_tokens, max_length) for sample in samples]
     input_ids, attention_mask = pad_batch(
         [s.input_ids[:n].tolist() for s, n in zip(samples, lengths, strict=True)], 0
     )
     fp8 = all(sample.hidden_state_dtype == "fp8" for sample in samples)
-    first = samples[0].hidden_states
-    shape = (len(samples), input_ids.shape[1], *first.shape[1:])
+    layers, hidden = samples[0].hidden_states.shape[1:]
+    shape = (len(samples), input_ids.shape[1], layers + int(final_state), hidden)
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     # Each row written once: its sample's states, then zeros on its padding (no zero-fill before the copy:
     # at ~100 MB a sample, memory passes are what collation costs).
@@ -101,13 +113,20 @@ def collate_hidden_state_samples(
     loss_mask = torch.zeros(input_ids.shape, dtype=torch.bool)
     for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
         if scale is not None:
-            hidden_states[row, :length] = sample.hidden_states[:length]
-            scale[row, :length] = sample.hidden_states_scale[:length]
+            hidden_states[row, :length, :layers] = sample.hidden_states[:length]
+            scale[row, :length, :layers] = sample.hidden_states_scale[:length]
+            if final_state:
+                hidden_states[row, :length, layers] = sample.final_hidden_states[:length]
+                scale[row, :length, layers] = sample.final_hidden_states_scale[:length]
             scale[row, length:] = 0
         elif sample.hidden_state_dtype == "fp8":
-            hidden_states[row, :length] = sample.dequantized(torch.bfloat16)[:length]
+            hidden_states[row, :length, :layers] = sample.dequantized(torch.bfloat16)[:length]
+            if final_state:
+                hidden_states[row, :length, layers] = sample.final_dequantized(torch.bfloat16)[:length]
         else:
-            hidden_states[row, :length] = sample.hidden_states[:length]
+            hidden_states[row, :length, :layers] = sample.hidden_states[:length]
+            if final_state:
+                hidden_states[row, :length, layers] = sample.final_hidden_states[:length]
         hidden_states[row, length:].view(torch.uint8).zero_()  # fp8 has no zero_ of its own
         loss_mask[row, :length] = sample.loss_mask[:length].bool()
     return DrafterBatch(
@@ -117,6 +136,7 @@ def collate_hidden_state_samples(
         lengths=torch.tensor(lengths, dtype=torch.long),
         sample_indices=[sample.sample_index for sample in samples],
         hidden_states_scale=scale,
+        final_state=final_state,
     )
 
 
@@ -135,7 +155,8 @@ def collate_tokenized_samples(
     input_ids, attention_mask = pad_batch([s.input_ids[:n] for s, n in zip(samples, lengths, strict=True)], 0)
     loss_mask, _ = pad_batch([s.loss_mask[:n] for s, n in zip(samples, lengths, strict=True)], 0)
     hidden_states = target_hidden_states(input_ids, attention_mask)
-    expected = (*input_ids.shape, config.num_context_layers, config.target_hidden_size)
+    final_state = bool(getattr(target_hidden_states, "final_state", False))  # a capture's last slot
+    expected = (*input_ids.shape, config.num_context_layers + int(final_state), config.target_hidden_size)
     if tuple(hidden_states.shape) != expected:
         raise ValueError(
             f"the target returned hidden states of shape {tuple(hidden_states.shape)} for samples "
@@ -149,6 +170,7 @@ def collate_tokenized_samples(
         hidden_states=hidden_states.to(torch.bfloat16).masked_fill(padding, 0),
         lengths=torch.tensor(lengths, dtype=torch.long),
         sample_indices=[s.sample_index for s in samples],
+        final_state=final_state,
     )
 
 
@@ -299,7 +321,12 @@ class OfflineSource:
         return self._collate_now(samples)
 
     def _collate_now(self, samples: Sequence[HiddenStateSample]) -> DrafterBatch:
-        return collate_hidden_state_samples(samples, self.settings.max_length, pin_memory=self.pin_memory)
+        return collate_hidden_state_samples(
+            samples,
+            self.settings.max_length,
+            pin_memory=self.pin_memory,
+            final_state=self.settings.distill_weight > 0,  # only what the objective reads crosses
+        )
 
 
 @dataclass

@@ -228,7 +228,9 @@ def online_data(
     samples = tokenized_samples(store, job.tokenized_partitions, node.read_cache_dir)
     replicas = replica_devices(node.target_devices or [node.device], job.target_span)
     layers = config.target_layer_ids
-    captures = replica_captures(node.target_model_dir, replicas, layers)
+    # Distilling reads the target's final state: the live target gives it beside the layers.
+    final_state = float(job.settings.get("distill_weight") or 0.0) > 0
+    captures = replica_captures(node.target_model_dir, replicas, layers, final_state=final_state)
     for capture, spans in zip(captures, replicas, strict=True):
         report_kernel_paths(capture.model, spans[0], log=log, warn=lambda m: log(f"WARNING: {m}"))
     if job.target_span > 1:
@@ -242,15 +244,20 @@ def online_data(
     return data, captures
 
 
-def replica_captures(model_dir: Path, replicas: list[list[str]], layer_ids: list[int]) -> list[Any]:
-    """A capture per replica. Only the first loads the target's LM head: the speculative evaluation's
-    verifier reads it (online, from the first replica); the others only capture, which never reads
-    logits, and at a 248 K vocabulary a head is 2.5 GB of a device in bf16."""
+def replica_captures(
+    model_dir: Path, replicas: list[list[str]], layer_ids: list[int], *, final_state: bool = False
+) -> list[Any]:
+    """A capture per replica (with `final_state`, the target's final hidden state as a last slot). Only
+    the first loads the target's LM head: the speculative evaluation's verifier reads it (online, from the
+    first replica); the others only capture, which never reads logits, and at a 248 K vocabulary a head is
+    2.5 GB of a device in bf16."""
     from dflash_assets.extraction.capture import HiddenStateCapture
     from dflash_assets.target.model import load_target_model
 
     return [
-        HiddenStateCapture(load_target_model(model_dir, spans, lm_head=index == 0), layer_ids)
+        HiddenStateCapture(
+            load_target_model(model_dir, spans, lm_head=index == 0), layer_ids, final_state=final_state
+        )
         for index, spans in enumerate(replicas)
     ]
 

@@ -44,6 +44,7 @@ class StepStats:
     expected_accepted_sum: float = 0.0  # sum over blocks of sum_j prod_{i<=j} q_i (D-PACE's target)
     selector_ce_sum: float = 0.0  # DFlash2's selector
     selector_recall: int = 0  # labels inside their slot's unary top-k
+    kl_sum: float = 0.0  # KL from the target's distribution (distillation)
 
     @classmethod
     def pack_local(
@@ -75,6 +76,7 @@ class StepStats:
                     output.expected_accepted_sum.double(),
                     output.selector_ce_sum.double(),
                     output.selector_recall.double(),
+                    output.kl_sum.double(),
                 ]
             )
             drafter += torch.cat([figures, output.correct.double()]).to(device)
@@ -128,15 +130,17 @@ class StepStats:
             expected_accepted_sum=head[5],
             selector_ce_sum=head[6],
             selector_recall=round(head[7]),
+            kl_sum=head[8],
         )
 
     @property
     def loss(self) -> float | None:
         return self.weighted_ce_sum / self.weight_sum if self.weight_sum > 0 else None
 
-    def objective_scalars(self, *, selector: bool) -> dict[str, float | None]:
+    def objective_scalars(self, *, selector: bool, distill: bool = False) -> dict[str, float | None]:
         """Beside the loss the objective optimises: the plain cross-entropy (comparable across objectives),
-        the expected accepted length D-PACE maximises (1 + sum_j prod q), and DFlash2's selector."""
+        the expected accepted length D-PACE maximises (1 + sum_j prod q), DFlash2's selector, and the KL
+        from the target's distribution when distilling."""
         labels, blocks = self.num_labels, self.num_blocks
         scalars = {
             "ce": self.ce_sum / labels if labels else None,
@@ -145,11 +149,14 @@ class StepStats:
         if selector:
             scalars["selector_ce"] = self.selector_ce_sum / labels if labels else None
             scalars["selector_recall"] = self.selector_recall / labels if labels else None
+        if distill:
+            scalars["kl"] = self.kl_sum / labels if labels else None
         return scalars
 
 
 # `pack_local`'s layout: the drafter's figures (on its device), then the host's counts.
-DRAFTER_HEAD = 8  # weighted CE, normaliser, accepted, non-finite, CE, expected accepted, selector CE, recall
+# weighted CE, normaliser, accepted, non-finite, CE, expected accepted, selector CE, recall, KL
+DRAFTER_HEAD = 9
 HOST_HEAD = 8  # blocks, sequences, tokens, micro-batches, checkpoint due, redo, unfit, labels
 
 

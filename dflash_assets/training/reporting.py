@@ -30,9 +30,11 @@ class RunReporter:
         on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
         on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
         selector: bool = False,
+        distill: bool = False,
     ) -> None:
         self.run, self.block_size, self.total_steps = run, block_size, total_steps
         self.selector = selector  # DFlash2: its selector's figures too
+        self.distill = distill  # distilling: the KL from the target's distribution too
         self.world = world
         self.log, self.log_every_steps = log, log_every_steps
         self._open_curves = open_curves
@@ -78,7 +80,7 @@ class RunReporter:
             "sequences_per_step": stats.sequences,
             "lr": lr,
             "tokens_per_s": stats.tokens / seconds if seconds > 0 else 0.0,  # every rank's tokens
-            **stats.objective_scalars(selector=self.selector),
+            **stats.objective_scalars(selector=self.selector, distill=self.distill),
         }
         self.step_scalars = scalars
         if self.curves is not None:

@@ -14,7 +14,7 @@ from dflash_assets.training.checkpoints import (
 TRAJECTORY_SETTINGS = (
     "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
     "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "gamma", "seed",
-    "eval_samples", "loss", "dpace_alpha", "drafter_init",
+    "eval_samples", "loss", "dpace_alpha", "drafter_init", "distill_weight",
 )  # fmt: skip
 
 
@@ -44,6 +44,8 @@ class TrainSettings:
     loss: str = "dpace"  # position weights: "dpace" (D-PACE, from the drafter's confidences) or "decay"
     gamma: float = 7.0  # the decay's position weight exp(-(p-1)/gamma)
     dpace_alpha: float = 0.5  # D-PACE's confidence smoothing (ModelOpt's and speculators' 0.5)
+    # w in (1 - w) CE + w KL from the target's own distribution (its head on its stored final state)
+    distill_weight: float = 0.0
     drafter_init: str = ""  # a drafter directory in z-lab's layout to start from; empty: fresh weights
     block_size: int = 16  # must equal the drafter config's
     seed: int = 0
@@ -79,6 +81,10 @@ class TrainSettings:
             raise ValueError(f"drafter loss {self.loss!r} is not one of {list(LOSSES)} (DFLASH_DRAFTER_LOSS)")
         if not 0.0 <= self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha} (DFLASH_DPACE_ALPHA)")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(
+                f"distill_weight must be in [0, 1], got {self.distill_weight} (DFLASH_DISTILL_WEIGHT)"
+            )
         if self.spec_eval_prompts < 0 or self.spec_eval_max_new_tokens <= 0:
             raise ValueError("spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens positive")
         # Raises early on bad checkpoint intervals rather than at the first checkpoint.
@@ -86,7 +92,9 @@ class TrainSettings:
 
     @property
     def objective(self) -> Objective:
-        return Objective(loss=self.loss, gamma=self.gamma, dpace_alpha=self.dpace_alpha)
+        return Objective(
+            loss=self.loss, gamma=self.gamma, dpace_alpha=self.dpace_alpha, distill_weight=self.distill_weight
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -282,6 +282,7 @@ class DrafterTrainer:
             on_progress=on_progress,
             on_checkpoint=on_checkpoint,
             selector=config.has_selector,
+            distill=settings.distill_weight > 0,
         )
         ranks = (
             f" over {self.world['world_size']} ranks ({', '.join(sorted(set(self.world['nodes'])))})"
@@ -444,13 +445,15 @@ class DrafterTrainer:
         """Mask tokens over zero hidden states, every token an assistant one: what the warm-up and a
         rank's zero-loss micro-batch run (sample index -1, so no sample's anchors are drawn)."""
         config = self.config
-        shape = (sequences, length, config.num_context_layers, config.target_hidden_size)
+        final_state = self.settings.distill_weight > 0  # the same shapes and terms as a real micro-batch
+        shape = (sequences, length, config.num_context_layers + int(final_state), config.target_hidden_size)
         return DrafterBatch(
             input_ids=torch.full((sequences, length), config.mask_token_id, dtype=torch.long),
             loss_mask=torch.ones(sequences, length, dtype=torch.bool),
             hidden_states=torch.zeros(shape, dtype=torch.bfloat16),
             lengths=torch.full((sequences,), length),
             sample_indices=[-1] * sequences,
+            final_state=final_state,
         )
 
     @property
@@ -834,7 +837,7 @@ class DrafterTrainer:
             skipped_nonfinite_steps=self.skipped_nonfinite,
             objective={
                 name: self.settings.to_dict()[name]
-                for name in ("loss", "gamma", "dpace_alpha", "drafter_init")
+                for name in ("loss", "gamma", "dpace_alpha", "distill_weight", "drafter_init")
             },
             model=self.model,
             evaluation_seconds=self.evaluation_seconds,

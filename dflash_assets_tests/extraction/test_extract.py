@@ -85,6 +85,55 @@ def test_a_complete_run_stores_one_object_per_sample_equal_to_hf_hidden_states(s
     assert not extraction.staging_dir.exists(), "uploaded files are deleted locally, then the directory"
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_with_the_final_state_every_object_holds_what_the_lm_head_reads_and_one_layer_s_bytes_more(
+    target, tmp_path, dtype
+):
+    """`final_hidden_states` is transformers' `hidden_states[-1]` (after the final norm), in the stored dtype,
+    beside the layers as before: an object is 1 + 1/k times the layers' bytes."""
+    from dflash_assets.extraction.object_size import sample_object_nbytes
+    from dflash_assets_tests.support.targets import assert_within_e4m3_rounding
+
+    samples = make_samples(5)
+    with_final = Extraction(open_store(str(tmp_path / "with")), tmp_path / "staging-with")
+    result = with_final.run(target, samples, final_state=True, hidden_state_dtype=dtype)
+    without = Extraction(open_store(str(tmp_path / "without")), tmp_path / "staging-without")
+    plain = without.run(target, samples, hidden_state_dtype=dtype)
+    assert result.fingerprint["final_hidden_states"] is True
+    assert "final_hidden_states" not in plain.fingerprint  # a range made before it keeps its fingerprint
+    objects, plain_objects = stored_objects(with_final.store), stored_objects(without.store)
+    layers = len(DEFAULT_LAYERS)
+    for sample in samples:
+        name = sample_object_name(sample.sample_index)
+        stored, before = read_sample(objects[name]), read_sample(plain_objects[name])
+        assert stored.metadata["final_hidden_states"] == "1" and before.metadata["final_hidden_states"] == "0"
+        assert not before.has_final_state and torch.equal(stored.hidden_states, before.hidden_states)
+        with torch.inference_mode():
+            out = target(torch.tensor([sample.input_ids]), output_hidden_states=True)
+        reference = out.hidden_states[-1][0]  # after the final norm: what the LM head reads
+        if dtype == "bf16":
+            torch.testing.assert_close(
+                stored.final_hidden_states, reference.bfloat16(), atol=BF16_ATOL, rtol=BF16_RTOL
+            )
+        else:
+            assert stored.final_hidden_states_scale.shape == (sample.num_tokens,)
+            assert_within_e4m3_rounding(stored.final_dequantized(), reference, slack=1e-3)
+        size = sample_object_nbytes(
+            sample_index=sample.sample_index, num_tokens=sample.num_tokens, target_layer_ids=DEFAULT_LAYERS,
+            target_model=MODEL_NAME, hidden_size=64, dtype=dtype, final_state=True,
+        )  # fmt: skip
+        assert len(objects[name]) == size == result.objects[name]
+        # The tensors (the header aside): 1 + 1/k times the layers' bytes, the ids and mask as before.
+        tensors, plain_tensors = _tensor_bytes(objects[name]), _tensor_bytes(plain_objects[name])
+        layer_bytes = plain_tensors - 5 * sample.num_tokens
+        assert tensors - 5 * sample.num_tokens == layer_bytes * (layers + 1) // layers
+
+
+def _tensor_bytes(data: bytes) -> int:
+    """A safetensors object's bytes past its header."""
+    return len(data) - 8 - int.from_bytes(data[:8], "little")
+
+
 def test_a_range_with_samples_to_extract_logs_the_targets_kernel_path(target, tmp_path):
     extraction = Extraction(LocalStore(tmp_path / "store"), tmp_path / "staging")
     extraction.run(target, make_samples(2), max_tokens_per_batch=64)

@@ -122,9 +122,9 @@ def test_rows_leave_the_batch_once_they_stop_and_the_answers_stay_those_of_one_g
     config, stop = engine.generation_config, engine.stop_ids
     decoded: list[int] = []  # rows of every decoding step (one position a row)
     hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: decoded.append(kwargs["input_ids"].shape[0])
-        if kwargs["input_ids"].shape[1] == 1
-        else None,
+        lambda module, args, kwargs: (
+            decoded.append(kwargs["input_ids"].shape[0]) if kwargs["input_ids"].shape[1] == 1 else None
+        ),
         with_kwargs=True,
     )
     try:

@@ -102,11 +102,11 @@ def counting_samples(count: int, *, seed: int = 0, start_index: int = 0) -> list
     return samples
 
 
-def load_capture(target_dir: Path) -> HiddenStateCapture:
+def load_capture(target_dir: Path, *, final_state: bool = False) -> HiddenStateCapture:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    return HiddenStateCapture(model, TARGET_LAYER_IDS)
+    return HiddenStateCapture(model, TARGET_LAYER_IDS, final_state=final_state)
 
 
 def write_hidden_state_partition(
@@ -121,7 +121,7 @@ def write_hidden_state_partition(
     hidden_state_dtype: str = "bf16",
 ) -> list[tuple[str, int]]:
     """Capture each sample alone (as extraction does) and put it in the store, stored as
-    `hidden_state_dtype`; returns (key, size)."""
+    `hidden_state_dtype` (with the target's final state when `capture` captures it); returns (key, size)."""
     scratch.mkdir(parents=True, exist_ok=True)
     objects = []
     for sample in samples:
@@ -137,6 +137,7 @@ def write_hidden_state_partition(
             target_layer_ids=target_layer_ids or TARGET_LAYER_IDS,
             target_model=target_model,
             hidden_state_dtype=hidden_state_dtype,
+            final_state=capture.final_state,
         )
         key = f"hidden-states/{partition}/{path.name}"
         info = store.put_file(key, path)

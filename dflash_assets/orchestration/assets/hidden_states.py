@@ -48,6 +48,9 @@ class ExtractConfig(Config):
         default=None, description=settings.HIDDEN_STATE_DTYPE.field_description()
     )
     target_tp: str | None = Field(default=None, description=settings.TARGET_TP.field_description())
+    capture_final_state: bool | None = Field(
+        default=None, description=settings.CAPTURE_FINAL_STATE.field_description()
+    )
 
     def token_budget(self) -> int:
         return settings.given_or(self.max_tokens_per_batch, settings.MAX_TOKENS_PER_BATCH.get_int)
@@ -58,6 +61,10 @@ class ExtractConfig(Config):
 
         dtype = settings.given_or(self.hidden_state_dtype, settings.HIDDEN_STATE_DTYPE.get)
         return check_hidden_state_dtype(dtype)
+
+    def final_state(self) -> bool:
+        """Whether the objects hold the target's final hidden state too."""
+        return settings.given_or(self.capture_final_state, settings.CAPTURE_FINAL_STATE.get_bool)
 
 
 def hidden_state_partitions_asset() -> AssetsDefinition:
@@ -110,6 +117,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
             "progress_every_s": config.progress_every_s,
             "hidden_state_dtype": dtype,
             "source": tokenized.prefix,  # relative: a store copied elsewhere keeps its objects
+            "final_state": config.final_state(),
         }
         if tp > 1:
             job = _split_capture_job(context, store, target_model, devices, tokenized, extraction, tp)
@@ -137,6 +145,7 @@ def hidden_state_partitions_asset() -> AssetsDefinition:
             "target_layer_ids": layer_ids,
             "tokens": result.tokens,
             "hidden_state_dtype": dtype,
+            "final_hidden_states": extraction["final_state"],
         }
         return Output(
             PartitionOutput(stored_objects=result.objects, manifest_fields=manifest_fields),
