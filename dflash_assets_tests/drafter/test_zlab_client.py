@@ -179,3 +179,46 @@ def test_a_drafter_for_a_real_model_loads_in_zlab_dflash_and_decodes_its_greedy_
     assert tokenizer.decode(greedy).startswith("The capital of France is Paris.")
     decoded, lengths = zlab_generate(zlab, target, prompt, 16, sorted(stop))
     assert decoded == greedy and sum(lengths) == len(greedy) - 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_drafter_for_a_gemma_family_target_decodes_its_greedy_output_in_both_loops(
+    demo_model_dir: Path, tmp_path: Path, arch: str
+) -> None:
+    """Another family than Qwen's: a gemma3_text target scales its embeddings inside the embedding module
+    (by sqrt(hidden)), mixes sliding-window and full attention layers, soft-caps its logits, and ends a
+    turn on a token its generation config names. The drafter embeds raw rows, as z-lab's `dflash_generate`
+    and the engines feed it; both loops give the target's own greedy output."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from dflash_assets.drafter.speculative import TargetVerifier, stop_token_ids_of
+
+    config = Gemma3TextConfig(
+        vocab_size=1536, hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=8, max_position_embeddings=2048,
+        query_pre_attn_scalar=32, final_logit_softcapping=30.0,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2, eos_token_id=[1, 2],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    gemma = Gemma3ForCausalLM(config).eval()
+    assert float(gemma.get_input_embeddings().embed_scale) == 8.0  # sqrt(64): inside the module
+    target_dir = tmp_path / "gemma"
+    gemma.save_pretrained(target_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (demo_model_dir / name).exists():
+            (target_dir / name).write_bytes((demo_model_dir / name).read_bytes())
+    drafter_config = DrafterConfig.from_target(target_dir, num_layers=2, arch=arch)
+    assert drafter_config.final_logit_softcapping == 30.0
+    export_drafter(trained_like(drafter_config, seed=5), tmp_path / "export")
+    zlab, info = load_zlab_drafter(tmp_path / "export")
+    assert {name: sorted(keys) for name, keys in info.items() if keys} == {}
+    stop = stop_token_ids_of(str(target_dir))
+    assert {1, 2} <= stop  # the generation config's end-of-turn ids
+    verifier = TargetVerifier(gemma, drafter_config.target_layer_ids)
+    for prompt in prompts(3, seed=4):
+        greedy = greedy_decode(verifier, prompt, 24, stop)
+        decoded, _ = zlab_generate(zlab, gemma, prompt, 24, sorted(stop))
+        ours = speculative_decode(
+            load_drafter(tmp_path / "export", target_model=target_dir), verifier, prompt, 24, stop
+        )
+        assert decoded == greedy == ours.tokens
