@@ -92,6 +92,13 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
     result = trainer.train()
     seconds = time.monotonic() - started
     evaluator = trainer.evaluator._speculative  # the prompts and greedy outputs the trainer measured
+    if (
+        args.out
+    ):  # the held-out prompts, for an engine to decode the same ones (scripts/vllm_cpu.sh --prompts)
+        prompts_file = args.out.with_suffix(".prompts.jsonl")
+        prompts_file.write_text(
+            "".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in evaluator.prompts)
+        )
     export_drafter(result.model, work / name / "export")
     zlab, info = load_zlab_drafter(work / name / "export")
     model = load_target_model(config.target_model, "cpu")
