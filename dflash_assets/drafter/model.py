@@ -70,12 +70,36 @@ class RMSNorm(nn.Module):
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
-    """cos/sin tables `[..., head_dim]` for integer `positions [...]` (rotate-half convention)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
+def rotary_frequencies(config: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[head_dim/2]` (float32) and the attention factor cos/sin are scaled by: the
+    plain rotary embedding at `rope_theta`, or the target's scaling computed as transformers computes the
+    target's (`ROPE_INIT_FUNCTIONS`: YaRN's frequencies and its attention factor, linear, Llama 3)."""
+    head_dim, theta = config.head_dim, config.rope_theta
+    if not config.rope_scaling:
+        return 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim), 1.0
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    reference = Qwen3Config(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=config.rope_parameters(),
+    )
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[config.rope_scaling["rope_type"]](reference, "cpu")
+    return inv_freq.float(), float(attention_factor)
+
+
+def rotary_cos_sin(positions: torch.Tensor, frequencies: tuple[torch.Tensor, float]) -> Rope:
+    """cos/sin tables `[..., head_dim]` for integer `positions [...]` (rotate-half convention), from
+    `rotary_frequencies`."""
+    inv_freq, attention_factor = frequencies
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    if attention_factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -555,6 +579,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = "auto"  # see `attention_backend`
+        self.rotary = rotary_frequencies(config)  # float32 on the host, not a buffer: never cast to bf16
         self.apply(self._init_weights)
 
     @staticmethod
@@ -604,9 +629,8 @@ class DFlashDrafter(nn.Module):
         x = F.embedding(block_input_ids, self.embed_weight).to(dtype)  # [B, N, S, D]
         flat = context_hidden_states.reshape(batch, context_length, -1).to(dtype)  # [B, C, K*H]
         context = self.hidden_norm(self.fc(flat))  # [B, C, D]
-        head_dim, theta = self.config.head_dim, self.config.rope_theta
-        block_rope = rotary_cos_sin(block_position_ids, head_dim, theta)  # [B, N, S, hd]
-        context_rope = rotary_cos_sin(context_position_ids, head_dim, theta)  # [B, C, hd]
+        block_rope = rotary_cos_sin(block_position_ids, self.rotary)  # [B, N, S, hd]
+        context_rope = rotary_cos_sin(context_position_ids, self.rotary)  # [B, C, hd]
         windows = {layer.self_attn.sliding_window for layer in self.layers}
         flex = None
         if self.attention_backend == "flex":

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_assets.drafter.config import DrafterConfig
+from dflash_assets.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflash_assets.drafter.model import dflash2_parameter_counts, drafter_parameter_count
 
 
@@ -51,6 +51,7 @@ def drafter_model_card(
             f"{drafter_parameter_count(config):,} parameters",
         ),
         ("layer types", ", ".join(config.layer_types) + window),
+        ("context", describe_context(config)),
         (
             "trained on",
             f"sample ranges {ranges or 'none'} (partitions {', '.join(partitions) or 'none'}), "
@@ -132,6 +133,26 @@ def describe_architecture(config: DrafterConfig) -> str:
         f"candidate selector over each slot's top {config.selector_top_k} (rank {config.selector_rank}; "
         f"{selector:,} parameters, two {config.vocab_size:,} x {config.selector_rank} codebooks)"
     )
+
+
+def describe_context(config: DrafterConfig) -> str:
+    """How far the drafter's positions reach (the target's context: vLLM refuses a drafter whose
+    `max_position_embeddings` is below its target's), its rotary embedding, and what a sliding layer sees."""
+    scaling = config.rope_scaling or {}
+    rotary = f"rotary theta {config.rope_theta:g}"
+    if scaling:
+        fields = ", ".join(f"{k} {v}" for k, v in scaling.items() if k != "rope_type")
+        rotary += f", the target's {scaling['rope_type']} scaling ({fields})"
+    text = f"max_position_embeddings {config.max_position_embeddings:,} (the target's), {rotary}"
+    if note := config.extra.get("rope_note"):
+        text += f"; {note}"
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == SLIDING_ATTENTION]
+    if sliding:
+        text += (
+            f"; sliding window {config.sliding_window:,} tokens: layers {sliding} see only the last "
+            f"{config.sliding_window:,} positions of the context, the others all of it"
+        )
+    return text
 
 
 def describe_objective(objective: dict[str, Any] | None) -> str:

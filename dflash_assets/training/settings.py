@@ -21,10 +21,11 @@ TRAJECTORY_SETTINGS = (
 @dataclass
 class TrainSettings:
     """SpecForge's DFlash recipe by default: AdamW at 6e-4 with betas (0.9, 0.999) and no weight decay,
-    4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 3072 tokens, 512 anchors
-    per sequence, and a global batch of 32 sequences per optimiser step (4 per GPU x 8 GPUs) reached by
-    gradient accumulation over micro-batches that fit the device's memory; the position weights are
-    D-PACE's (alpha 0.5, the default of speculators and ModelOpt), or the paper's decay with gamma 7."""
+    4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 8192 tokens (the peers' length
+    for reasoning targets; the 8B recipe's was 3072), up to 512 anchors per sequence, and a global batch
+    of 32 sequences per optimiser step (4 per GPU x 8 GPUs) reached by gradient accumulation over
+    micro-batches that fit the device's memory; the position weights are D-PACE's (alpha 0.5, the default
+    of speculators and ModelOpt), or the paper's decay with gamma 7."""
 
     mode: str = "offline"  # "offline" (hidden states from the store) or "online" (target runs alongside)
     max_steps: int | None = None  # None: `epochs` full passes decide; set: exactly this many steps
@@ -39,7 +40,7 @@ class TrainSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
-    max_length: int = 3072  # longer samples are truncated (their tail is not trained on)
+    max_length: int = 8192  # longer samples are truncated (their tail is not trained on)
     num_anchors: int = 512  # per sequence, capped by the positions that qualify
     loss: str = "dpace"  # position weights: "dpace" (D-PACE, from the drafter's confidences) or "decay"
     gamma: float = 7.0  # the decay's position weight exp(-(p-1)/gamma)

@@ -300,11 +300,11 @@ def test_a_step_budget_runs_exactly_that_many_steps_over_as_many_epochs_as_it_ta
     assert (result.steps, result.total_steps, result.steps_per_epoch) == (8, 8, 3)
 
 
-def test_the_default_recipe_is_specforges_dflash_recipe() -> None:
+def test_the_default_recipe_is_specforges_dflash_recipe_at_the_reasoning_length() -> None:
     settings = TrainSettings()
     assert (settings.lr, settings.betas, settings.weight_decay) == (6e-4, (0.9, 0.999), 0.0)
     assert (settings.warmup_ratio, settings.lr_schedule, settings.min_lr_ratio) == (0.04, "cosine", 0.0)
-    assert (settings.max_grad_norm, settings.epochs, settings.max_length) == (1.0, 6, 3072)
+    assert (settings.max_grad_norm, settings.epochs, settings.max_length) == (1.0, 6, 8192)
     assert (settings.num_anchors, settings.gamma, settings.global_batch_size) == (512, 7.0, 32)
     assert settings.max_steps is None  # epochs decide
     assert lr_factor(0, 100, settings) == pytest.approx(1 / 4)  # 4 warm-up steps
