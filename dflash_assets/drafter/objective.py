@@ -17,6 +17,7 @@ way from the selector's own confidences.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -70,10 +71,23 @@ def anchor_generator(seed: int, *parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+def anchors_per_sequence(labelled_tokens: int, num_anchors: int, tokens_per_anchor: float = 1.0) -> int:
+    """How many anchors a sequence with `labelled_tokens` assistant tokens gets (before the cap of the
+    positions that qualify): one per `tokens_per_anchor` labelled tokens, rounded up, at most
+    `num_anchors`. So each labelled token is about as often in a block whatever its sequence's length,
+    and a 300-token answer no longer weighs in the (global) loss as much as an 8 K one. 1: every
+    qualifying position up to `num_anchors` (the fixed count of the paper's recipe)."""
+    return min(num_anchors, math.ceil(labelled_tokens / tokens_per_anchor)) if labelled_tokens > 0 else 0
+
+
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generators: torch.Generator | Sequence[torch.Generator]
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generators: torch.Generator | Sequence[torch.Generator],
+    tokens_per_anchor: float = 1.0,
 ) -> BlockAnchors:
-    """Up to `num_anchors` distinct random anchors per sequence, sorted by position.
+    """Distinct random anchors per sequence, sorted by position: `anchors_per_sequence` of its labelled
+    tokens, capped by the positions that qualify.
 
     An anchor must be an assistant token followed by another assistant token: at inference the anchor
     is a token the target just generated, and a block with no assistant label would teach nothing.
@@ -84,8 +98,9 @@ def sample_anchors(
     batch, length = mask.shape
     candidates = torch.zeros_like(mask)
     candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
-    counts = candidates.sum(dim=1)  # [B]
-    num_blocks = min(num_anchors, int(counts.max())) if batch else 0
+    wanted = [anchors_per_sequence(int(n), num_anchors, tokens_per_anchor) for n in mask.sum(dim=1).tolist()]
+    counts = torch.minimum(candidates.sum(dim=1), torch.tensor(wanted, dtype=torch.long))  # [B]
+    num_blocks = int(counts.max()) if batch else 0
     if isinstance(generators, torch.Generator):
         scores = torch.rand(batch, length, generator=generators)
     else:

@@ -13,7 +13,8 @@ from dflash_assets.training.checkpoints import (
 # Settings whose change between an interrupted run and its resumption changes the trajectory.
 TRAJECTORY_SETTINGS = (
     "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
-    "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "gamma", "seed",
+    "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "tokens_per_anchor",
+    "gamma", "seed",
     "eval_samples", "loss", "dpace_alpha", "drafter_init",
 )  # fmt: skip
 
@@ -41,7 +42,11 @@ class TrainSettings:
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
     max_length: int = 8192  # longer samples are truncated (their tail is not trained on)
-    num_anchors: int = 512  # per sequence, capped by the positions that qualify
+    num_anchors: int = 512  # per sequence at most, capped by the positions that qualify
+    # One anchor per this many labelled tokens of a sequence, rounded up, up to num_anchors: the recipe's
+    # density at its own length (512 anchors in 3072 tokens), so a short answer gets proportionally fewer
+    # blocks than a long one (`drafter/objective.py`'s `anchors_per_sequence`). 1: the fixed count.
+    tokens_per_anchor: float = 6.0
     loss: str = "dpace"  # position weights: "dpace" (D-PACE, from the drafter's confidences) or "decay"
     gamma: float = 7.0  # the decay's position weight exp(-(p-1)/gamma)
     dpace_alpha: float = 0.5  # D-PACE's confidence smoothing (ModelOpt's and speculators' 0.5)
@@ -74,6 +79,11 @@ class TrainSettings:
                 raise ValueError(f"train setting {name} must be positive, got {getattr(self, name)}")
         if self.micro_batch_bytes is not None and self.micro_batch_bytes <= 0:
             raise ValueError(f"micro_batch_bytes must be positive or None, got {self.micro_batch_bytes}")
+        if not self.tokens_per_anchor >= 1:
+            raise ValueError(
+                f"tokens_per_anchor must be at least 1 (1: every qualifying position up to num_anchors), got "
+                f"{self.tokens_per_anchor}"
+            )
         if self.gamma <= 0:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
         if self.loss not in LOSSES:

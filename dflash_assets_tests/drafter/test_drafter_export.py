@@ -255,3 +255,19 @@ def test_the_model_card_states_the_context_and_a_sliding_layers_window(target_di
         base, run="r", target_model_name="t", trained_sample_ranges=[], partitions=[], steps=1, metrics={}
     )
     assert "sliding window" not in plain
+
+
+def test_the_model_card_gives_tau_per_prompt_length_and_calls_a_bucket_of_few_prompts_too_few(
+    target_dir: Path,
+) -> None:
+    from dflash_assets.drafter.model_card import drafter_model_card
+    from dflash_assets.drafter.speculative import by_context_length
+
+    buckets = by_context_length([(100, 10, 31), (150, 10, 29), (200, 10, 30), (250, 10, 30), (9000, 8, 12)])
+    card = drafter_model_card(
+        tiny_drafter_config(target_dir), run="r", target_model_name="t", trained_sample_ranges=[],
+        partitions=[], steps=1, metrics={"acceptance_length_tau": 2.5, "tau_by_context_length": buckets},
+    )  # fmt: skip
+    assert "| tau measured on prompts of < 2K tokens | 3.000 (4 prompts) |" in card
+    few = "1.500 (1 prompt: too few to mean anything, fewer than 4) |"
+    assert f"| tau measured on prompts of 8K-32K tokens | {few}" in card

@@ -146,3 +146,25 @@ def test_on_an_h200_flex_attention_fits_several_3072_token_sequences_a_micro_bat
     # The plan's training memory counts the same activations.
     planned = training_memory(config, 3072, 512, attention="flex").activations
     assert planned == estimate_step_bytes(config, 1, 3072, 512, attention="flex")
+
+
+def test_an_8k_sequence_and_many_short_ones_are_planned_within_the_budget_the_short_ones_densely() -> None:
+    # The Qwen3-8B DFlash2 drafter on an H200's budget: an 8,192-token reasoning answer and thirty
+    # 300-token ones in one global batch (longest first, as a step orders them).
+    config = replace(qwen_drafter(4096, 12288, 151_936, 36, "dflash"), arch="dflash2")
+    parameters = drafter_parameter_count(config)
+    budget = int((141 * 10**9 - 20 * parameters - drafter_frozen_bytes(config)) * 0.7)
+    lengths = [8192] + [300] * 30
+    ids = list(range(len(lengths)))
+    recipe = TrainSettings()  # 512 anchors at most, one per 6 labelled tokens
+    fixed = TrainSettings(tokens_per_anchor=1)  # the fixed count: a 300-token sequence takes 299 anchors
+
+    by_tokens = micro_batches(ids, lengths, config, recipe, budget, "flex")
+    assert by_tokens[0][0] == 0 and sorted(i for batch in by_tokens for i in batch) == ids
+    for batch in by_tokens:  # every micro-batch within the budget, padded to its longest
+        longest = max(lengths[i] for i in batch)
+        blocks = min(512, -(-longest // 6), longest - 1)
+        assert estimate_step_bytes(config, len(batch), longest, blocks, attention="flex") <= budget
+    # Short sequences' anchors follow their tokens, so they share micro-batches six times as densely.
+    fixed_count = micro_batches(ids, lengths, config, fixed, budget, "flex")
+    assert max(map(len, by_tokens[1:])) >= 5 * max(map(len, fixed_count[1:]))

@@ -91,8 +91,9 @@ def test_the_drafter_learns_a_repeated_small_dataset(
     torch.manual_seed(settings.seed)  # the trainer's initial weights
     untrained = DFlashDrafter.from_target(config)
     batch = collate_tokenized_samples(held_out, settings.max_length, capture, config)
-    before = evaluate_drafter(untrained, [batch], num_anchors=settings.num_anchors)
-    after = evaluate_drafter(result.model, [batch], num_anchors=settings.num_anchors)
+    anchors = {"num_anchors": settings.num_anchors, "tokens_per_anchor": settings.tokens_per_anchor}
+    before = evaluate_drafter(untrained, [batch], **anchors)
+    after = evaluate_drafter(result.model, [batch], **anchors)
     # The plain cross-entropy per label falls (the objective's own loss is D-PACE's weighted sum).
     assert after["ce"] < before["ce"] - 1.0, (before["ce"], after["ce"])
     assert after["teacher_forced_tau"] >= before["teacher_forced_tau"]
