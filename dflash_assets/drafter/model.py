@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash_assets.drafter.config import (
     SLIDING_ATTENTION,
@@ -112,10 +113,31 @@ def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 @dataclass
 class BlockMasks:
-    """What each block slot may attend to, for one layer type. True = visible."""
+    """What each block slot may attend to, for one layer type, built for a range of blocks at a time: a
+    windowed layer's mask over a long context ([B, N, S, C]) is as large as the scores. True = visible."""
 
-    context: torch.Tensor  # [B, N, S or 1, C]: context positions per block (and per slot if windowed)
-    block: torch.Tensor | None  # [S, S] among a block's own slots (query, key); None: all visible
+    context_end: torch.Tensor  # [B, N]: a block sees context positions < this (its anchor; 0 if dropped)
+    block_positions: torch.Tensor  # [B, N, S]
+    context_positions: torch.Tensor  # [B, C]
+    sliding_window: int | None
+
+    def context(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """`[B, n, S or 1, C]`: the context positions blocks `start:end` see (and each slot, if windowed)."""
+        ends = self.context_end[:, start:end]
+        before_anchor = self.context_positions[:, None, None, :] < ends[:, :, None, None]  # [B, n, 1, C]
+        if self.sliding_window is None:
+            return before_anchor
+        distance = self.block_positions[:, start:end, :, None] - self.context_positions[:, None, None, :]
+        return before_anchor & (distance < self.sliding_window)  # [B, n, S, C]
+
+    @property
+    def block(self) -> torch.Tensor | None:
+        """`[S, S]` among a block's own slots (query, key); None: all visible."""
+        if self.sliding_window is None:
+            return None
+        slots = torch.arange(self.block_positions.shape[-1], device=self.block_positions.device)
+        offset = slots[:, None] - slots[None, :]  # query slot - key slot
+        return (offset >= 0) & (offset < self.sliding_window)
 
 
 def block_masks(
@@ -124,16 +146,48 @@ def block_masks(
     context_positions: torch.Tensor,  # [B, C]
     sliding_window: int | None,
 ) -> BlockMasks:
-    before_anchor = context_positions[:, None, None, :] < context_end[:, :, None, None]  # [B, N, 1, C]
-    if sliding_window is None:
-        return BlockMasks(context=before_anchor, block=None)
-    distance = block_positions[:, :, :, None] - context_positions[:, None, None, :]  # [B, N, S, C]
-    slots = torch.arange(block_positions.shape[-1], device=block_positions.device)
-    offset = slots[:, None] - slots[None, :]  # query slot - key slot
-    return BlockMasks(
-        context=before_anchor & (distance < sliding_window),
-        block=(offset >= 0) & (offset < sliding_window),
-    )
+    return BlockMasks(context_end, block_positions, context_positions, sliding_window)
+
+
+# The materialised scores of one chunk of blocks, in float32: a micro-batch whose scores are larger runs
+# its blocks a chunk at a time, each chunk recomputed in the backward (activation checkpointing), so a
+# long context's [B, h, N, S, C] scores (2.6 GB a layer for 512 anchors over 20 K tokens and 4 heads)
+# never exist at once. Blocks are independent given the context: the result is the same.
+MATERIALISED_CHUNK_BYTES = 128 * 2**20
+
+
+def materialised_chunk_blocks(batch: int, heads: int, block_size: int, context_length: int) -> int:
+    """Blocks per chunk of the materialised attention (`MATERIALISED_CHUNK_BYTES`), at least 1."""
+    per_block = 4 * batch * heads * block_size * (context_length + block_size)
+    return max(1, MATERIALISED_CHUNK_BYTES // per_block)
+
+
+def _block_attention(
+    q: torch.Tensor,  # [B, h, n, S, hd], pre-scaled
+    k_block: torch.Tensor,  # [B, h, n, S, hd]
+    v_block: torch.Tensor,
+    k_context: torch.Tensor,  # [B, h, C, hd]
+    v_context: torch.Tensor,
+    masks: BlockMasks,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """Blocks `start:end` over [context ; own block], one softmax, scores materialised: `[B, h, n, S, hd]`."""
+    batch, heads, num_blocks, block_size, _ = q.shape
+    context_length = k_context.shape[2]
+    # The context is the same for every block: one matmul for all n*S queries, then the block mask.
+    context_scores = q.flatten(2, 3) @ k_context.transpose(-1, -2)  # [B, h, n*S, C]
+    context_scores = context_scores.view(batch, heads, num_blocks, block_size, context_length)
+    # In place: a matmul's output is not needed for its backward, so no copy of the largest tensor.
+    context_scores.masked_fill_(~masks.context(start, end)[:, None], float("-inf"))
+    block_scores = q @ k_block.transpose(-1, -2)  # [B, h, n, S, S]
+    if (block_mask := masks.block) is not None:
+        block_scores.masked_fill_(~block_mask, float("-inf"))
+    # One softmax over [context ; own block]. A slot always sees itself: no row is all -inf.
+    probs = torch.cat([context_scores, block_scores], dim=-1).softmax(dim=-1)  # [B, h, n, S, C+S]
+    context_probs, block_probs = probs.split([context_length, block_size], dim=-1)
+    out = (context_probs.flatten(2, 3) @ v_context).view_as(q)  # [B, h, n, S, hd]
+    return out + block_probs @ v_block
 
 
 FLEX_TILE = 128  # flex attention's tile: lengths are padded to a multiple of it
@@ -373,24 +427,22 @@ class DrafterAttention(nn.Module):
         context_rope: Rope,
         masks: BlockMasks,
     ) -> torch.Tensor:
-        batch, _, num_blocks, block_size, _ = q.shape
-        context_length = context.shape[1]
+        batch, heads, num_blocks, block_size, _ = q.shape
         k_block, v_block = self._keys_values(x, block_rope)  # [B, h, N, S, hd]
         k_context, v_context = self._keys_values(context, context_rope)  # [B, h, C, hd]
-
-        # The context is the same for every block: one matmul for all N*S queries, then the block mask.
-        context_scores = q.flatten(2, 3) @ k_context.transpose(-1, -2)  # [B, h, N*S, C]
-        context_scores = context_scores.view(batch, self.num_heads, num_blocks, block_size, context_length)
-        # In place: a matmul's output is not needed for its backward, so no copy of the largest tensor.
-        context_scores.masked_fill_(~masks.context[:, None], float("-inf"))
-        block_scores = q @ k_block.transpose(-1, -2)  # [B, h, N, S, S]
-        if masks.block is not None:
-            block_scores.masked_fill_(~masks.block, float("-inf"))
-        # One softmax over [context ; own block]. A slot always sees itself: no row is all -inf.
-        probs = torch.cat([context_scores, block_scores], dim=-1).softmax(dim=-1)  # [B, h, N, S, C+S]
-        context_probs, block_probs = probs.split([context_length, block_size], dim=-1)
-        out = (context_probs.flatten(2, 3) @ v_context).view_as(q)  # [B, h, N, S, hd]
-        return out + block_probs @ v_block
+        chunk = materialised_chunk_blocks(batch, heads, block_size, context.shape[1])
+        if chunk >= num_blocks:
+            return _block_attention(q, k_block, v_block, k_context, v_context, masks, 0, num_blocks)
+        outputs = []
+        for start in range(0, num_blocks, chunk):
+            end = min(start + chunk, num_blocks)
+            inputs = (q[:, :, start:end], k_block[:, :, start:end], v_block[:, :, start:end], k_context)
+            arguments = (*inputs, v_context, masks, start, end)
+            if torch.is_grad_enabled():
+                outputs.append(checkpoint(_block_attention, *arguments, use_reentrant=False))
+            else:
+                outputs.append(_block_attention(*arguments))
+        return torch.cat(outputs, dim=2)
 
     def _flex(
         self,

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_assets.drafter.config import (
     DrafterConfig,
 )
-from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.drafter.model import DFlashDrafter, materialised_chunk_blocks
 
 
 @dataclass
@@ -423,8 +423,14 @@ def estimate_step_bytes(
     # normed, rotated, laid out for the kernel), the attention's output and o_proj's input, the MLP's
     # gate, up, activation and product.
     per_layer = slots * (10 * width + 6 * q_width + 4 * config.intermediate_size)
+    chunked = 0  # one chunk of blocks' scores at a time, where the materialised attention chunks them
     if attention == "materialised":
-        per_layer += config.num_heads * slots * (context_length + size) * 3  # probs; grads in backward
+        chunk = materialised_chunk_blocks(batch_size, config.num_heads, size, context_length)
+        scores = config.num_heads * batch_size * size * (context_length + size)  # a block's, every head
+        if chunk >= num_blocks:
+            per_layer += scores * num_blocks * 3  # probs; grads in backward
+        else:  # each layer keeps only its chunks' inputs; one chunk's scores, probs and grads at a time
+            chunked = scores * chunk * 4
         per_layer += 4 * batch_size * context_length * q_width  # context k/v repeated to every head, rotary
     else:
         keys = batch_size * (context_length + num_blocks * size)  # [context ; every block]
@@ -439,7 +445,9 @@ def estimate_step_bytes(
     labelled = slots - batch_size * num_blocks  # at most: every slot but the anchors
     logits_chunk = 3 * min(labelled, logits_chunk_rows(config.vocab_size)) * config.vocab_size
     extra = _architecture_extra_elements(config, batch_size, context_length, num_blocks)
-    return (config.num_layers * per_layer + context + final + logits_chunk + extra) * bytes_per_element
+    return (
+        config.num_layers * per_layer + context + final + logits_chunk + extra + chunked
+    ) * bytes_per_element
 
 
 def _architecture_layer_elements(

@@ -45,6 +45,12 @@ class TargetVerifier:
     its float32 parts would run in bf16, and its states and greedy tokens would not be the captured ones.
     """
 
+    # A prefill longer than this runs a chunk at a time through the cache: `output_hidden_states` holds
+    # every layer's states of the tokens it runs (64 layers x 32 K tokens x 5,120 in bf16 is 21 GB for a
+    # 27B target), and the full-attention layers' activations grow with it; only the drafter's layers of
+    # each chunk are kept.
+    PREFILL_CHUNK_TOKENS = 4096
+
     def __init__(self, model: nn.Module, target_layer_ids: Sequence[int]) -> None:
         self.model = model.eval()
         self.target_layer_ids = list(target_layer_ids)
@@ -72,7 +78,14 @@ class TargetVerifier:
         vocabulary). A verification round needs every position's token: its cache is never empty."""
         if every_position is None:
             every_position = int(cache.get_seq_length()) > 0
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        ids = list(ids)
+        if not every_position and len(ids) > self.PREFILL_CHUNK_TOKENS:
+            step = self.PREFILL_CHUNK_TOKENS
+            states = [
+                self.run(ids[i : i + step], cache, every_position=False) for i in range(0, len(ids), step)
+            ]
+            return states[-1][0], torch.cat([hidden for _, hidden in states])
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         keep = {} if every_position or not self._keeps_logits else {"logits_to_keep": 1}
         with torch.autocast(self.device.type, enabled=False):
             output = self.model(

@@ -290,3 +290,27 @@ def test_tau_by_prompt_length_is_measured_on_a_long_prompt_and_combines_over_ran
     combined = combine_results(ranks)
     assert combined["by_context_length"] == buckets
     assert combined["acceptance_length_tau"] == pytest.approx(whole["acceptance_length_tau"])
+
+
+def test_a_long_prefill_runs_a_chunk_at_a_time_and_gives_the_same_token_states_and_decoding(
+    verifier: TargetVerifier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = [random.Random(8).randrange(1, 250) for _ in range(45)]
+    whole_cache = verifier.new_cache()
+    whole, whole_states = verifier.run(prompt, whole_cache)
+    monkeypatch.setattr(verifier, "PREFILL_CHUNK_TOKENS", 8)  # 6 chunks, the last of 5 tokens
+    seen: list[int] = []
+    handle = verifier.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    chunked_cache = verifier.new_cache()
+    try:
+        chunked, chunked_states = verifier.run(prompt, chunked_cache)
+    finally:
+        handle.remove()
+    assert seen == [8, 8, 8, 8, 8, 5]  # no forward holds every layer's states of the whole prompt
+    assert chunked.tolist() == whole.tolist() and chunked_states.shape == whole_states.shape
+    torch.testing.assert_close(chunked_states.float(), whole_states.float(), rtol=2**-7, atol=1e-3)
+    assert int(chunked_cache.get_seq_length()) == len(prompt)
+    # The cache the chunks built decodes on as the whole prefill's does.
+    assert greedy_decode(verifier, prompt, 12, set()) == recomputed_greedy(verifier, prompt, 12)
