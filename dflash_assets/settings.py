@@ -539,9 +539,6 @@ BUNDLED_TRAIN_MAX_STEPS = 240
 # so 512 takes every one. On a 2-core machine the demo's 240 DFlash2 steps took 184 s at 512 and 112 s at
 # 64, for the same measured tau (3.56 and 3.73 on its 8 held-out prompts; docs/testing.md).
 BUNDLED_NUM_ANCHORS = 64
-# And every qualifying position up to those 64 (one anchor per labelled token), as those figures were
-# measured: the recipe's one anchor per 6 labelled tokens would give a ~100-token conversation ~17.
-BUNDLED_TOKENS_PER_ANCHOR = 1.0
 
 
 def train_global_batch_size() -> int:
@@ -560,12 +557,6 @@ def train_num_anchors() -> int | None:
     """Anchors per sequence when the run config does not say: the bundled data's, else None (the recipe's,
     `TrainSettings.num_anchors`)."""
     return BUNDLED_NUM_ANCHORS if DATASET.get() == "bundled" else None
-
-
-def train_tokens_per_anchor() -> float | None:
-    """Labelled tokens per anchor when the run config does not say: the bundled data's, else None (the
-    recipe's, `TrainSettings.tokens_per_anchor`)."""
-    return BUNDLED_TOKENS_PER_ANCHOR if DATASET.get() == "bundled" else None
 
 
 def samples_per_partition() -> int:

@@ -57,8 +57,8 @@ class TrainConfig(Config):
     )
     tokens_per_anchor: float | None = Field(
         default=None,
-        description="One anchor per this many labelled tokens of a sequence, up to num_anchors (the "
-        "recipe: 6; 1 on the bundled data: every qualifying position).",
+        description="One anchor per this many labelled tokens of a sequence, up to num_anchors (6: the "
+        "recipe's density at 3072 tokens; unset or 1: every qualifying position up to num_anchors).",
     )
     gamma: float | None = Field(
         default=None, description="Loss weight exp(-(p-1)/gamma) at block position p."
@@ -133,9 +133,8 @@ class TrainConfig(Config):
         anchors = chosen(self.num_anchors, settings.train_num_anchors)
         if anchors is not None:
             values["num_anchors"] = anchors
-        density = chosen(self.tokens_per_anchor, settings.train_tokens_per_anchor)
-        if density is not None:
-            values["tokens_per_anchor"] = density
+        if self.tokens_per_anchor is not None:
+            values["tokens_per_anchor"] = self.tokens_per_anchor
         return TrainSettings(**values)
 
     @property

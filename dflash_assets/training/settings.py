@@ -23,7 +23,7 @@ TRAJECTORY_SETTINGS = (
 class TrainSettings:
     """SpecForge's DFlash recipe by default: AdamW at 6e-4 with betas (0.9, 0.999) and no weight decay,
     4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 8192 tokens (the peers' length
-    for reasoning targets; the 8B recipe's was 3072), up to 512 anchors per sequence, and a global batch
+    for reasoning targets; the 8B recipe's was 3072), 512 anchors per sequence, and a global batch
     of 32 sequences per optimiser step (4 per GPU x 8 GPUs) reached by gradient accumulation over
     micro-batches that fit the device's memory; the position weights are D-PACE's (alpha 0.5, the default
     of speculators and ModelOpt), or the paper's decay with gamma 7."""
@@ -43,10 +43,11 @@ class TrainSettings:
     max_grad_norm: float | None = 1.0
     max_length: int = 8192  # longer samples are truncated (their tail is not trained on)
     num_anchors: int = 512  # per sequence at most, capped by the positions that qualify
-    # One anchor per this many labelled tokens of a sequence, rounded up, up to num_anchors: the recipe's
-    # density at its own length (512 anchors in 3072 tokens), so a short answer gets proportionally fewer
-    # blocks than a long one (`drafter/objective.py`'s `anchors_per_sequence`). 1: the fixed count.
-    tokens_per_anchor: float = 6.0
+    # One anchor per this many labelled tokens of a sequence, rounded up, up to num_anchors
+    # (`drafter/objective.py`'s `anchors_per_sequence`): 6 is the recipe's density at its own length (512
+    # anchors in 3072 tokens), so a short answer gets proportionally fewer blocks than a long one. 1 (the
+    # default): the paper's fixed count, every qualifying position up to num_anchors.
+    tokens_per_anchor: float = 1.0
     loss: str = "dpace"  # position weights: "dpace" (D-PACE, from the drafter's confidences) or "decay"
     gamma: float = 7.0  # the decay's position weight exp(-(p-1)/gamma)
     dpace_alpha: float = 0.5  # D-PACE's confidence smoothing (ModelOpt's and speculators' 0.5)

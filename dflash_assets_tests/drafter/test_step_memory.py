@@ -161,8 +161,8 @@ def test_an_8k_sequence_and_many_short_ones_are_planned_within_the_budget_the_sh
     budget = int((141 * 10**9 - 20 * parameters - drafter_frozen_bytes(config)) * 0.7)
     lengths = [8192] + [300] * 30
     ids = list(range(len(lengths)))
-    recipe = TrainSettings()  # 512 anchors at most, one per 6 labelled tokens
-    fixed = TrainSettings(tokens_per_anchor=1)  # the fixed count: a 300-token sequence takes 299 anchors
+    recipe = TrainSettings(tokens_per_anchor=6)  # 512 anchors at most, one per 6 labelled tokens
+    fixed = TrainSettings()  # the fixed count: a 300-token sequence takes 299 anchors
 
     by_tokens = micro_batches(ids, lengths, config, recipe, budget, "flex")
     assert by_tokens[0][0] == 0 and sorted(i for batch in by_tokens for i in batch) == ids
