@@ -168,7 +168,12 @@ SAMPLES_PER_PARTITION = Setting(
     "Rows per sample-range partition (fixed; keys never change when the dataset grows). "
     "With the bundled dataset and no value set: 100.",
 )
-MAX_LENGTH = Setting("DFLASH_MAX_LENGTH", "3072", "Token limit per sample; longer ones are truncated.")
+MAX_LENGTH = Setting(
+    "DFLASH_MAX_LENGTH",
+    "8192",
+    "Token limit per sample; longer ones are truncated. 8,192 as the peers train reasoning targets' data "
+    "(SpecForge's 27B DFlash2 data, speculators); SpecForge's 8B recipe used 3,072.",
+)
 COMPLETIONS = Setting(
     "DFLASH_COMPLETIONS",
     "dataset",
@@ -202,7 +207,8 @@ GENERATE_MAX_NEW_TOKENS = Setting(
     "DFLASH_GENERATE_MAX_NEW_TOKENS",
     "",
     "Longest regenerated answer, in tokens; longer ones stop there (`finish_reason: length`). Empty: the "
-    "target's own (`max_new_tokens` in its `generation_config.json`; the demo target's is 64), else 2048. "
+    "target's own (`max_new_tokens` in its `generation_config.json`; the demo target's is 64), else 8192 "
+    "(a reasoning target's answers). "
     "Prompt plus answer never pass the target's `max_position_embeddings`.",
 )
 GENERATE_API_KEY = Setting(

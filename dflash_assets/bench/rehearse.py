@@ -240,7 +240,12 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
     rows = rehearsal_conversations(tokenizer, options.samples, options.mean_tokens)
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     store_url = StoreResource().store_url().rstrip("/") + f"/rehearsal-{run_id}"
-    max_length = max(settings.MAX_LENGTH.get_int(), 2 * options.mean_tokens)
+    # Long enough that no rehearsal sample is cut, and no longer: the plan counts a training rank's memory
+    # at DFLASH_MAX_LENGTH, and twice the mean (what this was) asked a 24 GiB host for 20.8 GiB at 8 K.
+    longest = max(
+        len(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False)) for row in rows
+    )
+    max_length = max(settings.MAX_LENGTH.get_int(), longest)
     env = {
         "DAGSTER_HOME": str(work / "dagster"),
         "DFLASH_TARGET_MODEL": str(target.directory),

@@ -69,7 +69,10 @@ class DrafterConfig:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
+    max_position_embeddings: int = 32768  # the target's context (engines refuse a drafter shorter than it)
+    # The target's rotary scaling past its theta (`rope_type` and its fields: YaRN, linear, Llama 3), so
+    # the drafter's positions mean what the target's do at every length; None: the plain rotary embedding.
+    rope_scaling: dict[str, Any] | None = None
     layer_types: list[str] = field(default_factory=list)  # per layer; empty: all full attention
     sliding_window: int | None = None  # tokens a sliding layer sees, its own included
     extra: dict[str, Any] = field(default_factory=dict)  # provenance: tokenizer, run, mask-token source...
@@ -124,6 +127,12 @@ class DrafterConfig:
             raise ValueError(
                 f"drafter architecture {self.arch!r} ({ARCH_SETTING}) is not one of {list(ARCHITECTURES)}"
             )
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+            if self.rope_scaling.get("rope_type") not in SCALED_ROPE_TYPES:
+                raise ValueError(
+                    f"rope_scaling {self.rope_scaling} has no rope_type among {list(SCALED_ROPE_TYPES)}"
+                )
         if self.arch == "dflash2":
             self._check_dflash2()
 
@@ -142,6 +151,10 @@ class DrafterConfig:
                 f"selector_top_k {self.selector_top_k} must be between 1 and the vocabulary "
                 f"({self.vocab_size}) and selector_rank {self.selector_rank} positive"
             )
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """`config.json`'s `rope_parameters`: the theta, and the target's scaling where it has one."""
+        return {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
 
     @property
     def architecture(self) -> str:
@@ -202,9 +215,15 @@ class DrafterConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.max_position_embeddings,
-            # Both spellings: transformers 5 and vLLM read rope_parameters, older readers rope_theta.
+            # Both spellings: transformers 5 and vLLM read rope_parameters, older readers rope_theta and
+            # rope_scaling (with `type`, its old name for rope_type).
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": self.rope_parameters(),
+            **(
+                {"rope_scaling": {**self.rope_scaling, "type": self.rope_scaling["rope_type"]}}
+                if self.rope_scaling
+                else {}
+            ),
             "attention_bias": False,
             "attention_dropout": 0.0,
             "tie_word_embeddings": False,
@@ -241,7 +260,7 @@ class DrafterConfig:
         softcap = value("final_logit_softcapping", None)
         provenance = dict(raw.get("dflash_assets") or {})
         provenance.pop("format", None)
-        rope = raw.get("rope_parameters") or {}
+        theta, scaling = rope_settings(raw)
         return cls(
             hidden_size=int(raw["hidden_size"]),
             num_heads=int(raw["num_attention_heads"]),
@@ -256,8 +275,9 @@ class DrafterConfig:
             num_layers=int(raw["num_hidden_layers"]),
             block_size=int(dflash.get("block_size", raw.get("block_size", 16))),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+            rope_theta=theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            rope_scaling=scaling,
             layer_types=list(raw.get("layer_types") or []),
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             extra=provenance,
@@ -313,7 +333,7 @@ class DrafterConfig:
         vocab_size = int(target["vocab_size"])
         mask_token_id, mask_source = resolve_mask_token(target_model, mask_token_id, vocab_size)
         mask_token = mask_token_text(target_model, mask_token_id) or DEFAULT_MASK_TOKEN
-        rope = target.get("rope_parameters") or target.get("rope_scaling") or {}
+        theta, scaling = rope_settings(target)
         return cls(
             hidden_size=hidden_size,
             vocab_size=vocab_size,
@@ -324,15 +344,61 @@ class DrafterConfig:
             num_layers=num_layers,
             block_size=block_size,
             rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", target.get("rope_theta", 1_000_000.0))),
-            max_position_embeddings=int(target.get("max_position_embeddings", 32768)),
-            extra={"mask_token_source": mask_source, "shape": shape},
+            rope_theta=theta,
+            max_position_embeddings=int(target.get("max_position_embeddings") or 32768),
+            rope_scaling=scaling,
+            extra={"mask_token_source": mask_source, "shape": shape, **rope_note(target)},
             mask_token=mask_token,
             arch=arch,
             **drafter_shape(target, shape, num_layers),
             **(dflash2_shape(hidden_size) if arch == "dflash2" else {}),
             **logit_transform(target),
         )
+
+
+# Rotary scalings that fix the frequencies once, whatever the sequence's length (transformers'
+# `ROPE_INIT_FUNCTIONS`): the drafter computes them as the target does and the export names them, so an
+# engine serving it rotates positions as training did. `dynamic` and `longrope` change with the length
+# inside a forward; a target with one keeps the plain rotary embedding at its theta (said in `extra`).
+SCALED_ROPE_TYPES = ("linear", "yarn", "llama3")
+# Fields of a rope dict that describe the target's own attention, not a scaling a drafter could share:
+# Qwen3.5's partial rotary and multimodal sections (the drafter rotates its whole head).
+_TARGET_ONLY_ROPE_FIELDS = (
+    "partial_rotary_factor",
+    "mrope_section",
+    "mrope_interleaved",
+    "type",
+    "rope_theta",
+)
+
+
+def _rope_dict(config: dict[str, Any]) -> dict[str, Any]:
+    return dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+
+
+def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """The theta and the scaling (`rope_type` and its fields, or None) of a model's text config, in either
+    spelling (transformers 5's `rope_parameters`, the older `rope_theta` + `rope_scaling` with `type`)."""
+    rope = _rope_dict(config)
+    theta = float(rope.get("rope_theta") or config.get("rope_theta") or 1_000_000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in SCALED_ROPE_TYPES:
+        return theta, None
+    scaling = {"rope_type": kind}
+    scaling.update((k, v) for k, v in rope.items() if k not in (*_TARGET_ONLY_ROPE_FIELDS, "rope_type"))
+    return theta, scaling
+
+
+def rope_note(target: dict[str, Any]) -> dict[str, str]:
+    """`extra["rope_note"]` when the target's rotary scaling is one the drafter does not carry."""
+    rope = _rope_dict(target)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", *SCALED_ROPE_TYPES):
+        return {}
+    return {
+        "rope_note": f"the target's {kind!r} rotary scaling changes with the length inside a forward; the "
+        "drafter keeps the plain rotary embedding at the target's theta"
+    }
 
 
 @dataclass(frozen=True)

@@ -138,13 +138,21 @@ def evaluate_drafter(
     objective: Objective | float = Objective(),
     num_anchors: int = 512,
     seed: int = 0,
+    tokens_per_anchor: float = 1.0,
 ) -> dict[str, Any]:
     """`{loss, per_position_accuracy, acceptance_length_tau, num_blocks, num_samples, num_tokens}`.
 
     Anchors come from a generator fixed by `seed` and the sample's index, so successive evaluations
     of one run score the same blocks and are comparable, however the samples are batched or shared.
     """
-    return block_metrics(model, batches, objective=objective, num_anchors=num_anchors, seed=seed).as_dict()
+    return block_metrics(
+        model,
+        batches,
+        objective=objective,
+        num_anchors=num_anchors,
+        seed=seed,
+        tokens_per_anchor=tokens_per_anchor,
+    ).as_dict()
 
 
 def block_metrics(
@@ -154,6 +162,7 @@ def block_metrics(
     objective: Objective | float = Objective(),
     num_anchors: int = 512,
     seed: int = 0,
+    tokens_per_anchor: float = 1.0,
 ) -> BlockMetrics:
     """`evaluate_drafter`'s sums, before they are turned into averages."""
     metrics = BlockMetrics(model.config.block_size)
@@ -163,7 +172,7 @@ def block_metrics(
         with torch.no_grad():
             for batch in batches:
                 generators = [anchor_generator(seed, "eval", index) for index in batch.sample_indices]
-                anchors = sample_anchors(batch.loss_mask, num_anchors, generators)
+                anchors = sample_anchors(batch.loss_mask, num_anchors, generators, tokens_per_anchor)
                 metrics.add(dflash_loss(model, batch, anchors, objective), batch)
     finally:
         model.train(was_training)

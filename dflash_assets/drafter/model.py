@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash_assets.drafter.config import (
     SLIDING_ATTENTION,
@@ -70,12 +71,36 @@ class RMSNorm(nn.Module):
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> Rope:
-    """cos/sin tables `[..., head_dim]` for integer `positions [...]` (rotate-half convention)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
+def rotary_frequencies(config: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[head_dim/2]` (float32) and the attention factor cos/sin are scaled by: the
+    plain rotary embedding at `rope_theta`, or the target's scaling computed as transformers computes the
+    target's (`ROPE_INIT_FUNCTIONS`: YaRN's frequencies and its attention factor, linear, Llama 3)."""
+    head_dim, theta = config.head_dim, config.rope_theta
+    if not config.rope_scaling:
+        return 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim), 1.0
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    reference = Qwen3Config(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=config.rope_parameters(),
+    )
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[config.rope_scaling["rope_type"]](reference, "cpu")
+    return inv_freq.float(), float(attention_factor)
+
+
+def rotary_cos_sin(positions: torch.Tensor, frequencies: tuple[torch.Tensor, float]) -> Rope:
+    """cos/sin tables `[..., head_dim]` for integer `positions [...]` (rotate-half convention), from
+    `rotary_frequencies`."""
+    inv_freq, attention_factor = frequencies
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    if attention_factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -88,10 +113,31 @@ def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 @dataclass
 class BlockMasks:
-    """What each block slot may attend to, for one layer type. True = visible."""
+    """What each block slot may attend to, for one layer type, built for a range of blocks at a time: a
+    windowed layer's mask over a long context ([B, N, S, C]) is as large as the scores. True = visible."""
 
-    context: torch.Tensor  # [B, N, S or 1, C]: context positions per block (and per slot if windowed)
-    block: torch.Tensor | None  # [S, S] among a block's own slots (query, key); None: all visible
+    context_end: torch.Tensor  # [B, N]: a block sees context positions < this (its anchor; 0 if dropped)
+    block_positions: torch.Tensor  # [B, N, S]
+    context_positions: torch.Tensor  # [B, C]
+    sliding_window: int | None
+
+    def context(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """`[B, n, S or 1, C]`: the context positions blocks `start:end` see (and each slot, if windowed)."""
+        ends = self.context_end[:, start:end]
+        before_anchor = self.context_positions[:, None, None, :] < ends[:, :, None, None]  # [B, n, 1, C]
+        if self.sliding_window is None:
+            return before_anchor
+        distance = self.block_positions[:, start:end, :, None] - self.context_positions[:, None, None, :]
+        return before_anchor & (distance < self.sliding_window)  # [B, n, S, C]
+
+    @property
+    def block(self) -> torch.Tensor | None:
+        """`[S, S]` among a block's own slots (query, key); None: all visible."""
+        if self.sliding_window is None:
+            return None
+        slots = torch.arange(self.block_positions.shape[-1], device=self.block_positions.device)
+        offset = slots[:, None] - slots[None, :]  # query slot - key slot
+        return (offset >= 0) & (offset < self.sliding_window)
 
 
 def block_masks(
@@ -100,16 +146,48 @@ def block_masks(
     context_positions: torch.Tensor,  # [B, C]
     sliding_window: int | None,
 ) -> BlockMasks:
-    before_anchor = context_positions[:, None, None, :] < context_end[:, :, None, None]  # [B, N, 1, C]
-    if sliding_window is None:
-        return BlockMasks(context=before_anchor, block=None)
-    distance = block_positions[:, :, :, None] - context_positions[:, None, None, :]  # [B, N, S, C]
-    slots = torch.arange(block_positions.shape[-1], device=block_positions.device)
-    offset = slots[:, None] - slots[None, :]  # query slot - key slot
-    return BlockMasks(
-        context=before_anchor & (distance < sliding_window),
-        block=(offset >= 0) & (offset < sliding_window),
-    )
+    return BlockMasks(context_end, block_positions, context_positions, sliding_window)
+
+
+# The materialised scores of one chunk of blocks, in float32: a micro-batch whose scores are larger runs
+# its blocks a chunk at a time, each chunk recomputed in the backward (activation checkpointing), so a
+# long context's [B, h, N, S, C] scores (2.6 GB a layer for 512 anchors over 20 K tokens and 4 heads)
+# never exist at once. Blocks are independent given the context: the result is the same.
+MATERIALISED_CHUNK_BYTES = 128 * 2**20
+
+
+def materialised_chunk_blocks(batch: int, heads: int, block_size: int, context_length: int) -> int:
+    """Blocks per chunk of the materialised attention (`MATERIALISED_CHUNK_BYTES`), at least 1."""
+    per_block = 4 * batch * heads * block_size * (context_length + block_size)
+    return max(1, MATERIALISED_CHUNK_BYTES // per_block)
+
+
+def _block_attention(
+    q: torch.Tensor,  # [B, h, n, S, hd], pre-scaled
+    k_block: torch.Tensor,  # [B, h, n, S, hd]
+    v_block: torch.Tensor,
+    k_context: torch.Tensor,  # [B, h, C, hd]
+    v_context: torch.Tensor,
+    masks: BlockMasks,
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """Blocks `start:end` over [context ; own block], one softmax, scores materialised: `[B, h, n, S, hd]`."""
+    batch, heads, num_blocks, block_size, _ = q.shape
+    context_length = k_context.shape[2]
+    # The context is the same for every block: one matmul for all n*S queries, then the block mask.
+    context_scores = q.flatten(2, 3) @ k_context.transpose(-1, -2)  # [B, h, n*S, C]
+    context_scores = context_scores.view(batch, heads, num_blocks, block_size, context_length)
+    # In place: a matmul's output is not needed for its backward, so no copy of the largest tensor.
+    context_scores.masked_fill_(~masks.context(start, end)[:, None], float("-inf"))
+    block_scores = q @ k_block.transpose(-1, -2)  # [B, h, n, S, S]
+    if (block_mask := masks.block) is not None:
+        block_scores.masked_fill_(~block_mask, float("-inf"))
+    # One softmax over [context ; own block]. A slot always sees itself: no row is all -inf.
+    probs = torch.cat([context_scores, block_scores], dim=-1).softmax(dim=-1)  # [B, h, n, S, C+S]
+    context_probs, block_probs = probs.split([context_length, block_size], dim=-1)
+    out = (context_probs.flatten(2, 3) @ v_context).view_as(q)  # [B, h, n, S, hd]
+    return out + block_probs @ v_block
 
 
 FLEX_TILE = 128  # flex attention's tile: lengths are padded to a multiple of it
@@ -349,24 +427,22 @@ class DrafterAttention(nn.Module):
         context_rope: Rope,
         masks: BlockMasks,
     ) -> torch.Tensor:
-        batch, _, num_blocks, block_size, _ = q.shape
-        context_length = context.shape[1]
+        batch, heads, num_blocks, block_size, _ = q.shape
         k_block, v_block = self._keys_values(x, block_rope)  # [B, h, N, S, hd]
         k_context, v_context = self._keys_values(context, context_rope)  # [B, h, C, hd]
-
-        # The context is the same for every block: one matmul for all N*S queries, then the block mask.
-        context_scores = q.flatten(2, 3) @ k_context.transpose(-1, -2)  # [B, h, N*S, C]
-        context_scores = context_scores.view(batch, self.num_heads, num_blocks, block_size, context_length)
-        # In place: a matmul's output is not needed for its backward, so no copy of the largest tensor.
-        context_scores.masked_fill_(~masks.context[:, None], float("-inf"))
-        block_scores = q @ k_block.transpose(-1, -2)  # [B, h, N, S, S]
-        if masks.block is not None:
-            block_scores.masked_fill_(~masks.block, float("-inf"))
-        # One softmax over [context ; own block]. A slot always sees itself: no row is all -inf.
-        probs = torch.cat([context_scores, block_scores], dim=-1).softmax(dim=-1)  # [B, h, N, S, C+S]
-        context_probs, block_probs = probs.split([context_length, block_size], dim=-1)
-        out = (context_probs.flatten(2, 3) @ v_context).view_as(q)  # [B, h, N, S, hd]
-        return out + block_probs @ v_block
+        chunk = materialised_chunk_blocks(batch, heads, block_size, context.shape[1])
+        if chunk >= num_blocks:
+            return _block_attention(q, k_block, v_block, k_context, v_context, masks, 0, num_blocks)
+        outputs = []
+        for start in range(0, num_blocks, chunk):
+            end = min(start + chunk, num_blocks)
+            inputs = (q[:, :, start:end], k_block[:, :, start:end], v_block[:, :, start:end], k_context)
+            arguments = (*inputs, v_context, masks, start, end)
+            if torch.is_grad_enabled():
+                outputs.append(checkpoint(_block_attention, *arguments, use_reentrant=False))
+            else:
+                outputs.append(_block_attention(*arguments))
+        return torch.cat(outputs, dim=2)
 
     def _flex(
         self,
@@ -555,6 +631,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = "auto"  # see `attention_backend`
+        self.rotary = rotary_frequencies(config)  # float32 on the host, not a buffer: never cast to bf16
         self.apply(self._init_weights)
 
     @staticmethod
@@ -604,9 +681,8 @@ class DFlashDrafter(nn.Module):
         x = F.embedding(block_input_ids, self.embed_weight).to(dtype)  # [B, N, S, D]
         flat = context_hidden_states.reshape(batch, context_length, -1).to(dtype)  # [B, C, K*H]
         context = self.hidden_norm(self.fc(flat))  # [B, C, D]
-        head_dim, theta = self.config.head_dim, self.config.rope_theta
-        block_rope = rotary_cos_sin(block_position_ids, head_dim, theta)  # [B, N, S, hd]
-        context_rope = rotary_cos_sin(context_position_ids, head_dim, theta)  # [B, C, hd]
+        block_rope = rotary_cos_sin(block_position_ids, self.rotary)  # [B, N, S, hd]
+        context_rope = rotary_cos_sin(context_position_ids, self.rotary)  # [B, C, hd]
         windows = {layer.self_attn.sliding_window for layer in self.layers}
         flex = None
         if self.attention_backend == "flex":

@@ -6,8 +6,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_assets.drafter.config import DrafterConfig
+from dflash_assets.drafter.config import SLIDING_ATTENTION, DrafterConfig
 from dflash_assets.drafter.model import dflash2_parameter_counts, drafter_parameter_count
+from dflash_assets.drafter.speculative import MIN_PROMPTS_PER_BUCKET, bucket_label
 
 
 def _number(value: Any, digits: int = 3) -> str:
@@ -28,7 +29,8 @@ def drafter_model_card(
     objective: dict[str, Any] | None = None,
 ) -> str:
     """Markdown for the export's `README.md`. `metrics`: `acceptance_length_tau` (measured),
-    `baseline_acceptance_length_tau`, `teacher_forced_tau`, `loss`, `per_position_accuracy`.
+    `baseline_acceptance_length_tau`, `tau_by_context_length` (the measured tau per bucket of the prompts'
+    lengths: `speculative.by_context_length`), `teacher_forced_tau`, `loss`, `per_position_accuracy`.
     `data_source`: whose answers it trained on (`completions`: `target` or `dataset`, and for `target`
     `regenerated_by` and the `generation` settings). `world_sizes`: the data-parallel world sizes it was
     trained at, by steps (`from_step`, `to_step`, `world_size`, `nodes`). `objective`: the run's `loss`,
@@ -51,6 +53,7 @@ def drafter_model_card(
             f"{drafter_parameter_count(config):,} parameters",
         ),
         ("layer types", ", ".join(config.layer_types) + window),
+        ("context", describe_context(config)),
         (
             "trained on",
             f"sample ranges {ranges or 'none'} (partitions {', '.join(partitions) or 'none'}), "
@@ -70,6 +73,7 @@ def drafter_model_card(
             + (" (`DFLASH_DRAFTER_INIT`)" if (objective or {}).get("drafter_init") else " (fresh)"),
             _number(metrics.get("baseline_acceptance_length_tau")),
         ),
+        *context_length_rows(metrics.get("tau_by_context_length")),
         ("tau predicted teacher-forced on held-out labels", _number(metrics.get("teacher_forced_tau"))),
         ("held-out loss", _number(metrics.get("loss"), 4)),
         ("accuracy at drafted positions 1..", accuracy_text or "not measured"),
@@ -137,6 +141,39 @@ def describe_architecture(config: DrafterConfig) -> str:
         f"candidate selector over each slot's top {config.selector_top_k} (rank {config.selector_rank}; "
         f"{selector:,} parameters, two {config.vocab_size:,} x {config.selector_rank} codebooks)"
     )
+
+
+def context_length_rows(buckets: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """One row per bucket of held-out prompt lengths that had a prompt: tau falls with the context, and
+    a bucket of few prompts says so rather than pass for a figure."""
+    rows = []
+    for name, entry in (buckets or {}).items():
+        count = int(entry.get("prompts", 0))
+        text = f"{_number(entry.get('acceptance_length_tau'))} ({count} prompt{'s' if count != 1 else ''}"
+        if not entry.get("enough_prompts"):
+            text += f": too few to mean anything, fewer than {MIN_PROMPTS_PER_BUCKET}"
+        rows.append((f"tau measured on prompts of {bucket_label(name)}", text + ")"))
+    return rows
+
+
+def describe_context(config: DrafterConfig) -> str:
+    """How far the drafter's positions reach (the target's context: vLLM refuses a drafter whose
+    `max_position_embeddings` is below its target's), its rotary embedding, and what a sliding layer sees."""
+    scaling = config.rope_scaling or {}
+    rotary = f"rotary theta {config.rope_theta:g}"
+    if scaling:
+        fields = ", ".join(f"{k} {v}" for k, v in scaling.items() if k != "rope_type")
+        rotary += f", the target's {scaling['rope_type']} scaling ({fields})"
+    text = f"max_position_embeddings {config.max_position_embeddings:,} (the target's), {rotary}"
+    if note := config.extra.get("rope_note"):
+        text += f"; {note}"
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == SLIDING_ATTENTION]
+    if sliding:
+        text += (
+            f"; sliding window {config.sliding_window:,} tokens: layers {sliding} see only the last "
+            f"{config.sliding_window:,} positions of the context, the others all of it"
+        )
+    return text
 
 
 def describe_objective(objective: dict[str, Any] | None) -> str:

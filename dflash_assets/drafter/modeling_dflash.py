@@ -63,20 +63,32 @@ class DFlashRMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def _rope_theta(config: Qwen3Config) -> float:
+def _rope_frequencies(config: Qwen3Config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention factor: the plain rotary embedding, or the scaling the config
+    names (YaRN, linear, Llama 3), computed by transformers as for the target."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise NotImplementedError(f"rope_type {kind!r}: this drafter implements the default rotary embedding")
-    return float(rope.get("rope_theta", getattr(config, "rope_theta", 1_000_000.0)))
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 1_000_000.0)))
+    if kind == "default":
+        return 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim), 1.0
+    if kind not in ("linear", "yarn", "llama3"):
+        raise NotImplementedError(
+            f"rope_type {kind!r}: this drafter implements default, linear, yarn, llama3"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    return inv_freq.float(), float(attention_factor)
 
 
-def _rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary(
+    positions: torch.Tensor, frequencies: tuple[torch.Tensor, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin `[B, L, head_dim]` for positions `[B, L]` (rotate-half convention, as Qwen3)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq
+    inv_freq, attention_factor = frequencies
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -218,8 +230,8 @@ class DFlashDraftModel(PreTrainedModel):
         self.target_layer_ids = [int(i) for i in dflash["target_layer_ids"]]
         self.mask_token_id = int(dflash["mask_token_id"])
         self.block_size = int(dflash.get("block_size") or config.block_size)
-        self.rope_theta = _rope_theta(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rope_frequencies = _rope_frequencies(config, self.head_dim)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
@@ -266,7 +278,7 @@ class DFlashDraftModel(PreTrainedModel):
             )
         context = self.hidden_norm(self.fc(target_hidden.to(dtype)))
         query_positions = position_ids[:, context_length:]
-        key_rope = _rotary(position_ids, self.head_dim, self.rope_theta)
+        key_rope = _rotary(position_ids, self.rope_frequencies)
         query_rope = (key_rope[0][:, context_length:], key_rope[1][:, context_length:])
         for layer in self.layers:
             x = layer(

@@ -24,6 +24,7 @@ labels: its candidates are the drafter's own top-k, which the distilled unary te
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_assets.drafter.config import (
     DrafterConfig,
 )
-from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.drafter.model import DFlashDrafter, materialised_chunk_blocks
 
 
 @dataclass
@@ -86,10 +87,23 @@ def anchor_generator(seed: int, *parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+def anchors_per_sequence(labelled_tokens: int, num_anchors: int, tokens_per_anchor: float = 1.0) -> int:
+    """How many anchors a sequence with `labelled_tokens` assistant tokens gets (before the cap of the
+    positions that qualify): one per `tokens_per_anchor` labelled tokens, rounded up, at most
+    `num_anchors`. So each labelled token is about as often in a block whatever its sequence's length,
+    and a 300-token answer no longer weighs in the (global) loss as much as an 8 K one. 1: every
+    qualifying position up to `num_anchors` (the fixed count of the paper's recipe)."""
+    return min(num_anchors, math.ceil(labelled_tokens / tokens_per_anchor)) if labelled_tokens > 0 else 0
+
+
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generators: torch.Generator | Sequence[torch.Generator]
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generators: torch.Generator | Sequence[torch.Generator],
+    tokens_per_anchor: float = 1.0,
 ) -> BlockAnchors:
-    """Up to `num_anchors` distinct random anchors per sequence, sorted by position.
+    """Distinct random anchors per sequence, sorted by position: `anchors_per_sequence` of its labelled
+    tokens, capped by the positions that qualify.
 
     An anchor must be an assistant token followed by another assistant token: at inference the anchor
     is a token the target just generated, and a block with no assistant label would teach nothing.
@@ -100,8 +114,9 @@ def sample_anchors(
     batch, length = mask.shape
     candidates = torch.zeros_like(mask)
     candidates[:, :-1] = mask[:, :-1] & mask[:, 1:]
-    counts = candidates.sum(dim=1)  # [B]
-    num_blocks = min(num_anchors, int(counts.max())) if batch else 0
+    wanted = [anchors_per_sequence(int(n), num_anchors, tokens_per_anchor) for n in mask.sum(dim=1).tolist()]
+    counts = torch.minimum(candidates.sum(dim=1), torch.tensor(wanted, dtype=torch.long))  # [B]
+    num_blocks = int(counts.max()) if batch else 0
     if isinstance(generators, torch.Generator):
         scores = torch.rand(batch, length, generator=generators)
     else:
@@ -478,8 +493,14 @@ def estimate_step_bytes(
     # normed, rotated, laid out for the kernel), the attention's output and o_proj's input, the MLP's
     # gate, up, activation and product.
     per_layer = slots * (10 * width + 6 * q_width + 4 * config.intermediate_size)
+    chunked = 0  # one chunk of blocks' scores at a time, where the materialised attention chunks them
     if attention == "materialised":
-        per_layer += config.num_heads * slots * (context_length + size) * 3  # probs; grads in backward
+        chunk = materialised_chunk_blocks(batch_size, config.num_heads, size, context_length)
+        scores = config.num_heads * batch_size * size * (context_length + size)  # a block's, every head
+        if chunk >= num_blocks:
+            per_layer += scores * num_blocks * 3  # probs; grads in backward
+        else:  # each layer keeps only its chunks' inputs; one chunk's scores, probs and grads at a time
+            chunked = scores * chunk * 4
         per_layer += 4 * batch_size * context_length * q_width  # context k/v repeated to every head, rotary
     else:
         keys = batch_size * (context_length + num_blocks * size)  # [context ; every block]
@@ -494,7 +515,9 @@ def estimate_step_bytes(
     labelled = slots - batch_size * num_blocks  # at most: every slot but the anchors
     logits_chunk = 3 * min(labelled, logits_chunk_rows(config.vocab_size)) * config.vocab_size
     extra = _architecture_extra_elements(config, batch_size, context_length, num_blocks)
-    return (config.num_layers * per_layer + context + final + logits_chunk + extra) * bytes_per_element
+    return (
+        config.num_layers * per_layer + context + final + logits_chunk + extra + chunked
+    ) * bytes_per_element
 
 
 def _architecture_layer_elements(

@@ -45,6 +45,12 @@ class TargetVerifier:
     its float32 parts would run in bf16, and its states and greedy tokens would not be the captured ones.
     """
 
+    # A prefill longer than this runs a chunk at a time through the cache: `output_hidden_states` holds
+    # every layer's states of the tokens it runs (64 layers x 32 K tokens x 5,120 in bf16 is 21 GB for a
+    # 27B target), and the full-attention layers' activations grow with it; only the drafter's layers of
+    # each chunk are kept.
+    PREFILL_CHUNK_TOKENS = 4096
+
     def __init__(self, model: nn.Module, target_layer_ids: Sequence[int]) -> None:
         self.model = model.eval()
         self.target_layer_ids = list(target_layer_ids)
@@ -72,7 +78,14 @@ class TargetVerifier:
         vocabulary). A verification round needs every position's token: its cache is never empty."""
         if every_position is None:
             every_position = int(cache.get_seq_length()) > 0
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        ids = list(ids)
+        if not every_position and len(ids) > self.PREFILL_CHUNK_TOKENS:
+            step = self.PREFILL_CHUNK_TOKENS
+            states = [
+                self.run(ids[i : i + step], cache, every_position=False) for i in range(0, len(ids), step)
+            ]
+            return states[-1][0], torch.cat([hidden for _, hidden in states])
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         keep = {} if every_position or not self._keeps_logits else {"logits_to_keep": 1}
         with torch.autocast(self.device.type, enabled=False):
             output = self.model(
@@ -170,6 +183,94 @@ class PromptLookup:
         return []
 
 
+# Held-out prompts by their length in tokens: served drafters' acceptance falls with the context (users'
+# first complaint: 70 % to 16 % at 172 K for a drafter trained with a 2,048-token window), and one mean over
+# short prompts hides it. (name, first length, end length or None); names are TensorBoard and metadata tags.
+CONTEXT_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
+    ("under_2k", 0, 2048),
+    ("2k_8k", 2048, 8192),
+    ("8k_32k", 8192, 32768),
+    ("32k_plus", 32768, None),
+)
+# Fewer prompts than this in a bucket and its tau is said to be too few to mean anything: one prompt's
+# rounds are not independent, and a few prompts' tau swings with which they are.
+MIN_PROMPTS_PER_BUCKET = 4
+
+
+def context_bucket(prompt_tokens: int) -> str:
+    """The name of the `CONTEXT_BUCKETS` entry a prompt of `prompt_tokens` tokens falls in."""
+    for name, start, end in CONTEXT_BUCKETS:
+        if prompt_tokens >= start and (end is None or prompt_tokens < end):
+            return name
+    raise ValueError(f"a prompt of {prompt_tokens} tokens is in no context bucket")
+
+
+def spread_over_lengths(prompts: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """`count` of `prompts`, taken in turn from each context bucket that has any (each bucket's in their
+    order), so long prompts are measured too when most are short; in their original order. Deterministic:
+    every rank and every world size picks the same."""
+    queues: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        queues.setdefault(context_bucket(len(prompt)), []).append(i)
+    ordered = [queues[name] for name, _, _ in CONTEXT_BUCKETS if name in queues]
+    chosen: list[int] = []
+    while len(chosen) < count and any(ordered):
+        for queue in ordered:
+            if queue and len(chosen) < count:
+                chosen.append(queue.pop(0))
+    return [list(prompts[i]) for i in sorted(chosen)]
+
+
+def by_context_length(
+    parts: Sequence[tuple[int, int, int]],  # (prompt tokens, rounds, accepted tokens) per prompt
+) -> dict[str, dict[str, Any]]:
+    """`{bucket: {prompts, rounds, accepted, acceptance_length_tau, enough_prompts}}` for the buckets
+    with any prompt."""
+    buckets: dict[str, dict[str, Any]] = {}
+    for tokens, rounds, accepted in parts:
+        entry = buckets.setdefault(context_bucket(tokens), {"prompts": 0, "rounds": 0, "accepted": 0})
+        entry["prompts"] += 1
+        entry["rounds"] += rounds
+        entry["accepted"] += accepted
+    return {name: _bucket_figures(buckets[name]) for name, _, _ in CONTEXT_BUCKETS if name in buckets}
+
+
+def _bucket_figures(entry: dict[str, Any]) -> dict[str, Any]:
+    rounds, accepted, prompts = int(entry["rounds"]), int(entry["accepted"]), int(entry["prompts"])
+    return {
+        "prompts": prompts,
+        "rounds": rounds,
+        "accepted": accepted,
+        "acceptance_length_tau": accepted / rounds if rounds else None,
+        "enough_prompts": prompts >= MIN_PROMPTS_PER_BUCKET,
+    }
+
+
+def bucket_label(name: str) -> str:
+    """`under_2k` -> `< 2K tokens`, for people."""
+    start, end = next((start, end) for bucket, start, end in CONTEXT_BUCKETS if bucket == name)
+    if not start:
+        return f"< {end // 1024}K tokens"
+    return f"{start // 1024}K-{end // 1024}K tokens" if end else f">= {start // 1024}K tokens"
+
+
+def describe_by_context_length(speculative: dict[str, Any] | None) -> str:
+    """`< 2K tokens: tau 3.120 (12 prompts); 2K-8K tokens: tau 2.400 (2 prompts: too few to mean
+    anything)`, or `not measured`."""
+    parts = []
+    for name, entry in ((speculative or {}).get("by_context_length") or {}).items():
+        tau = entry.get("acceptance_length_tau")
+        count = int(entry["prompts"])
+        text = (
+            f"{bucket_label(name)}: tau {tau:.3f}" if tau is not None else f"{bucket_label(name)}: no rounds"
+        )
+        verdict = (
+            "" if entry.get("enough_prompts") else f": too few to mean anything (< {MIN_PROMPTS_PER_BUCKET})"
+        )
+        parts.append(f"{text} ({count} prompt{'s' if count != 1 else ''}{verdict})")
+    return "; ".join(parts) or "not measured"
+
+
 @dataclass
 class SpeculativeEvaluator:
     """Measured acceptance on fixed held-out prompts, comparable across checkpoints of one run.
@@ -185,7 +286,8 @@ class SpeculativeEvaluator:
 
     def evaluate(self, drafter: DFlashDrafter | PromptLookup) -> dict[str, Any]:
         """`{acceptance_length_tau, rounds, tokens, prompts, matches_target_greedy, mismatched_prompts,
-        seconds}`; tau is the mean acceptance length over every round of every prompt."""
+        seconds, by_context_length}`; tau is the mean acceptance length over every round of every prompt,
+        and `by_context_length` the same per bucket of the prompts' lengths (`by_context_length`)."""
         started = time.monotonic()
         if self.verifier is None:
             raise ValueError("SpeculativeEvaluator.evaluate needs a verifier (the target was released)")
@@ -215,6 +317,12 @@ class SpeculativeEvaluator:
             "matches_target_greedy": not mismatched,
             "mismatched_prompts": mismatched,
             "seconds": time.monotonic() - started,
+            "by_context_length": by_context_length(
+                [
+                    (len(prompt), len(result.acceptance_lengths), sum(result.acceptance_lengths))
+                    for prompt, result in zip(self.prompts, results, strict=True)
+                ]
+            ),
         }
 
 
@@ -228,6 +336,12 @@ def combine_results(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | 
     rounds = sum(int(part["rounds"]) for part in parts)
     mismatched = sorted(i for part in parts for i in part["mismatched_prompts"])
     accepted = sum(part["acceptance_length_tau"] * part["rounds"] for part in parts)
+    buckets: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for name, entry in (part.get("by_context_length") or {}).items():
+            total = buckets.setdefault(name, {"prompts": 0, "rounds": 0, "accepted": 0})
+            for key in total:
+                total[key] += int(entry[key])
     return {
         "acceptance_length_tau": accepted / rounds,
         "rounds": rounds,
@@ -236,6 +350,9 @@ def combine_results(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | 
         "matches_target_greedy": not mismatched,
         "mismatched_prompts": mismatched,
         "seconds": max(float(part["seconds"]) for part in parts),
+        "by_context_length": {
+            name: _bucket_figures(buckets[name]) for name, _, _ in CONTEXT_BUCKETS if name in buckets
+        },
     }
 
 

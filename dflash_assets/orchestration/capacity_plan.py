@@ -431,7 +431,12 @@ def format_plan(plan) -> str:
         (
             "hidden states in the store",
             f"{human_bytes(f['hidden_state_bytes'])} in {dtype} "
-            f"({human_bytes(f['hidden_state_bytes_by_dtype'][other])} in {other}); {f['objects']:,} objects",
+            f"({human_bytes(f['hidden_state_bytes_by_dtype'][other])} in {other}); {f['objects']:,} objects"
+            + (
+                f" of {human_bytes(f['hidden_state_bytes'] / f['objects'])} on average"
+                if f["objects"]
+                else ""
+            ),
         ),
         (
             "per range",

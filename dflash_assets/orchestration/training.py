@@ -55,6 +55,11 @@ class TrainConfig(Config):
         default=None,
         description="Random anchor positions per sequence (the recipe: 512; 64 on the bundled data).",
     )
+    tokens_per_anchor: float | None = Field(
+        default=None,
+        description="One anchor per this many labelled tokens of a sequence, up to num_anchors (6: the "
+        "recipe's density at 3072 tokens; unset or 1: every qualifying position up to num_anchors).",
+    )
     gamma: float | None = Field(
         default=None, description="Loss weight exp(-(p-1)/gamma) at block position p."
     )
@@ -133,6 +138,8 @@ class TrainConfig(Config):
         anchors = chosen(self.num_anchors, settings.train_num_anchors)
         if anchors is not None:
             values["num_anchors"] = anchors
+        if self.tokens_per_anchor is not None:
+            values["tokens_per_anchor"] = self.tokens_per_anchor
         return TrainSettings(**values)
 
     @property
@@ -380,6 +387,10 @@ def _block_metadata(prefix: str, metrics: dict | None) -> dict[str, Any]:
     for position, accuracy in enumerate((metrics or {}).get("per_position_accuracy") or [], start=1):
         if accuracy is not None:
             out[f"{prefix}accuracy_pos_{position:02d}"] = MetadataValue.float(float(accuracy))
+    for bucket, entry in ((metrics or {}).get("by_context_length") or {}).items():
+        tau = entry.get("acceptance_length_tau")
+        if isinstance(tau, int | float) and math.isfinite(tau):
+            out[f"{prefix}tau_{bucket}"] = MetadataValue.float(float(tau))
     return out
 
 
@@ -427,6 +438,7 @@ def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
     """The materialisation's metadata: what the run did, where, how fast, and how well it drafts."""
     from dflash_assets.drafter.config import DrafterConfig
     from dflash_assets.drafter.model import config_summary
+    from dflash_assets.drafter.speculative import describe_by_context_length
 
     drafter = DrafterConfig.from_json(job.drafter_config)
     world = outcome["world"]
@@ -471,6 +483,10 @@ def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
         # Steps whose loss or summed gradient was not finite: skipped on every rank, over the whole run.
         "skipped_nonfinite_steps": int(outcome.get("skipped_nonfinite_steps") or 0),
         "spec_matches_target_greedy": bool(speculative.get("matches_target_greedy", False)),
+        # tau per bucket of held-out prompt lengths, each with its prompts and whether they are enough.
+        "tau_by_context_length": MetadataValue.json(speculative.get("by_context_length") or {}),
+        "tau_by_context_length_text": describe_by_context_length(speculative),
+        **_block_metadata("spec_", {"by_context_length": speculative.get("by_context_length")}),
         **_block_metadata(
             "",
             {

@@ -49,8 +49,9 @@ def stage_memory(
 ) -> dict[str, int]:
     """Bytes on one device per stage:
 
-    - extraction: the weights, one forward's activations at the token budget, the capture buffer in the
-      model's dtype and its encoded copy (bf16 cast, or fp8's float32 working copy + e4m3 + scales);
+    - extraction: the weights, one forward's activations at the token budget (or the longest sample,
+      which runs alone), the capture buffer in the model's dtype and its encoded copy (bf16 cast, or
+      fp8's float32 working copy + e4m3 + scales);
     - regeneration (in-process generation with a KV cache): the weights, the cache and recurrent state of
       `generation_batch` sequences of `max_length` tokens, a prefill's activations at the token budget;
     - training: the drafter's float32 weights, gradients and AdamW state, the frozen embedding and LM head,
@@ -60,7 +61,10 @@ def stage_memory(
 
     Extraction and regeneration are counted on the busiest device of a target split over `target_tp`.
     """
-    extraction = extraction_bytes(target, device, hidden_state_dtype, max_tokens_per_batch, target_tp)
+    # A sample longer than the token budget is a batch of its own (`target/batching.py`): a 32 K sample
+    # runs a 32 K forward whatever DFLASH_MAX_TOKENS_PER_BATCH says.
+    forward_tokens = max(max_tokens_per_batch, max_length)
+    extraction = extraction_bytes(target, device, hidden_state_dtype, forward_tokens, target_tp)
     regeneration = regeneration_bytes(
         target, device, max_tokens_per_batch, max_length, generation_batch, target_tp
     )

@@ -26,6 +26,7 @@ from dflash_assets.drafter.speculative import (
     TargetVerifier,
     combine_results,
     held_out_prompts,
+    spread_over_lengths,
     stop_token_ids_of,
 )
 from dflash_assets.target.model import load_target_model
@@ -93,6 +94,7 @@ class Evaluator:
                 objective=self.settings.objective,
                 num_anchors=self.settings.num_anchors,
                 seed=self.settings.seed,
+                tokens_per_anchor=self.settings.tokens_per_anchor,
             )
         first = self._prompts is None
         gathered = self.collective.all_gather_object((metrics.totals(), rows if first else []), long=True)
@@ -100,7 +102,8 @@ class Evaluator:
         if first:
             every_row = sorted(row for g in gathered for row in g[1])  # by sample index: any world size
             limit = max(1, self.settings.max_length - self.settings.spec_eval_max_new_tokens)
-            self._prompts = held_out_prompts([r[1] for r in every_row], [r[2] for r in every_row], limit)
+            prompts = held_out_prompts([r[1] for r in every_row], [r[2] for r in every_row], limit)
+            self._prompts = spread_over_lengths(prompts, self.settings.spec_eval_prompts)
         mine = self._speculative_decoding(model, optimizer)
         speculative = combine_results(self.collective.all_gather_object(mine, long=True))
         if speculative is not None and not speculative["matches_target_greedy"]:

@@ -29,6 +29,7 @@ def export_trained_drafter(
         "baseline_acceptance_length_tau": ((result.baseline or {}).get("speculative") or {}).get(
             "acceptance_length_tau"
         ),
+        "tau_by_context_length": (result.speculative or {}).get("by_context_length"),
         "teacher_forced_tau": result.teacher_forced_tau,
         "per_position_accuracy": result.per_position_accuracy,
     }

@@ -31,6 +31,7 @@ import torch
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.model import drafter_parameter_count
 from dflash_assets.drafter.objective import estimate_step_bytes
+from dflash_assets.drafter.speculative import TargetVerifier
 from dflash_assets.storage.units import human_bytes
 from dflash_assets.target.memory import (
     forward_activation_bytes,
@@ -44,6 +45,8 @@ from dflash_assets.target.memory import (
 from dflash_assets.target.model import num_decoder_layers
 
 SKIP_SETTING = "spec_eval_prompts: 0"
+# The captured layers a decoding keeps for the whole context (bf16), at most: DFlash's 5 by default.
+DRAFTER_LAYERS_KEPT = 5
 # Room kept free beyond the estimate: allocator fragmentation and what the estimate leaves out.
 HEADROOM_FRACTION = 0.10
 HEADROOM_BYTES = 256 * 2**20
@@ -58,18 +61,21 @@ def evaluation_target_bytes(
 ) -> int:
     """What loading the target and decoding one held-out prompt takes on a device: the weights, the KV
     cache and recurrent state twice (the committed cache and the copy each verification runs on), and the
-    prefill's activations, all-layer hidden states and logits."""
+    prefill's activations, all-layer hidden states and logits, a chunk of the prompt at a time
+    (`TargetVerifier.PREFILL_CHUNK_TOKENS`), with the drafter's layers kept for the whole prompt."""
     config = target_config(target_model)
     dtype_bytes = 2 if device_type == "cuda" else 4
     tokens = prompt_tokens + new_tokens
-    width = (num_decoder_layers(config) + 1) * int(config["hidden_size"])  # output_hidden_states
-    prefill_states = width * prompt_tokens * dtype_bytes
+    chunk = min(prompt_tokens, TargetVerifier.PREFILL_CHUNK_TOKENS)
+    hidden = int(config["hidden_size"])
+    width = (num_decoder_layers(config) + 1) * hidden  # output_hidden_states
+    prefill_states = width * chunk * dtype_bytes + DRAFTER_LAYERS_KEPT * hidden * prompt_tokens * 2
     return (
         weight_bytes(target_model, device_type)
         + 2 * (kv_cache_bytes_per_token(config, dtype_bytes) * tokens + recurrent_state_bytes(config))
         + prefill_states
-        + logits_bytes(config, prompt_tokens)
-        + forward_activation_bytes(config, prompt_tokens, dtype_bytes)
+        + logits_bytes(config, chunk)
+        + forward_activation_bytes(config, chunk, dtype_bytes)
     )
 
 

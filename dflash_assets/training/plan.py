@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.drafter.objective import estimate_step_bytes
+from dflash_assets.drafter.objective import anchors_per_sequence, estimate_step_bytes
 from dflash_assets.training.settings import TrainSettings
 
 GIB = 2**30
@@ -71,7 +71,11 @@ def micro_batches(
     for index in ids:
         candidate = [*batches[-1], index] if batches else [index]
         longest = max(lengths[i] for i in candidate)
-        blocks = min(settings.num_anchors, max(longest - 1, 1))
+        # The most anchors a row of this micro-batch can get: its longest sequence's, all labelled.
+        blocks = max(
+            1,
+            min(longest - 1, anchors_per_sequence(longest, settings.num_anchors, settings.tokens_per_anchor)),
+        )
         estimate = estimate_step_bytes(config, len(candidate), longest, blocks, attention=attention)
         if batches and estimate <= budget_bytes:
             batches[-1] = candidate

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dflash_assets import terminal
+from dflash_assets.drafter.speculative import describe_by_context_length
 from dflash_assets.training.curves import TrainingCurves
 from dflash_assets.training.metrics import StepStats, TrainMetrics
 
@@ -127,8 +128,13 @@ class RunReporter:
                     "ce": teacher_forced.get("ce"),
                     "tau_teacher_forced": teacher_forced.get("teacher_forced_tau"),
                     "tau_measured": speculative.get("acceptance_length_tau"),
+                    **context_length_scalars(speculative),
                 },
             )
+            if speculative.get("by_context_length"):
+                self.curves.log_text(
+                    step, "eval/tau_by_context_length", describe_by_context_length(speculative)
+                )
 
     def checkpoint_written(self) -> None:
         if self.curves is not None:
@@ -186,3 +192,13 @@ class QuietReporter(RunReporter):
 
     def close(self, *, failed: bool) -> None:
         pass
+
+
+def context_length_scalars(speculative: dict[str, Any]) -> dict[str, float]:
+    """`tau_measured_<bucket>` and `prompts_<bucket>` for each context-length bucket that had a prompt."""
+    scalars: dict[str, float] = {}
+    for name, entry in (speculative.get("by_context_length") or {}).items():
+        if entry.get("acceptance_length_tau") is not None:
+            scalars[f"tau_measured_{name}"] = float(entry["acceptance_length_tau"])
+        scalars[f"prompts_{name}"] = float(entry["prompts"])
+    return scalars

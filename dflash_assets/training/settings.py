@@ -13,18 +13,19 @@ from dflash_assets.training.checkpoints import (
 # Settings whose change between an interrupted run and its resumption changes the trajectory.
 TRAJECTORY_SETTINGS = (
     "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
-    "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "gamma", "seed",
-    "eval_samples", "loss", "dpace_alpha", "drafter_init", "distill_weight",
+    "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "tokens_per_anchor",
+    "gamma", "seed", "eval_samples", "loss", "dpace_alpha", "drafter_init", "distill_weight",
 )  # fmt: skip
 
 
 @dataclass
 class TrainSettings:
     """SpecForge's DFlash recipe by default: AdamW at 6e-4 with betas (0.9, 0.999) and no weight decay,
-    4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 3072 tokens, 512 anchors
-    per sequence, and a global batch of 32 sequences per optimiser step (4 per GPU x 8 GPUs) reached by
-    gradient accumulation over micro-batches that fit the device's memory; the position weights are
-    D-PACE's (alpha 0.5, the default of speculators and ModelOpt), or the paper's decay with gamma 7."""
+    4 % linear warm-up then cosine to 0, gradient clipping at 1.0, 6 epochs, 8192 tokens (the peers' length
+    for reasoning targets; the 8B recipe's was 3072), 512 anchors per sequence, and a global batch
+    of 32 sequences per optimiser step (4 per GPU x 8 GPUs) reached by gradient accumulation over
+    micro-batches that fit the device's memory; the position weights are D-PACE's (alpha 0.5, the default
+    of speculators and ModelOpt), or the paper's decay with gamma 7."""
 
     mode: str = "offline"  # "offline" (hidden states from the store) or "online" (target runs alongside)
     max_steps: int | None = None  # None: `epochs` full passes decide; set: exactly this many steps
@@ -39,8 +40,13 @@ class TrainSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
-    max_length: int = 3072  # longer samples are truncated (their tail is not trained on)
-    num_anchors: int = 512  # per sequence, capped by the positions that qualify
+    max_length: int = 8192  # longer samples are truncated (their tail is not trained on)
+    num_anchors: int = 512  # per sequence at most, capped by the positions that qualify
+    # One anchor per this many labelled tokens of a sequence, rounded up, up to num_anchors
+    # (`drafter/objective.py`'s `anchors_per_sequence`): 6 is the recipe's density at its own length (512
+    # anchors in 3072 tokens), so a short answer gets proportionally fewer blocks than a long one. 1 (the
+    # default): the paper's fixed count, every qualifying position up to num_anchors.
+    tokens_per_anchor: float = 1.0
     loss: str = "dpace"  # position weights: "dpace" (D-PACE, from the drafter's confidences) or "decay"
     gamma: float = 7.0  # the decay's position weight exp(-(p-1)/gamma)
     dpace_alpha: float = 0.5  # D-PACE's confidence smoothing (ModelOpt's and speculators' 0.5)
@@ -75,6 +81,11 @@ class TrainSettings:
                 raise ValueError(f"train setting {name} must be positive, got {getattr(self, name)}")
         if self.micro_batch_bytes is not None and self.micro_batch_bytes <= 0:
             raise ValueError(f"micro_batch_bytes must be positive or None, got {self.micro_batch_bytes}")
+        if not self.tokens_per_anchor >= 1:
+            raise ValueError(
+                f"tokens_per_anchor must be at least 1 (1: every qualifying position up to num_anchors), got "
+                f"{self.tokens_per_anchor}"
+            )
         if self.gamma <= 0:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
         if self.loss not in LOSSES:

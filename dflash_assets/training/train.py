@@ -439,7 +439,9 @@ class DrafterTrainer:
 
     def _anchors(self, batch: DrafterBatch, epoch: int | str) -> BlockAnchors:
         generators = [anchor_generator(self.settings.seed, epoch, index) for index in batch.sample_indices]
-        return sample_anchors(batch.loss_mask, self.settings.num_anchors, generators)
+        return sample_anchors(
+            batch.loss_mask, self.settings.num_anchors, generators, self.settings.tokens_per_anchor
+        )
 
     def _throwaway_batch(self, sequences: int, length: int) -> DrafterBatch:
         """Mask tokens over zero hidden states, every token an assistant one: what the warm-up and a

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from dflash_assets.drafter.config import DrafterConfig, load_target_embeddings
 from dflash_assets.drafter.evaluate import evaluate_drafter
-from dflash_assets.drafter.model import DFlashDrafter, rotary_cos_sin
+from dflash_assets.drafter.model import DFlashDrafter, rotary_cos_sin, rotary_frequencies
 from dflash_assets.drafter.objective import (
     BlockAnchors,
     DrafterBatch,
@@ -102,7 +102,7 @@ def masked_sdpa_reference(
     flat = context_hidden_states.reshape(batch, context_length, -1).to(dtype)
     context = drafter.hidden_norm(drafter.fc(flat))  # [B, C, D]
     positions = torch.cat([context_positions, block_positions.flatten(1)], dim=1)
-    cos, sin = rotary_cos_sin(positions, head_dim, config.rope_theta)  # [B, C+Q, hd]
+    cos, sin = rotary_cos_sin(positions, rotary_frequencies(config))  # [B, C+Q, hd]
 
     def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [B, h, L, hd]
         t1, t2 = t.chunk(2, dim=-1)

@@ -163,3 +163,111 @@ def test_the_model_card_says_whose_answers_the_drafter_learned():
     assert "not regenerated" in describe_data_source({"completions": "dataset"})
     assert "not regenerated" in describe_data_source(None)
     assert "some ranges" in describe_data_source({"completions": "mixed"})
+
+
+def with_target_config(target_dir: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of the tiny target whose config.json has `changes` (its weights linked, not copied)."""
+    copy = tmp_path / "target"
+    copy.mkdir()
+    for item in target_dir.iterdir():
+        (copy / item.name).symlink_to(item)
+    (copy / "config.json").unlink()
+    raw = json.loads((target_dir / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**raw, **changes}))
+    return copy
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+def test_an_export_reaches_the_targets_context_with_its_rotary_scaling(
+    target_dir: Path, target: torch.nn.Module, tmp_path: Path
+) -> None:
+    # A YaRN-extended target of 131,072 positions (Qwen3's long-context recipe): vLLM refuses a drafter
+    # whose max_position_embeddings is below the target's, and a drafter rotating positions otherwise
+    # than its training did drafts something else.
+    long_target = with_target_config(
+        target_dir,
+        tmp_path,
+        max_position_embeddings=131072,
+        rope_parameters={**YARN, "rope_theta": 5e6, "partial_rotary_factor": 0.25},
+    )
+    config = tiny_drafter_config(long_target)
+    export = tmp_path / "drafter"
+    export_drafter(trained_like(config, seed=4), export)
+
+    raw = json.loads((export / "config.json").read_text())
+    assert raw["max_position_embeddings"] == 131072
+    assert raw["rope_parameters"] == {**YARN, "rope_theta": 5e6}  # the drafter rotates its whole head
+    assert raw["rope_scaling"]["type"] == "yarn" and raw["rope_theta"] == 5e6
+    hf = Qwen3Config.from_pretrained(export)
+    assert hf.max_position_embeddings == 131072 and hf.rope_parameters["rope_type"] == "yarn"
+    assert DrafterConfig.load(export) == config
+
+    # transformers' own YaRN rotary (the reference reader's) drafts what ours drafts, far past the
+    # original 32,768 positions.
+    reference, reloaded = ReferenceDrafter(export), load_drafter(export, target_model=long_target)
+    ids = torch.randint(0, MASK_TOKEN_ID, (21,), generator=torch.Generator().manual_seed(6))
+    context = target_context(target, ids[:-1], config.target_layer_ids)
+    start = 100_000
+    expected = reference.draft_logits(
+        context, int(ids[-1]), target.get_input_embeddings(), target.lm_head, start=start
+    )
+    size = config.block_size
+    block = torch.full((1, 1, size), config.mask_token_id)
+    block[0, 0, 0] = int(ids[-1])
+    with torch.no_grad():
+        hidden = reloaded(
+            block, (start + 20 + torch.arange(size)).view(1, 1, size), context[None],
+            (start + torch.arange(20))[None], torch.tensor([[start + 20]]),
+        )  # fmt: skip
+    torch.testing.assert_close(reloaded.logits(hidden[0, 0, 1:]), expected, rtol=1e-4, atol=1e-4)
+    plain = DrafterConfig(**{**config.__dict__, "rope_scaling": None})
+    assert not torch.equal(
+        DFlashDrafter(plain, reloaded.embed_weight, reloaded.lm_head_weight).rotary[0], reloaded.rotary[0]
+    )
+
+
+def test_a_target_without_a_stated_context_or_scaling_gives_the_plain_rotary_at_its_theta(
+    target_dir: Path, tmp_path: Path
+) -> None:
+    qwen35 = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [1]}
+    config = tiny_drafter_config(with_target_config(target_dir, tmp_path, rope_parameters=qwen35))
+    assert (config.rope_theta, config.rope_scaling) == (1e7, None)
+    assert config.to_reference_dict()["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
+    assert "rope_scaling" not in config.to_reference_dict()
+
+
+def test_the_model_card_states_the_context_and_a_sliding_layers_window(target_dir: Path) -> None:
+    from dflash_assets.drafter.model_card import drafter_model_card
+
+    base = tiny_drafter_config(target_dir)
+    sliding = DrafterConfig(
+        **{**base.__dict__, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2048}
+    )
+    card = drafter_model_card(
+        sliding, run="r", target_model_name="t", trained_sample_ranges=[], partitions=[], steps=1, metrics={}
+    )
+    context = next(line for line in card.splitlines() if line.startswith("| context |"))
+    assert f"max_position_embeddings {base.max_position_embeddings:,}" in context
+    assert "sliding window 2,048 tokens: layers [0] see only the last 2,048 positions" in context
+    plain = drafter_model_card(
+        base, run="r", target_model_name="t", trained_sample_ranges=[], partitions=[], steps=1, metrics={}
+    )
+    assert "sliding window" not in plain
+
+
+def test_the_model_card_gives_tau_per_prompt_length_and_calls_a_bucket_of_few_prompts_too_few(
+    target_dir: Path,
+) -> None:
+    from dflash_assets.drafter.model_card import drafter_model_card
+    from dflash_assets.drafter.speculative import by_context_length
+
+    buckets = by_context_length([(100, 10, 31), (150, 10, 29), (200, 10, 30), (250, 10, 30), (9000, 8, 12)])
+    card = drafter_model_card(
+        tiny_drafter_config(target_dir), run="r", target_model_name="t", trained_sample_ranges=[],
+        partitions=[], steps=1, metrics={"acceptance_length_tau": 2.5, "tau_by_context_length": buckets},
+    )  # fmt: skip
+    assert "| tau measured on prompts of < 2K tokens | 3.000 (4 prompts) |" in card
+    few = "1.500 (1 prompt: too few to mean anything, fewer than 4) |"
+    assert f"| tau measured on prompts of 8K-32K tokens | {few}" in card

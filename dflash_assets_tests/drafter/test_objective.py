@@ -16,6 +16,7 @@ from dflash_assets.drafter.objective import (
     Objective,
     _label_rows,
     anchor_generator,
+    anchors_per_sequence,
     decay_weights,
     dflash_loss,
     dpace_weights,
@@ -166,3 +167,47 @@ def test_every_anchor_s_block_is_weighted_alike_whichever_batch_it_is_in(config:
         )
     total = float(alone.weighted_ce_sum + other.weighted_ce_sum)
     assert total == pytest.approx(float(both.weighted_ce_sum), rel=1e-5)
+
+
+def test_a_sequence_gets_one_anchor_per_tokens_per_anchor_labelled_tokens_up_to_the_cap():
+    # The recipe: one per 6 labelled tokens, at most 512. A 300-token answer gets 50 (the fixed count gave
+    # it 299, every position), an 8 K one the cap, 3,072 exactly the cap (the recipe's own length).
+    assert [anchors_per_sequence(n, 512, 6) for n in (0, 1, 10, 300, 3072, 8000)] == [0, 1, 2, 50, 512, 512]
+    assert [anchors_per_sequence(n, 512, 1) for n in (10, 300, 8000)] == [10, 300, 512]  # the fixed count
+
+
+def test_anchors_scale_with_each_sequences_labelled_tokens_whichever_batch_it_is_drawn_in():
+    mask = torch.zeros(3, 400, dtype=torch.bool)
+    mask[0, 10:310] = True  # 300 labelled: 50 anchors
+    mask[1, 5:65] = True  # 60 labelled: 10
+    mask[2, 0:4] = True  # 4 labelled, 3 that qualify: 1
+    generators = [anchor_generator(7, 0, i) for i in range(3)]
+    together = sample_anchors(mask, 512, generators, tokens_per_anchor=6)
+    assert together.keep.sum(dim=1).tolist() == [50, 10, 1]
+    for row in range(3):  # the same anchors drawn alone (another micro-batch, another rank)
+        alone = sample_anchors(mask[row : row + 1], 512, [anchor_generator(7, 0, row)], tokens_per_anchor=6)
+        kept = together.positions[row][together.keep[row]]
+        assert torch.equal(alone.positions[0][alone.keep[0]], kept)
+        assert bool(mask[row][kept].all() and mask[row][kept + 1].all())  # each an assistant token before one
+
+
+def test_with_anchors_by_labelled_tokens_a_batch_split_in_two_still_sums_to_the_whole(config: DrafterConfig):
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(config)
+    batch = _batch(config, [40, 31, 26, 37], seed=1)
+
+    def run(part: DrafterBatch):
+        generators = [anchor_generator(0, 0, i) for i in part.sample_indices]
+        anchors = sample_anchors(part.loss_mask, 8, generators, tokens_per_anchor=4)
+        with torch.no_grad():
+            return dflash_loss(drafter, part, anchors, Objective()), anchors
+
+    (whole, anchors), (first, _), (second, _) = (
+        run(batch),
+        run(_rows(batch, [0, 2])),
+        run(_rows(batch, [1, 3])),
+    )
+    assert anchors.keep.sum(dim=1).tolist() == [8, 7, 6, 8]  # ceil(labelled / 4), at most 8
+    assert float(first.weight_sum + second.weight_sum) == pytest.approx(float(whole.weight_sum), rel=1e-6)
+    total = float(first.weighted_ce_sum + second.weighted_ce_sum)
+    assert total == pytest.approx(float(whole.weighted_ce_sum), rel=1e-5)

@@ -12,12 +12,17 @@ from transformers import AutoModelForCausalLM
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.speculative import (
+    MIN_PROMPTS_PER_BUCKET,
     PromptLookup,
     SpeculativeEvaluator,
     TargetVerifier,
+    by_context_length,
+    combine_results,
+    context_bucket,
     greedy_decode,
     held_out_prompts,
     speculative_decode,
+    spread_over_lengths,
 )
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.training.data import OnlineData
@@ -236,3 +241,76 @@ def test_a_fresh_drafter_is_rarely_accepted(verifier: TargetVerifier, config: Dr
     result = SpeculativeEvaluator(verifier, prompts(3, seed=9), 20).evaluate(drafter)
     assert result["matches_target_greedy"] and result["rounds"] > 0
     assert 1.0 <= result["acceptance_length_tau"] < 1.5
+
+
+def test_a_prompt_falls_in_the_bucket_of_its_length_in_tokens() -> None:
+    assert [context_bucket(n) for n in (1, 2047, 2048, 8191, 8192, 32767, 32768, 200_000)] == [
+        "under_2k", "under_2k", "2k_8k", "2k_8k", "8k_32k", "8k_32k", "32k_plus", "32k_plus",
+    ]  # fmt: skip
+
+
+def test_tau_per_bucket_weighs_rounds_as_the_whole_does_and_says_when_prompts_are_too_few() -> None:
+    # (prompt tokens, rounds, accepted tokens): four short prompts, one of 3 K tokens.
+    figures = by_context_length([(100, 10, 30), (200, 5, 5), (300, 5, 10), (400, 10, 15), (3000, 4, 6)])
+    assert list(figures) == ["under_2k", "2k_8k"]
+    short, long = figures["under_2k"], figures["2k_8k"]
+    assert (short["prompts"], short["rounds"], short["accepted"]) == (4, 30, 60)
+    assert short["acceptance_length_tau"] == 2.0 and short["enough_prompts"]
+    assert long["acceptance_length_tau"] == 1.5 and long["prompts"] < MIN_PROMPTS_PER_BUCKET
+    assert not long["enough_prompts"]
+
+
+def test_the_evaluated_prompts_take_each_length_in_turn_so_a_few_long_ones_are_measured() -> None:
+    short = [[1] * n for n in (10, 11, 12, 13, 14, 15)]
+    long = [[2] * 2100, [3] * 9000]
+    prompts = [*short[:3], long[0], *short[3:], long[1]]
+    chosen = spread_over_lengths(prompts, 4)
+    assert [len(p) for p in chosen] == [10, 11, 2100, 9000]  # one of each bucket, then the next short
+    assert spread_over_lengths(prompts, 100) == prompts
+    assert spread_over_lengths(short, 3) == short[:3]  # all short: the first ones, as before
+
+
+def test_tau_by_prompt_length_is_measured_on_a_long_prompt_and_combines_over_ranks_as_one_process(
+    verifier: TargetVerifier,
+) -> None:
+    rng = random.Random(3)
+    long_prompt = [rng.randrange(1, 250) for _ in range(2100)]
+    all_prompts = [*prompts(4, seed=4), long_prompt]
+    lookup = PromptLookup(block_size=8)
+    whole = SpeculativeEvaluator(verifier, all_prompts, 12).evaluate(lookup)
+    buckets = whole["by_context_length"]
+    assert {name: entry["prompts"] for name, entry in buckets.items()} == {"under_2k": 4, "2k_8k": 1}
+    assert buckets["under_2k"]["enough_prompts"] and not buckets["2k_8k"]["enough_prompts"]
+    assert sum(entry["rounds"] for entry in buckets.values()) == whole["rounds"]
+    assert sum(entry["accepted"] for entry in buckets.values()) / whole["rounds"] == pytest.approx(
+        whole["acceptance_length_tau"]
+    )
+    # Two ranks, prompt i on rank i mod 2, add up to the one process's figures, bucket by bucket.
+    ranks = [SpeculativeEvaluator(verifier, all_prompts[r::2], 12).evaluate(lookup) for r in (0, 1)]
+    combined = combine_results(ranks)
+    assert combined["by_context_length"] == buckets
+    assert combined["acceptance_length_tau"] == pytest.approx(whole["acceptance_length_tau"])
+
+
+def test_a_long_prefill_runs_a_chunk_at_a_time_and_gives_the_same_token_states_and_decoding(
+    verifier: TargetVerifier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = [random.Random(8).randrange(1, 250) for _ in range(45)]
+    whole_cache = verifier.new_cache()
+    whole, whole_states = verifier.run(prompt, whole_cache)
+    monkeypatch.setattr(verifier, "PREFILL_CHUNK_TOKENS", 8)  # 6 chunks, the last of 5 tokens
+    seen: list[int] = []
+    handle = verifier.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    chunked_cache = verifier.new_cache()
+    try:
+        chunked, chunked_states = verifier.run(prompt, chunked_cache)
+    finally:
+        handle.remove()
+    assert seen == [8, 8, 8, 8, 8, 5]  # no forward holds every layer's states of the whole prompt
+    assert chunked.tolist() == whole.tolist() and chunked_states.shape == whole_states.shape
+    torch.testing.assert_close(chunked_states.float(), whole_states.float(), rtol=2**-7, atol=1e-3)
+    assert int(chunked_cache.get_seq_length()) == len(prompt)
+    # The cache the chunks built decodes on as the whole prefill's does.
+    assert greedy_decode(verifier, prompt, 12, set()) == recomputed_greedy(verifier, prompt, 12)

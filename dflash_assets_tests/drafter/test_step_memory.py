@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_assets.bench.drafter_step import cpu_peak_bytes
+from dflash_assets.drafter import model as model_module
 from dflash_assets.drafter.config import DrafterConfig, drafter_shape
 from dflash_assets.drafter.model import drafter_class, drafter_parameter_count
 from dflash_assets.drafter.objective import (
@@ -53,10 +54,16 @@ def step_inputs(config: DrafterConfig, batch_size: int, length: int, num_anchors
 
 
 @pytest.mark.parametrize("arch", ["dflash", "dflash2"])
-@pytest.mark.parametrize(("batch_size", "length", "num_anchors"), [(1, 512, 32), (2, 256, 64)])
+@pytest.mark.parametrize(
+    ("batch_size", "length", "num_anchors", "chunk_bytes"),
+    [(1, 512, 32, None), (2, 256, 64, None), (1, 4096, 96, 8 * 2**20)],  # the last: scores in 12 chunks
+)
 def test_the_materialised_estimate_covers_a_cpu_step_s_measured_peak_without_doubling_it(
-    batch_size: int, length: int, num_anchors: int, arch: str
+    batch_size: int, length: int, num_anchors: int, chunk_bytes: int | None, arch: str, monkeypatch
 ) -> None:
+    if chunk_bytes is not None:
+        monkeypatch.setattr(model_module, "MATERIALISED_CHUNK_BYTES", chunk_bytes)
+        assert model_module.materialised_chunk_blocks(batch_size, 8, 16, length) < num_anchors
     # DFlash2: its convolutions and selector (at a rank that weighs here as 256 does at a 248 K vocabulary).
     config = drafter_config(arch=arch, selector_rank=64)
     drafter, batch, anchors = step_inputs(config, batch_size, length, num_anchors)
@@ -140,9 +147,50 @@ def test_on_an_h200_flex_attention_fits_several_3072_token_sequences_a_micro_bat
 
     assert planned_attention("cuda") == "flex" and planned_attention("cpu") == "materialised"
     flex = micro_batches(ids, lengths, config, settings, budget, planned_attention("cuda"))
-    materialised = micro_batches(ids, lengths, config, settings, budget, "materialised")
     assert len(flex[0]) == sequences, name
-    assert len(materialised[0]) == 1  # the full score matrix: what every micro-batch held before
     # The plan's training memory counts the same activations.
     planned = training_memory(config, 3072, 512, attention="flex").activations
     assert planned == estimate_step_bytes(config, 1, 3072, 512, attention="flex")
+
+
+def test_an_8k_sequence_and_many_short_ones_are_planned_within_the_budget_the_short_ones_densely() -> None:
+    # The Qwen3-8B DFlash2 drafter on an H200's budget: an 8,192-token reasoning answer and thirty
+    # 300-token ones in one global batch (longest first, as a step orders them).
+    config = replace(qwen_drafter(4096, 12288, 151_936, 36, "dflash"), arch="dflash2")
+    parameters = drafter_parameter_count(config)
+    budget = int((141 * 10**9 - 20 * parameters - drafter_frozen_bytes(config)) * 0.7)
+    lengths = [8192] + [300] * 30
+    ids = list(range(len(lengths)))
+    recipe = TrainSettings(tokens_per_anchor=6)  # 512 anchors at most, one per 6 labelled tokens
+    fixed = TrainSettings()  # the fixed count: a 300-token sequence takes 299 anchors
+
+    by_tokens = micro_batches(ids, lengths, config, recipe, budget, "flex")
+    assert by_tokens[0][0] == 0 and sorted(i for batch in by_tokens for i in batch) == ids
+    for batch in by_tokens:  # every micro-batch within the budget, padded to its longest
+        longest = max(lengths[i] for i in batch)
+        blocks = min(512, -(-longest // 6), longest - 1)
+        assert estimate_step_bytes(config, len(batch), longest, blocks, attention="flex") <= budget
+    # Short sequences' anchors follow their tokens, so they share micro-batches six times as densely.
+    fixed_count = micro_batches(ids, lengths, config, fixed, budget, "flex")
+    assert max(map(len, by_tokens[1:])) >= 5 * max(map(len, fixed_count[1:]))
+
+
+def test_a_long_contexts_blocks_are_attended_a_chunk_at_a_time_with_the_same_result_and_gradients(
+    monkeypatch,
+) -> None:
+    config = drafter_config(hidden=64, vocab=500, num_heads=4, num_kv_heads=1, head_dim=16)
+    drafter, batch, anchors = step_inputs(config, 2, 300, 40)
+
+    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        drafter.zero_grad()
+        output = dflash_loss(drafter, batch, anchors, Objective())
+        output.weighted_ce.backward()
+        return output.weighted_ce.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
+
+    whole, whole_grads = step()
+    monkeypatch.setattr(model_module, "MATERIALISED_CHUNK_BYTES", 1)  # one block a chunk: 40 chunks
+    assert model_module.materialised_chunk_blocks(2, 4, 16, 300) == 1
+    chunked, chunked_grads = step()
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-4, atol=1e-6)

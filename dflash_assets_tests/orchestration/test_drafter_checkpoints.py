@@ -195,6 +195,11 @@ def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_
     )
     assert f"{metrics['acceptance_length_tau']:.3f}" in card
     assert metadata["spec_matches_target_greedy"] is True
+    # tau per bucket of held-out prompt lengths (the demo's are all short), in the UI and in the card.
+    by_length = metadata["tau_by_context_length"]
+    assert list(by_length) == ["under_2k"] and metrics["tau_by_context_length"] == by_length
+    assert metadata["spec_tau_under_2k"] == pytest.approx(metadata["acceptance_length_tau"])
+    assert "tau measured on prompts of < 2K tokens" in card
     assert {f"accuracy_pos_{p:02d}" for p in range(1, 16)} <= set(metadata)  # every drafted position
     assert metadata["drafter_uri"] == "s3://train-ranges/shared/drafter/offline-run"
     assert len(observations) >= 4  # the untrained baseline, then one per checkpoint, for the UI's plots

@@ -70,8 +70,8 @@ def test_plan_prints_the_training_split_for_the_seeds_node_beside_their_seven_pl
 def test_a_wrong_split_flag_is_one_line_naming_it(config_only_27b, capsys):
     assert cli.main(["plan", "--gpus-per-node", "0"]) == 2
     assert capsys.readouterr().err.strip() == "dflash-assets plan: --gpus-per-node 0 must be more than 0"
-    assert cli.main(["plan", "--mean-tokens", "5000"]) == 2
-    assert "DFLASH_MAX_LENGTH=3072" in capsys.readouterr().err
+    assert cli.main(["plan", "--mean-tokens", "9000"]) == 2
+    assert "DFLASH_MAX_LENGTH=8192" in capsys.readouterr().err
 
 
 def test_auto_takes_the_plans_split_for_this_nodes_devices(

@@ -313,4 +313,4 @@ def test_an_answer_is_as_long_as_the_target_states_unless_a_setting_or_the_run_c
     silent = tmp_path / "a-target-that-states-nothing"
     silent.mkdir()
     (silent / "generation_config.json").write_text('{"eos_token_id": 2}')
-    assert GenerateConfig().generation_settings(silent).max_new_tokens == 2048
+    assert GenerateConfig().generation_settings(silent).max_new_tokens == 8192

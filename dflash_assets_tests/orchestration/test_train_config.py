@@ -14,6 +14,8 @@ def test_the_bundled_data_trains_240_steps_of_4_sequences_at_64_anchors_unless_t
     monkeypatch.delenv("DFLASH_TRAIN_GLOBAL_BATCH_SIZE", raising=False)
     bundled = TrainConfig().train_settings()
     assert (bundled.max_steps, bundled.global_batch_size, bundled.num_anchors) == (240, 4, 64)
+    assert bundled.tokens_per_anchor == 1.0  # every qualifying position up to 64, as the demo measured
+    assert TrainConfig(tokens_per_anchor=6).train_settings().tokens_per_anchor == 6.0
     assert TrainConfig(num_anchors=512).train_settings().num_anchors == 512
 
 
@@ -21,5 +23,6 @@ def test_a_users_dataset_trains_the_recipes_anchors(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_DATASET", str(tmp_path / "chat.jsonl"))
     monkeypatch.delenv("DFLASH_TRAIN_GLOBAL_BATCH_SIZE", raising=False)
     own = TrainConfig().train_settings()
-    assert (own.num_anchors, own.global_batch_size) == (512, 32)
+    assert (own.num_anchors, own.tokens_per_anchor, own.global_batch_size) == (512, 1.0, 32)
     assert TrainConfig(num_anchors=16).train_settings().num_anchors == 16
+    assert TrainConfig(tokens_per_anchor=1).train_settings().tokens_per_anchor == 1.0

@@ -101,14 +101,16 @@ class ReferenceDrafter(nn.Module):
         anchor: int,
         embed_tokens: nn.Module,
         lm_head: nn.Module,
+        start: int = 0,
     ) -> torch.Tensor:
-        """Logits for the block's drafted positions C+1 .. C+S-1, `[S-1, V]`."""
+        """Logits for the block's drafted positions C+1 .. C+S-1, `[S-1, V]` (every position shifted by
+        `start`: a context that begins there)."""
         c = target_hidden.shape[0]
         ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long)
         ids[0] = anchor
         x = embed_tokens(ids).float()
         context = self.hidden_norm(self.fc(target_hidden.reshape(c, -1).float()))
-        positions = torch.arange(c + self.block_size)[None]
+        positions = start + torch.arange(c + self.block_size)[None]
         cos, sin = self.rotary(x[None], positions)
         for layer in self.layers:
             x = layer(x, context, cos[0].float(), sin[0].float())

@@ -97,6 +97,9 @@ def test_tensorboard_reads_each_steps_scalars_and_each_evaluations_from_the_stor
     assert sorted(curves["eval/loss"]) == [0, 3, 6]
     assert curves["eval/loss"][6] == pytest.approx(result.eval["loss"], rel=1e-6)
     assert curves["eval/tau_measured"][6] == pytest.approx(result.acceptance_length_tau, rel=1e-6)
+    # The held-out prompts are all short here: their bucket's tau is the whole tau, with its prompt count.
+    assert curves["eval/tau_measured_under_2k"][6] == pytest.approx(result.acceptance_length_tau, rel=1e-6)
+    assert curves["eval/prompts_under_2k"][6] == 1.0 and "eval/tau_measured_2k_8k" not in curves
     assert curves["eval/tau_teacher_forced"][0] >= 1.0
     assert list((tmp_path / "w" / "tensorboard").iterdir()) == []  # local copies gone once uploaded
 

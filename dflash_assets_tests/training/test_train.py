@@ -91,8 +91,9 @@ def test_the_drafter_learns_a_repeated_small_dataset(
     torch.manual_seed(settings.seed)  # the trainer's initial weights
     untrained = DFlashDrafter.from_target(config)
     batch = collate_tokenized_samples(held_out, settings.max_length, capture, config)
-    before = evaluate_drafter(untrained, [batch], num_anchors=settings.num_anchors)
-    after = evaluate_drafter(result.model, [batch], num_anchors=settings.num_anchors)
+    anchors = {"num_anchors": settings.num_anchors, "tokens_per_anchor": settings.tokens_per_anchor}
+    before = evaluate_drafter(untrained, [batch], **anchors)
+    after = evaluate_drafter(result.model, [batch], **anchors)
     # The plain cross-entropy per label falls (the objective's own loss is D-PACE's weighted sum).
     assert after["ce"] < before["ce"] - 1.0, (before["ce"], after["ce"])
     assert after["teacher_forced_tau"] >= before["teacher_forced_tau"]
@@ -300,11 +301,11 @@ def test_a_step_budget_runs_exactly_that_many_steps_over_as_many_epochs_as_it_ta
     assert (result.steps, result.total_steps, result.steps_per_epoch) == (8, 8, 3)
 
 
-def test_the_default_recipe_is_specforges_dflash_recipe() -> None:
+def test_the_default_recipe_is_specforges_dflash_recipe_at_the_reasoning_length() -> None:
     settings = TrainSettings()
     assert (settings.lr, settings.betas, settings.weight_decay) == (6e-4, (0.9, 0.999), 0.0)
     assert (settings.warmup_ratio, settings.lr_schedule, settings.min_lr_ratio) == (0.04, "cosine", 0.0)
-    assert (settings.max_grad_norm, settings.epochs, settings.max_length) == (1.0, 6, 3072)
+    assert (settings.max_grad_norm, settings.epochs, settings.max_length) == (1.0, 6, 8192)
     assert (settings.num_anchors, settings.gamma, settings.global_batch_size) == (512, 7.0, 32)
     assert settings.max_steps is None  # epochs decide
     assert lr_factor(0, 100, settings) == pytest.approx(1 / 4)  # 4 warm-up steps
