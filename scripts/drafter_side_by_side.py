@@ -32,7 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_assets import settings  # noqa: E402
 from dflash_assets.drafter.export import export_drafter  # noqa: E402
 from dflash_assets.drafter.model import drafter_parameter_count  # noqa: E402
-from dflash_assets.drafter.speculative import PromptLookup, SpeculativeEvaluator, TargetVerifier  # noqa: E402
+from dflash_assets.drafter.speculative import (  # noqa: E402
+    PromptLookup,
+    SpeculativeEvaluator,
+    TargetVerifier,
+    stop_token_ids_of,
+)
 from dflash_assets.orchestration.resources import TargetModelResource  # noqa: E402
 from dflash_assets.orchestration.training import TrainConfig, configured_drafter  # noqa: E402
 from dflash_assets.storage.open_store import open_store  # noqa: E402
@@ -89,9 +94,19 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
         config, train, data, store=open_store(str(work / "store")), run=name, work_dir=work / name,
         log=lambda line: print(f"  [{name}] {line}", flush=True),
     )  # fmt: skip
+    evaluation = trainer.evaluator
+    if args.curve_prompts:  # the curve on the first few held-out prompts; the end on every one (z-lab)
+        every_prompt = type(evaluation)._my_prompts
+        evaluation._my_prompts = lambda: every_prompt(evaluation)[: args.curve_prompts]
     result = trainer.train()
     seconds = time.monotonic() - started
-    evaluator = trainer.evaluator._speculative  # the prompts and greedy outputs the trainer measured
+    model = load_target_model(config.target_model, "cpu")
+    # The held-out prompts the trainer chose, every one, with the target's greedy output of each.
+    evaluator = SpeculativeEvaluator(
+        TargetVerifier(model, config.target_layer_ids), evaluation._prompts[: args.prompts],
+        max_new_tokens=args.new_tokens, stop_token_ids=stop_token_ids_of(config.target_model),
+    )  # fmt: skip
+    evaluator.evaluate(PromptLookup(block_size=block))  # decodes the greedy outputs once
     if (
         args.out
     ):  # the held-out prompts, for an engine to decode the same ones (scripts/vllm_cpu.sh --prompts)
@@ -99,9 +114,9 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
         prompts_file.write_text(
             "".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in evaluator.prompts)
         )
-    export_drafter(result.model, work / name / "export")
-    zlab, info = load_zlab_drafter(work / name / "export")
-    model = load_target_model(config.target_model, "cpu")
+    export = (args.exports / name) if args.exports else work / name / "export"
+    export_drafter(result.model, export)
+    zlab, info = load_zlab_drafter(export)
     lengths, lossless = [], True
     for prompt, greedy in zip(evaluator.prompts, evaluator._greedy, strict=True):
         tokens, rounds = zlab_generate(zlab, model, prompt, args.new_tokens, sorted(evaluator.stop_token_ids))
@@ -120,6 +135,7 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
         "parameters": drafter_parameter_count(config),
         "tau_trainer": speculative.get("acceptance_length_tau"),
         "tau_trainer_fresh": baseline.get("acceptance_length_tau"),
+        "trainer_prompts": speculative.get("prompts"),
         "trainer_matches_greedy": speculative.get("matches_target_greedy"),
         "tau_zlab": sum(lengths) / len(lengths) if lengths else None,
         "zlab_matches_greedy": lossless,
@@ -129,12 +145,11 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
         "prompts": len(evaluator.prompts),
         "tokens_per_s": result.tokens_per_second,
     }
-    return row, trainer
+    return row, evaluator
 
 
-def prompt_lookup_row(evaluator: SpeculativeEvaluator, block: int, target_model: str, layer_ids) -> dict:
-    """The training-free floor on the trainer's own held-out prompts, decoded by the same loop."""
-    evaluator.verifier = TargetVerifier(load_target_model(target_model, "cpu"), layer_ids)
+def prompt_lookup_row(evaluator: SpeculativeEvaluator, block: int) -> dict:
+    """The training-free floor on the same held-out prompts, decoded by the trainer's loop."""
     result = evaluator.evaluate(PromptLookup(block_size=block))
     return {
         "variant": f"prompt-lookup-{block}",
@@ -149,18 +164,19 @@ def table(rows: list[dict], floors: list[dict]) -> str:
     first = next((row for row in rows if row["tau_zlab"]), None)
     lines = [
         "| drafter | objective | block | τ, z-lab `dflash_generate` | τ, trainer | × first row (z-lab) "
-        "| lossless (z-lab / trainer) | τ fresh | τ teacher-forced | parameters | train s |",
+        "| lossless (z-lab / trainer) | τ fresh | τ teacher-forced | parameters | train s (no evaluations) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        training = row["train_seconds"] - (row["evaluation_seconds"] or 0)
         ratio = f"{row['tau_zlab'] / first['tau_zlab']:.2f}" if first and row["tau_zlab"] else "n/a"
         objective = row["loss"] + (f" + KL {row['distill_weight']:g}" if row.get("distill_weight") else "")
         lines.append(
             f"| {row['arch']} | {objective} | {row['block_size']} | {row['tau_zlab']:.3f} | "
-            f"{row['tau_trainer']:.3f} | {ratio} | "
+            f"{row['tau_trainer']:.3f} ({row.get('trainer_prompts') or row['prompts']} prompts) | {ratio} | "
             f"{row['zlab_matches_greedy']} / {row['trainer_matches_greedy']} | "
             f"{row['tau_trainer_fresh']:.3f} | {row['teacher_forced_tau']:.2f} | "
-            f"{row['parameters'] / 1e6:.1f} M | {row['train_seconds']:.0f} |"
+            f"{row['parameters'] / 1e6:.1f} M | {training:.0f} |"
         )
     for floor in floors:
         lines.append(
@@ -185,9 +201,24 @@ def main() -> None:
     parser.add_argument("--evals", type=int, default=4, help="evaluations along the way (the curve)")
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts (and samples)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per prompt")
+    parser.add_argument(
+        "--curve-prompts", type=int, default=None,
+        help="the trainer's evaluations along the way decode only the first N prompts (the end: all)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all)")
+    parser.add_argument("--exports", type=Path, default=None, help="keep each export in DIR/<variant>")
+    parser.add_argument(
+        "--table", type=Path, nargs="+", default=None, help="print one table of these --out files and stop"
+    )
     args = parser.parse_args()
+    if args.table:  # variants run as separate processes (one a core), shown side by side
+        records = [json.loads(path.read_text()) for path in args.table]
+        floors = {floor["block_size"]: floor for record in records for floor in record["prompt_lookup"]}
+        print(
+            table([row for record in records for row in record["rows"]], [floors[b] for b in sorted(floors)])
+        )
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     rows: list[dict] = []
@@ -195,22 +226,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="side-by-side-") as scratch:
         for name in filter(None, args.variants.split(",")):
             print(f"training {name}: {args.steps} steps", flush=True)
-            row, trainer = train_variant(name, args, Path(scratch) / name)
+            row, evaluator = train_variant(name, args, Path(scratch) / name)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if row["block_size"] not in {floor["block_size"] for floor in floors}:
-                config = trainer.config
-                floors.append(
-                    prompt_lookup_row(
-                        trainer.evaluator._speculative,
-                        row["block_size"],
-                        config.target_model,
-                        config.target_layer_ids,
-                    )
-                )
+                floors.append(prompt_lookup_row(evaluator, row["block_size"]))
                 print(json.dumps(floors[-1]), flush=True)
             if args.out:  # after each variant: a long run interrupted keeps what it measured
-                record = {"args": {**vars(args), "out": str(args.out)}, "rows": rows, "prompt_lookup": floors}
+                record = {
+                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "rows": rows,
+                    "prompt_lookup": floors,
+                }
                 args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(table(rows, floors))
 
