@@ -365,7 +365,7 @@ def standard_names(target: dict) -> dict:
         aliases = CONFIG_MAPPING[target.get("model_type")].attribute_map
     except KeyError:
         return target
-    filled = {name: target[alias] for name, alias in aliases.items() if alias in target and name not in target}
+    filled = {name: target[alias] for name, alias in aliases.items() if alias in target}
     return {**filled, **target}
 
 

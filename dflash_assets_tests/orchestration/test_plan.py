@@ -92,7 +92,8 @@ def test_the_plan_has_every_figure_the_issue_names_and_is_exact_when_every_row_i
     plan = planned_and_stored["plan"]
     assert all(key in plan for key in PLAN_KEYS)
     assert plan["estimate"]["exact"] and plan["rows"] == 500 and plan["ranges"] == 21
-    assert plan["hidden_state_dtype"] == "bf16" and plan["bytes_per_token"] == (5 + 1) * 64 * 2 + 5  # 5 taps and the final state
+    assert plan["hidden_state_dtype"] == "bf16"
+    assert plan["bytes_per_token"] == (5 + 1) * 64 * 2 + 5  # 5 taps and the final state
     assert set(plan["device_memory"]) == {"extraction", "regeneration", "training", "evaluation"}
     assert plan["extraction_hours"]["devices_1"] > 0 and plan["offline_read_bytes_per_s"] > 0
     assert any("DFLASH_HIDDEN_STATE_DTYPE=fp8" in warning for warning in plan["warnings"])
