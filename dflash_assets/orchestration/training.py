@@ -278,7 +278,7 @@ def training_job(
     """The run's `TrainingJob`: the drafter's shape from the target, the ranges to train on, the
     settings; checked here, before any rank starts."""
     from dflash_assets.drafter.model import config_summary
-    from dflash_assets.orchestration.capacity_plan import online_target_span
+    from dflash_assets.orchestration.target_span import online_target_span
     from dflash_assets.training.job import TrainingJob
 
     train_settings = config.train_settings()
