@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_assets.target.layer_ids import resolve_target_layer_ids
-from dflash_assets.target.model import text_config
+from dflash_assets.target.model import standard_names, text_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -354,19 +354,6 @@ class DrafterConfig:
             **(dflash2_shape(hidden_size) if arch == "dflash2" else {}),
             **logit_transform(target),
         )
-
-
-def standard_names(target: dict) -> dict:
-    """A target config with transformers' standard names filled in from its class's own aliases (its
-    `attribute_map`: gpt2 writes `n_embd` for `hidden_size`, `n_layer` for `num_hidden_layers`)."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        aliases = CONFIG_MAPPING[target.get("model_type")].attribute_map
-    except KeyError:
-        return target
-    filled = {name: target[alias] for name, alias in aliases.items() if alias in target}
-    return {**filled, **target}
 
 
 # Rotary scalings that fix the frequencies once, whatever the sequence's length (transformers'

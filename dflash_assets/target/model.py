@@ -45,6 +45,19 @@ def text_config(config: Any) -> Any:
     return config
 
 
+def standard_names(target: dict) -> dict:
+    """A target config with transformers' standard names filled in from its class's own aliases (its
+    `attribute_map`: gpt2 writes `n_embd` for `hidden_size`, `n_layer` for `num_hidden_layers`)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        aliases = CONFIG_MAPPING[target.get("model_type")].attribute_map
+    except KeyError:
+        return target
+    filled = {name: target[alias] for name, alias in aliases.items() if alias in target}
+    return {**filled, **target}
+
+
 def num_decoder_layers(config: Any) -> int:
     value = config_value(text_config(config), "num_hidden_layers")
     if not isinstance(value, int) or value <= 0:
