@@ -298,6 +298,7 @@ def run_store_bench(args: argparse.Namespace) -> int:
         dtype=settings.HIDDEN_STATE_DTYPE.get(),
         target_model=target.name,
         how=how,
+        final_state=settings.CAPTURE_FINAL_STATE.get_bool(),
     )
     total = DEFAULT_BENCH_BYTES // (4 if args.quick else 1)
     figures: dict[str, float] = {}

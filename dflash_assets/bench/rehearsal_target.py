@@ -103,7 +103,20 @@ def build_rehearsal_target(
                 shutil.copy2(tokenizer_dir / name, partial / name)
         (partial / ".complete").write_text(json.dumps(config, indent=1))
         partial.rename(directory)
+    _tokenizer_takes_the_context(directory, config.get("max_position_embeddings"))
     return RehearsalTarget(directory, config, layer_ids, notes)
+
+
+def _tokenizer_takes_the_context(directory: Path, context: int | None) -> None:
+    """A borrowed tokenizer (the demo's: 4,096) says the target's context as its `model_max_length`, so
+    that tokenizing an 8 K rehearsal sample warns of no limit the rehearsal's target does not have."""
+    path = directory / "tokenizer_config.json"
+    if not context or not path.is_file():
+        return
+    values = json.loads(path.read_text())
+    if int(values.get("model_max_length") or 0) < int(context):
+        values["model_max_length"] = int(context)
+        path.write_text(json.dumps(values, indent=2) + "\n")
 
 
 def _write_random_target(config: dict[str, Any], directory: Path) -> None:

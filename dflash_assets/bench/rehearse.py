@@ -301,12 +301,13 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
         ),
     ]
     plan = _plan(env, anchors)
+    mapped = _mapped_training_bytes(env, plan)
     baseline = 0  # a step's own memory before any model: the first stage's (it loads none)
     runs: dict[str, StageRun] = {}
     failed_stage = None
     try:
         for name, command in commands:
-            short = _memory_short(plan, name, baseline)
+            short = _memory_short(plan, name, baseline, mapped)
             if short:
                 log(f"{name} cannot run here: {short}")
                 runs[name] = StageRun(name, 1, 0.0, 0, None, short)
@@ -319,7 +320,7 @@ def run_rehearsal(options: RehearsalOptions, print_fn: Callable[[str], None] = p
             if run.returncode != 0:
                 failed_stage = name
                 break
-        figures = [] if failed_stage else _figures(runs, env, plan, baseline, log)
+        figures = [] if failed_stage else _figures(runs, env, plan, baseline, mapped, log)
     finally:
         if not options.keep:
             _clean(store_url, env, work if failed_stage is None else None)
@@ -367,6 +368,7 @@ def _store_rates(
         dtype=plan["hidden_state_dtype"],
         target_model=plan["target"]["name"],
         how=f"the rehearsal's objects: {tokens:,} tokens",
+        final_state=bool((plan.get("final_state") or {}).get("stored")),
     )
     figures = bench_store(
         resource.open(),
@@ -398,21 +400,40 @@ def _plan(env: dict[str, str], anchors: int) -> dict[str, Any]:
 PLANNED_STAGE = {"hidden_state_partitions": "extraction", "drafter_checkpoints": "training"}
 
 
-def _memory_short(plan: dict[str, Any], stage: str, baseline: int) -> str | None:
+def _mapped_training_bytes(env: dict[str, str], plan: dict[str, Any]) -> int:
+    """Of the plan's training memory, what a CPU host holds as pages of the target's files rather than
+    as the process's own: the frozen embedding and LM head, which the drafter maps from the target's
+    safetensors (`load_target_embeddings`; 4.7 GiB at a 248 K vocabulary and width 5,120). The kernel
+    drops and re-reads such pages under pressure, never kills for them, and the rehearsal's memory
+    figure (anonymous memory) does not count them. On a GPU they are device memory like the rest: 0."""
+    if plan["device"]["kind"] == "cuda":
+        return 0
+    from dflash_assets.orchestration.resources import TargetModelResource
+    from dflash_assets.orchestration.training import TrainConfig, configured_drafter
+    from dflash_assets.training.memory import drafter_frozen_bytes
+
+    with environment(env):
+        return drafter_frozen_bytes(configured_drafter(TargetModelResource(), TrainConfig()))
+
+
+def _memory_short(plan: dict[str, Any], stage: str, baseline: int, mapped: int = 0) -> str | None:
     """Why `stage` would not fit this host's free memory by the plan's figure (on a CPU, where the host is
-    the device), before it runs: a stage killed by the kernel midway says nothing a user can act on."""
+    the device), before it runs: a stage killed by the kernel midway says nothing a user can act on.
+    The training stage is held to its own memory, less what it maps from the target's files (`mapped`)."""
     from dflash_assets.storage.units import human_bytes
     from dflash_assets.target.memory import host_available_bytes
 
     planned = PLANNED_STAGE.get(stage)
     if planned is None or plan["device"]["kind"] == "cuda":
         return None
-    needed = plan["device_memory"][planned]["bytes"] + baseline
+    own = plan["device_memory"][planned]["bytes"] - (mapped if planned == "training" else 0)
+    needed = own + baseline
     available = host_available_bytes()
     if needed <= available:
         return None
+    besides = f", less {human_bytes(mapped)} mapped from the target's files" if planned == "training" else ""
     return (
-        f"the plan's {planned} memory ({human_bytes(needed - baseline)}, and {human_bytes(baseline)} of a "
+        f"the plan's {planned} memory ({human_bytes(own)}{besides}; and {human_bytes(baseline)} of a "
         f"step's own) is more than this host has free now ({human_bytes(available)}); free memory, or "
         "rehearse with fewer --anchors or a shorter --mean-tokens"
     )
@@ -423,6 +444,7 @@ def _figures(
     env: dict[str, str],
     plan: dict[str, Any],
     baseline: int,
+    mapped: int,
     log: Callable[[str], None],
 ) -> list[Figure]:
     """Every measured figure beside the plan's for the same configuration."""
@@ -430,6 +452,7 @@ def _figures(
 
     from dflash_assets.orchestration.resources import StoreResource
     from dflash_assets.storage.manifest import StoredPartition, read_manifest
+    from dflash_assets.storage.units import human_bytes
 
     with environment(env):
         store = StoreResource().open()
@@ -470,7 +493,11 @@ def _figures(
             "B",
         ),
         memory_figure("hidden_state_partitions", "", memory["extraction"]["bytes"]),
-        memory_figure("drafter_checkpoints", " (a rank)", memory["training"]["bytes"]),
+        memory_figure(
+            "drafter_checkpoints",
+            " (a rank)" if not mapped else f" (a rank; plan less {human_bytes(mapped)} mapped from files)",
+            memory["training"]["bytes"] - mapped,
+        ),
         Figure(
             "store",
             "write bytes/s (uploader, objects of this size)",

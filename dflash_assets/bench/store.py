@@ -34,7 +34,7 @@ from dflash_assets.storage.s3_store import S3Settings, S3Store
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.units import human_bytes
 from dflash_assets.storage.uploader import Uploader
-from dflash_assets.training.sample_stream import SampleStream
+from dflash_assets.training.sample_stream import SampleStream, plan_node_cache
 
 FEED_RATIO_FIGURE = "feed: training reader / plain GETs, objects/s (25 ms proxy)"
 FEED_GOAL = 0.8
@@ -52,10 +52,12 @@ class ObjectShape:
     dtype: str  # "bf16" / "fp8"
     target_model: str
     how: str  # where the shape comes from, for the report
+    final_state: bool = False  # the objects hold the target's final state too (the default capture)
 
     def write(self, path: Path) -> int:
         """One sample object of this shape at `path` (random states; written once, sent many times)."""
-        states = torch.randn(self.num_tokens, len(self.layer_ids), self.hidden_size, dtype=torch.bfloat16)
+        slots = len(self.layer_ids) + int(self.final_state)
+        states = torch.randn(self.num_tokens, slots, self.hidden_size, dtype=torch.bfloat16)
         return write_sample(
             path,
             sample_index=0,
@@ -67,6 +69,7 @@ class ObjectShape:
             check_finite=False,
             durable=False,
             hidden_state_dtype=self.dtype,
+            final_state=self.final_state,
         )
 
 
@@ -129,9 +132,9 @@ def read_with_training_reader(
 ) -> None:
     """Every object through the training reader as offline training streams it: one GET each into memory,
     decoded in place on the reader's threads, `threads` requests at most (None: the trainer's own)."""
-    largest = max(size for _, size in objects)
     kwargs = {"max_in_flight": threads} if threads else {}
-    reader = SampleStream(store, window_bytes=max(2 * largest, 32 * largest), **kwargs)
+    # The trainer's own read-ahead for objects of these sizes (a few, for long samples).
+    reader = SampleStream(store, window_bytes=plan_node_cache(objects, 0).window_bytes, **kwargs)
     for _ in reader.iterate(objects):
         pass
 

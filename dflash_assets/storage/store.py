@@ -187,8 +187,9 @@ class ObjectStore(ABC):
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
 
     @abstractmethod
-    def get_bytes(self, key: str, size: int | None = None) -> bytes:
-        """The object's bytes, in one request. With `size` (known from a manifest) an object of another
+    def get_bytes(self, key: str, size: int | None = None) -> bytes | bytearray:
+        """The object's bytes, in one request (an S3 object of known size past the multipart threshold: in
+        ranged parts written into one buffer). With `size` (known from a manifest) an object of another
         size is an error naming both: it changed since its size was recorded."""
 
     @abstractmethod

@@ -56,7 +56,7 @@ class OfflineData:
     num_tokens: Sequence[int] | None = None
     # Stored dtype of each object (`bf16`/`fp8`, from its partition's manifest), for those estimates.
     hidden_state_dtypes: Sequence[str] | None = None
-    read_ahead_bytes: int | None = None  # each stream's, in memory (None: `WINDOW_OBJECTS` mean objects)
+    read_ahead_bytes: int | None = None  # each stream's, in memory (None: `plan_node_cache`'s default)
     max_in_flight: int = MAX_IN_FLIGHT  # requests at once a stream may grow to
     mode: ClassVar[str] = "offline"
 

@@ -54,8 +54,11 @@ START_IN_FLIGHT = 8
 IN_FLIGHT_STEP = 2
 MAX_IN_FLIGHT = 64
 # A stream reads ahead this many mean objects (at least two of the largest): room for the requests in
-# flight and the samples decoded while the consumer trains.
+# flight and the samples decoded while the consumer trains; and no more than `WINDOW_MAX_BYTES` of them,
+# which long samples reach first (32 objects of an 8 K-token sample at a 27B target's width are 15 GiB a
+# rank; a large object reads at several connections' rate through ranged GETs, so a few in flight keep up).
 WINDOW_OBJECTS = 32
+WINDOW_MAX_BYTES = 4 * 2**30
 FETCH_ATTEMPTS = 4  # a body cut short or a checksum that fails is fetched again (botocore retries requests)
 NODE_CACHE_DIR = "node-cache"
 _LOCKS_DIR = ".locks"
@@ -200,7 +203,7 @@ def plan_node_cache(
     """The node's layout, the same on each of its ranks (it depends only on what they all know): the
     held-out objects first (every evaluation reads them), then the training ones in the manifest's
     order, as many as `budget_bytes` holds on disk. A stream's read-ahead window is memory, apart from
-    the budget: `WINDOW_OBJECTS` mean objects, at least two of the largest."""
+    the budget: `WINDOW_OBJECTS` mean objects up to `WINDOW_MAX_BYTES`, at least two of the largest."""
     if budget_bytes < 0:
         raise ValueError(f"the sample cache budget must be 0 or more bytes, got {budget_bytes}")
     sizes = [size for _, size in objects]
@@ -208,7 +211,7 @@ def plan_node_cache(
     largest = max(sizes, default=0)
     if window_bytes is None:
         mean = total / len(sizes) if sizes else 0
-        window_bytes = max(2 * largest, round(WINDOW_OBJECTS * mean))
+        window_bytes = max(2 * largest, min(round(WINDOW_OBJECTS * mean), WINDOW_MAX_BYTES))
     elif window_bytes < largest:
         raise ValueError(
             f"a read-ahead window of {window_bytes} bytes cannot hold the largest hidden-state object "

@@ -90,3 +90,18 @@ def test_the_store_bench_measures_the_configured_store_saves_it_for_the_plan_and
     assert cli.main(["plan", "--json", "--samples", "1000", "--mean-tokens", "100"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["training_split"]["offline"]["store_bytes_per_s"] == saved["read"]["bytes_per_s"]
+
+
+def test_the_store_bench_moves_objects_of_the_stored_size_final_state_included(tmp_path):
+    from dflash_assets.bench.store import ObjectShape
+    from dflash_assets.extraction.object_size import bytes_per_token
+
+    def size(final_state: bool) -> int:
+        shape = ObjectShape(300, [1, 3, 5], 64, "bf16", "t", "test", final_state=final_state)
+        return shape.write(tmp_path / f"hs_{int(final_state)}.safetensors")
+
+    # One more [T, H] slot of bf16 states, the final state the capture stores by default (and its header
+    # entry): the bench's objects are the stored objects' size.
+    extra = 300 * (bytes_per_token(3, 64, "bf16", True) - bytes_per_token(3, 64, "bf16"))
+    assert extra == 300 * 64 * 2
+    assert 0 <= size(True) - size(False) - extra < 256

@@ -4,6 +4,7 @@ closing figures in docs/planning.md come from one)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,3 +96,37 @@ def test_rehearse_runs_every_stage_through_the_store_and_leaves_nothing_behind(t
     store = tmp_path / "store"
     assert not [path for path in store.rglob("*") if path.is_file()]  # the rehearsal's prefix is gone
     assert not list((demo_model_dir.parent / "rehearsal").glob("run-*"))  # and its work folder
+
+
+def test_a_borrowed_tokenizer_takes_the_rehearsal_target_s_context_so_8k_samples_do_not_warn(
+    tmp_path, demo_model_dir
+):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from dflash_assets.bench.rehearsal_target import _tokenizer_takes_the_context
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(demo_model_dir / name, tmp_path / name)
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).model_max_length == 4096  # the demo's context
+    _tokenizer_takes_the_context(tmp_path, 262144)
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).model_max_length == 262144
+    _tokenizer_takes_the_context(tmp_path, 2048)  # never lowered
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["model_max_length"] == 262144
+
+
+def test_training_is_held_to_its_own_memory_on_a_cpu_not_the_pages_it_maps_from_the_target(monkeypatch):
+    from dflash_assets.bench import rehearse
+    from dflash_assets.target import memory
+
+    gib = 2**30
+    plan = {"device": {"kind": "cpu"}, "device_memory": {"training": {"bytes": 21 * gib}}}
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 17 * gib)
+    assert rehearse._memory_short(plan, "drafter_checkpoints", gib // 4, mapped=5 * gib) is None
+    short = rehearse._memory_short(plan, "drafter_checkpoints", gib // 4, mapped=0)
+    assert short and "training memory (21.0 GiB" in short and "(17.0 GiB)" in short
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 15 * gib)
+    short = rehearse._memory_short(plan, "drafter_checkpoints", gib // 4, mapped=5 * gib)
+    assert short and "(16.0 GiB, less 5.0 GiB mapped from the target's files;" in short
+    assert rehearse._memory_short({**plan, "device": {"kind": "cuda"}}, "drafter_checkpoints", 0) is None

@@ -18,6 +18,7 @@ from dflash_assets.storage.store import (
     PARTIAL_SUFFIX,
     ObjectInfo,
     ObjectNotFound,
+    ObjectSizeMismatch,
     StoreConfigError,
     StoreError,
     TransientStoreError,
@@ -294,6 +295,25 @@ def test_s3_large_files_go_up_in_parts_and_come_back_whole(s3_store_url: str, tm
     assert head.etag.endswith("-3")  # three parts: the multipart path was taken
     target = store.download("drafter/run/model.safetensors", tmp_path / "back.safetensors")
     assert target.read_bytes() == source.read_bytes()
+
+
+def test_s3_a_large_object_of_known_size_is_read_in_ranged_parts_into_one_buffer(
+    s3_store_url: str, tmp_path: Path
+) -> None:
+    settings = S3Settings(multipart_threshold_bytes=5 * 2**20, multipart_chunk_bytes=5 * 2**20)
+    store = open_store(s3_store_url, settings)
+    data = os.urandom(11 * 2**20 + 17)
+    store.put_bytes("hidden-states/p/hs_00000000.safetensors", data)
+    counts = store.count_requests()
+
+    got = store.get_bytes("hidden-states/p/hs_00000000.safetensors", len(data))
+
+    assert isinstance(got, bytearray) and got == data
+    assert counts == {"GET": 3}  # three ranges of at most 5 MiB, no HEAD
+    with pytest.raises(ObjectSizeMismatch, match="11534353 bytes, but 11534354 were recorded"):
+        store.get_bytes("hidden-states/p/hs_00000000.safetensors", len(data) + 1)
+    small = store.get_bytes("hidden-states/p/hs_00000000.safetensors")  # size unknown: one GET
+    assert small == data and counts["GET"] == 7  # 3 + 3 parts refused at the size check + 1
 
 
 @pytest.mark.parametrize("checksum", ["when_required", "when_supported"])

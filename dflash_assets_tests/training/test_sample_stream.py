@@ -22,6 +22,7 @@ from dflash_assets.extraction.sample_format import (
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.training.sample_stream import (
+    WINDOW_MAX_BYTES,
     NodeCache,
     SampleMismatchError,
     SampleStream,
@@ -277,3 +278,15 @@ def test_samples_stream_from_s3_with_one_get_an_object_and_no_head(
         assert [s.sample_index for _, s in reader.iterate(objects)] == [0, 1, 2, 3, 4]
 
     assert proxy.counters.by_method == {"GET": 3 + 2 * 2}  # three stay resident, two are read twice
+
+
+def test_the_read_ahead_window_is_a_few_objects_of_long_samples_never_32_of_them() -> None:
+    mib = 2**20
+    seeds = plan_node_cache([(f"hs_{i}", 118 * mib) for i in range(100)], 0)  # ~2 K tokens, 27B width
+    eight_k = plan_node_cache([(f"hs_{i}", 480 * mib) for i in range(100)], 0)
+    long = plan_node_cache([(f"hs_{i}", 1920 * mib) for i in range(100)], 0)  # 32 K tokens
+    longer = plan_node_cache([(f"hs_{i}", 3840 * mib) for i in range(100)], 0)  # 64 K tokens
+    assert seeds.window_bytes == 32 * 118 * mib  # under the cap: 32 mean objects
+    assert eight_k.window_bytes == WINDOW_MAX_BYTES == 4 * 2**30  # not 32 x 480 MiB = 15 GiB a rank
+    assert long.window_bytes == WINDOW_MAX_BYTES and long.window_bytes // (1920 * mib) == 2
+    assert longer.window_bytes == 2 * 3840 * mib  # at least two of the largest
