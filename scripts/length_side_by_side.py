@@ -145,15 +145,23 @@ def evaluate(args: argparse.Namespace) -> None:
         stop_token_ids=stop_token_ids_of(str(target.model_dir())),
     )  # fmt: skip
     started = time.monotonic()
-    floor = evaluator.evaluate(PromptLookup(block_size=args.block))  # decodes the greedy outputs once
-    rows = [
-        {
-            "drafter": f"prompt lookup (block {args.block}, trainer's loop)",
-            "tau": floor["acceptance_length_tau"],
-            "lossless": f"{floor['prompts'] - len(floor['mismatched_prompts'])}/{floor['prompts']}",
-            "by_context_length": floor["by_context_length"],
-        }
-    ]
+    saved = json.loads(args.reference.read_text()) if args.reference and args.reference.is_file() else None
+    if saved is not None and saved["prompts"] == evaluator.prompts:  # the same prompts: decoded before
+        object.__setattr__(evaluator, "_greedy", saved["greedy"])
+        rows = [saved["prompt_lookup"]]
+    else:
+        floor = evaluator.evaluate(PromptLookup(block_size=args.block))  # decodes the greedy outputs once
+        rows = [
+            {
+                "drafter": f"prompt lookup (block {args.block}, trainer's loop)",
+                "tau": floor["acceptance_length_tau"],
+                "lossless": f"{floor['prompts'] - len(floor['mismatched_prompts'])}/{floor['prompts']}",
+                "by_context_length": floor["by_context_length"],
+            }
+        ]
+        if args.reference:
+            reference = {"prompts": evaluator.prompts, "greedy": evaluator._greedy, "prompt_lookup": rows[0]}
+            args.reference.write_text(json.dumps(reference) + "\n")
     print(json.dumps(rows[-1]), f"{time.monotonic() - started:.0f} s", flush=True)
     for export in args.exports:
         started = time.monotonic()
@@ -206,6 +214,11 @@ def main() -> None:
     score.add_argument("--new-tokens", type=int, default=64)
     score.add_argument("--block", type=int, default=16, help="prompt lookup's block")
     score.add_argument("--out", type=Path, default=None)
+    score.add_argument(
+        "--reference", type=Path, default=None,
+        help="the target's greedy outputs and the prompt-lookup row: read from FILE when it holds these "
+        "prompts' (an evaluation of other exports on the same prompts), else decoded and written there",
+    )  # fmt: skip
     for command in (fit, score):
         command.add_argument(
             "--threads", type=int, default=None, help="torch intra-op threads (default: all)"
