@@ -69,12 +69,23 @@ def committed_prefixes(store) -> list[str]:
     return prefixes
 
 
-def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict, DrafterTrainer]:
-    arch, loss, block, distill = parse_variant(name)
+def offline_drafter_data(name: str, arch: str, block: int, cache_dir: Path):
+    """(the configured target's drafter of `arch` and `block`, every committed hidden-state range of the
+    configured store as offline training reads it through a node cache at `cache_dir`)."""
     target = TargetModelResource()
     config = configured_drafter(target, TrainConfig(drafter_arch=arch, block_size=block))
     config.extra["target_model_name"] = target.name  # what the hidden-state objects record
     store = open_store(settings.store_url())
+    job = TrainingJob(
+        run=name, mode="offline", store_url=settings.store_url(),
+        hidden_state_partitions=committed_prefixes(store), tokenized_partitions=[],
+        drafter_config=config.to_json(), target_model_name=target.name, settings={},
+    )  # fmt: skip
+    return config, offline_data(job, store, cache_dir, 1)
+
+
+def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict, DrafterTrainer]:
+    arch, loss, block, distill = parse_variant(name)
     every = max(1, args.steps // args.evals)
     train = TrainSettings(
         mode="offline", max_steps=args.steps, global_batch_size=args.batch, loss=loss, block_size=block,
@@ -82,12 +93,7 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
         distill_weight=distill, spec_eval_prompts=args.prompts, spec_eval_max_new_tokens=args.new_tokens,
         checkpoint_every_steps=every, checkpoint_every_minutes=None, log_every_steps=max(1, every // 2),
     )  # fmt: skip
-    job = TrainingJob(
-        run=name, mode="offline", store_url=settings.store_url(),
-        hidden_state_partitions=committed_prefixes(store), tokenized_partitions=[],
-        drafter_config=config.to_json(), target_model_name=target.name, settings={},
-    )  # fmt: skip
-    data = offline_data(job, store, work / "cache", 1)
+    config, data = offline_drafter_data(name, arch, block, work / "cache")
     torch.manual_seed(args.seed)
     started = time.monotonic()
     trainer = DrafterTrainer(

@@ -28,9 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter_side_by_side import committed_prefixes, parse_variant  # noqa: E402
+from drafter_side_by_side import offline_drafter_data, parse_variant  # noqa: E402
 
-from dflash_assets import settings  # noqa: E402
 from dflash_assets.drafter.export import export_drafter  # noqa: E402
 from dflash_assets.drafter.speculative import (  # noqa: E402
     PromptLookup,
@@ -41,19 +40,13 @@ from dflash_assets.drafter.speculative import (  # noqa: E402
     stop_token_ids_of,
 )
 from dflash_assets.orchestration.resources import TargetModelResource  # noqa: E402
-from dflash_assets.orchestration.training import TrainConfig, configured_drafter  # noqa: E402
 from dflash_assets.storage.open_store import open_store  # noqa: E402
-from dflash_assets.training.job import TrainingJob, offline_data  # noqa: E402
 from dflash_assets.training.settings import TrainSettings  # noqa: E402
 from dflash_assets.training.train import DrafterTrainer  # noqa: E402
 
 
 def train(args: argparse.Namespace) -> None:
     arch, loss, block, distill = parse_variant(args.variant)
-    target = TargetModelResource()
-    config = configured_drafter(target, TrainConfig(drafter_arch=arch, block_size=block))
-    config.extra["target_model_name"] = target.name  # what the hidden-state objects record
-    store = open_store(settings.store_url())
     name = f"{args.variant}-{args.max_length}"
     train_settings = TrainSettings(
         mode="offline", max_steps=args.steps, global_batch_size=args.batch, loss=loss, block_size=block,
@@ -61,14 +54,9 @@ def train(args: argparse.Namespace) -> None:
         distill_weight=distill, spec_eval_prompts=0, checkpoint_every_steps=args.steps,
         checkpoint_every_minutes=None, log_every_steps=max(1, args.steps // 8),
     )  # fmt: skip
-    job = TrainingJob(
-        run=name, mode="offline", store_url=settings.store_url(),
-        hidden_state_partitions=committed_prefixes(store), tokenized_partitions=[],
-        drafter_config=config.to_json(), target_model_name=target.name, settings={},
-    )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="length-side-by-side-") as scratch:
         work = Path(scratch)
-        data = offline_data(job, store, work / "cache", 1)
+        config, data = offline_drafter_data(name, arch, block, work / "cache")
         torch.manual_seed(args.seed)
         started = time.monotonic()
         trainer = DrafterTrainer(

@@ -130,8 +130,9 @@ def _timed(objects: int, nbytes: int, requests: Callable[[], dict[str, int]]) ->
 def read_with_training_reader(
     store: ObjectStore, objects: list[tuple[str, int]], threads: int | None
 ) -> None:
-    """Every object through the training reader as offline training streams it: one GET each into memory,
-    decoded in place on the reader's threads, `threads` requests at most (None: the trainer's own)."""
+    """Every object through the training reader as offline training streams it: one GET each into memory
+    (ranged GETs into one buffer from the multipart threshold on), decoded in place on the reader's
+    threads, `threads` requests at most (None: the trainer's own)."""
     kwargs = {"max_in_flight": threads} if threads else {}
     # The trainer's own read-ahead for objects of these sizes (a few, for long samples).
     reader = SampleStream(store, window_bytes=plan_node_cache(objects, 0).window_bytes, **kwargs)

@@ -363,11 +363,10 @@ class S3Store(ObjectStore):
         return ObjectInfo(key, len(data), _etag(response.get("ETag")))
 
     def get_bytes(self, key: str, size: int | None = None) -> bytes | bytearray:
-        full_key = self._key(key)
         if size is not None and size >= self.settings.multipart_threshold_bytes:
             return self._get_ranged(key, size)
         with self._errors("download", key):
-            response = self._client.get_object(Bucket=self.bucket, Key=full_key)
+            response = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
             check_object_size(self, key, size, int(response["ContentLength"]))
             # Reading to the end checks the length and, where the object has one, its checksum.
             return response["Body"].read()
