@@ -312,8 +312,10 @@ def test_s3_a_large_object_of_known_size_is_read_in_ranged_parts_into_one_buffer
     assert counts == {"GET": 3}  # three ranges of at most 5 MiB, no HEAD
     with pytest.raises(ObjectSizeMismatch, match="11534353 bytes, but 11534354 were recorded"):
         store.get_bytes("hidden-states/p/hs_00000000.safetensors", len(data) + 1)
+    # A refused part cancels the parts not yet started, so how many GETs the refusal cost varies.
+    before = counts["GET"]
     small = store.get_bytes("hidden-states/p/hs_00000000.safetensors")  # size unknown: one GET
-    assert small == data and counts["GET"] == 7  # 3 + 3 parts refused at the size check + 1
+    assert small == data and counts["GET"] == before + 1
 
 
 @pytest.mark.parametrize("checksum", ["when_required", "when_supported"])
