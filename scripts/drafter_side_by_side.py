@@ -84,6 +84,17 @@ def offline_drafter_data(name: str, arch: str, block: int, cache_dir: Path):
     return config, offline_data(job, store, cache_dir, 1)
 
 
+def zlab_decode(zlab, model, evaluator: SpeculativeEvaluator, new_tokens: int) -> tuple[list[list[int]], int]:
+    """z-lab's `dflash_generate` on each of the evaluator's prompts, whose greedy outputs it has decoded:
+    (each prompt's acceptance lengths, how many prompts decoded exactly the target's greedy output)."""
+    lengths, same = [], 0
+    for prompt, greedy in zip(evaluator.prompts, evaluator._greedy, strict=True):
+        tokens, rounds = zlab_generate(zlab, model, prompt, new_tokens, sorted(evaluator.stop_token_ids))
+        same += tokens == greedy
+        lengths.append(rounds)
+    return lengths, same
+
+
 def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict, DrafterTrainer]:
     arch, loss, block, distill = parse_variant(name)
     every = max(1, args.steps // args.evals)
@@ -123,11 +134,8 @@ def train_variant(name: str, args: argparse.Namespace, work: Path) -> tuple[dict
     export = (args.exports / name) if args.exports else work / name / "export"
     export_drafter(result.model, export)
     zlab, info = load_zlab_drafter(export)
-    lengths, lossless = [], True
-    for prompt, greedy in zip(evaluator.prompts, evaluator._greedy, strict=True):
-        tokens, rounds = zlab_generate(zlab, model, prompt, args.new_tokens, sorted(evaluator.stop_token_ids))
-        lossless &= tokens == greedy
-        lengths += rounds
+    per_prompt, same = zlab_decode(zlab, model, evaluator, args.new_tokens)
+    lengths, lossless = [n for rounds in per_prompt for n in rounds], same == len(per_prompt)
     speculative, baseline = result.speculative or {}, (result.baseline or {}).get("speculative") or {}
     row = {
         "variant": name,

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter_side_by_side import offline_drafter_data, parse_variant  # noqa: E402
+from drafter_side_by_side import offline_drafter_data, parse_variant, zlab_decode  # noqa: E402
 
 from dflash_assets.drafter.export import export_drafter  # noqa: E402
 from dflash_assets.drafter.speculative import (  # noqa: E402
@@ -97,7 +97,7 @@ def held_out_prompts(path: Path, tokenizer) -> list[list[int]]:
 
 
 def bucket_table(rows: list[dict]) -> str:
-    buckets = [b for b in rows[0]["by_context_length"]]
+    buckets = list(rows[0]["by_context_length"])
     head = "| drafter | " + " | ".join(f"τ {bucket_label(b)}" for b in buckets) + " | τ all | lossless |"
     lines = [head, "|" + "---|" * (len(buckets) + 3)]
     for row in rows:
@@ -116,7 +116,7 @@ def evaluate(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from dflash_assets.target.model import load_target_model
-    from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate
+    from dflash_assets_tests.support.zlab import load_zlab_drafter
 
     target = TargetModelResource()
     tokenizer = AutoTokenizer.from_pretrained(str(target.model_dir()))
@@ -135,7 +135,7 @@ def evaluate(args: argparse.Namespace) -> None:
     started = time.monotonic()
     saved = json.loads(args.reference.read_text()) if args.reference and args.reference.is_file() else None
     if saved is not None and saved["prompts"] == evaluator.prompts:  # the same prompts: decoded before
-        object.__setattr__(evaluator, "_greedy", saved["greedy"])
+        evaluator._greedy = saved["greedy"]
         rows = [saved["prompt_lookup"]]
     else:
         floor = evaluator.evaluate(PromptLookup(block_size=args.block))  # decodes the greedy outputs once
@@ -154,13 +154,8 @@ def evaluate(args: argparse.Namespace) -> None:
     for export in args.exports:
         started = time.monotonic()
         drafter, _ = load_zlab_drafter(export)
-        parts, same = [], 0
-        for prompt, greedy in zip(evaluator.prompts, evaluator._greedy, strict=True):
-            tokens, rounds = zlab_generate(
-                drafter, model, prompt, args.new_tokens, sorted(evaluator.stop_token_ids)
-            )
-            same += tokens == greedy
-            parts.append((len(prompt), len(rounds), sum(rounds)))
+        per_prompt, same = zlab_decode(drafter, model, evaluator, args.new_tokens)
+        parts = [(len(p), len(r), sum(r)) for p, r in zip(evaluator.prompts, per_prompt, strict=True)]
         rounds, accepted = sum(p[1] for p in parts), sum(p[2] for p in parts)
         trained = json.loads((Path(export) / "config.json").read_text())
         rows.append(

@@ -426,12 +426,13 @@ def _memory_short(plan: dict[str, Any], stage: str, baseline: int, mapped: int =
     planned = PLANNED_STAGE.get(stage)
     if planned is None or plan["device"]["kind"] == "cuda":
         return None
-    own = plan["device_memory"][planned]["bytes"] - (mapped if planned == "training" else 0)
+    mapped = mapped if planned == "training" else 0
+    own = plan["device_memory"][planned]["bytes"] - mapped
     needed = own + baseline
     available = host_available_bytes()
     if needed <= available:
         return None
-    besides = f", less {human_bytes(mapped)} mapped from the target's files" if planned == "training" else ""
+    besides = f", less {human_bytes(mapped)} mapped from the target's files" if mapped else ""
     return (
         f"the plan's {planned} memory ({human_bytes(own)}{besides}; and {human_bytes(baseline)} of a "
         f"step's own) is more than this host has free now ({human_bytes(available)}); free memory, or "
