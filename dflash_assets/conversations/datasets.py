@@ -2,7 +2,8 @@
 repository's shards, on the local disk, on S3 or on the Hugging Face Hub.
 
 What `DFLASH_DATASET` may name (`resolve_dataset`):
-- a file: `chat.jsonl`, `chat.jsonl.gz`, `chat.parquet` (local, `file://`, or `s3://bucket/key`);
+- a file: `chat.jsonl`, `chat.jsonl.gz`, `chat.parquet`, or `chat.json` holding one JSON array of records
+  (read as its records, streamed: `json_array.py`) (local, `file://`, or `s3://bucket/key`);
 - a directory of shards (a Hugging Face dataset repository's layout, `data/train-00000-of-00004.parquet`)
   or a glob (`data/train-*.parquet`, `**` across folders), local or under `s3://bucket/prefix/`;
 - `hf://datasets/<owner>/<name>[@revision]/<path or glob>`, read through `huggingface_hub` (its token,
@@ -23,6 +24,7 @@ import gzip
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from dflash_assets.conversations import json_array
 from dflash_assets.conversations.layouts import (
     ALLOWED_ROLES,
     DROP_REASONS,
@@ -104,9 +107,22 @@ def bundled_dataset_path() -> Path:
     return Path(str(resources.files("dflash_assets").joinpath("data", "conversations.jsonl")))
 
 
-def dataset_uri(name: str) -> str:
-    """The dataset a `DFLASH_DATASET` value names: `bundled` is the shipped sample, anything else as given."""
-    return str(bundled_dataset_path()) if name == "bundled" else name
+def dataset_uri(name: str, cache_dir: Path | None = None) -> str:
+    """The dataset a `DFLASH_DATASET` value (or an evaluation set's reference) names: `bundled` is the
+    shipped sample, `sharegpt` or `sharegpt[start:end]` the built-in ShareGPT or a slice of its rows (built
+    into `cache_dir`, default `DFLASH_CACHE_DIR`, on first use: `sharegpt.py`), anything else as given."""
+    from dflash_assets.conversations import sharegpt
+
+    if name == "bundled":
+        return str(bundled_dataset_path())
+    if sharegpt.is_reference(name):
+        if cache_dir is None:
+            from dflash_assets import settings
+
+            cache_dir = settings.cache_dir()
+        # Said on stderr: a first use may be inside `plan --json`, whose stdout is the JSON alone.
+        return str(sharegpt.dataset_file(name, cache_dir, log=lambda line: print(line, file=sys.stderr)))
+    return name
 
 
 def resolve_dataset(
@@ -312,30 +328,49 @@ def _hub_files(uri: str) -> DatasetFiles:
 
 
 def file_format(path: Path) -> str:
-    """'parquet' or 'jsonl', from the file name, else from the Parquet magic bytes."""
+    """'parquet', 'jsonl' or 'json_array' (a `.json` file whose text opens with `[`), from the file name,
+    else from the Parquet magic bytes."""
     name = path.name.lower()
     if name.endswith((".parquet", ".pq")):
         return "parquet"
-    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".json")):
+    if name.endswith((".json", ".json.gz")):
+        return "json_array" if json_array.is_json_array(path) else "jsonl"
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
         return "jsonl"
     with path.open("rb") as handle:
         return "parquet" if handle.read(4) == b"PAR1" else "jsonl"
+
+
+def file_note(path: Path) -> str:
+    """What a person should know about one file before its rows are used ("" for nothing): a JSON array
+    that stops before its end says where, and how many records it holds. The caller shows it: the log
+    line `json_array` writes for it when its records are read is not written in this process."""
+    return json_array.take_note(path) if file_format(path) == "json_array" else ""
+
+
+def dataset_notes(dataset: DatasetFiles) -> list[str]:
+    """`file_note` of every file of the dataset that has one, in order."""
+    return [note for note in (file_note(path) for path in dataset.files) if note]
 
 
 _ROW_COUNTS: dict[tuple[str, int, int], int] = {}
 
 
 def file_rows(path: Path) -> int:
-    """Rows of one file without parsing any: newlines for JSONL, footer metadata for Parquet (remembered
-    per file version, so the shards before a range are counted once per process)."""
+    """Rows of one file: newlines for JSONL and footer metadata for Parquet, without parsing any; a JSON
+    array's complete records, parsed once (remembered per file version, so the shards before a range are
+    counted once per process)."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key in _ROW_COUNTS:
         return _ROW_COUNTS[key]
-    if file_format(path) == "parquet":
+    kind = file_format(path)
+    if kind == "parquet":
         import pyarrow.parquet as pq
 
         count = pq.ParquetFile(path).metadata.num_rows
+    elif kind == "json_array":
+        count = json_array.read_end(path).records
     else:
         count, last_byte = 0, b"\n"
         with _open_binary(path) as handle:
@@ -401,20 +436,21 @@ def iter_rows_at(
     s3: Any = None,
     cache_dir: Path | None = None,
     layout: str = "auto",
+    require_assistant: bool = True,
 ) -> Iterator[tuple[int, Conversation | Dropped]]:
     """`(index, Conversation or Dropped)` for the given row indices that exist, in ascending order, in
     one pass: only the chosen rows are parsed (JSONL) or read (Parquet: their row groups). For sampling a
-    large dataset, e.g. the capacity plan's estimate."""
+    large dataset, e.g. the capacity plan's estimate. `require_assistant`: as for `iter_rows`."""
     check_dataset_format(layout)
     dataset = resolve_dataset(source, s3=s3, cache_dir=cache_dir)
     wanted = sorted(set(indices))
     if not wanted:
         return iter(())
-    return _iter_rows_at(dataset, wanted, layout)
+    return _iter_rows_at(dataset, wanted, layout, require_assistant)
 
 
 def _iter_rows_at(
-    dataset: DatasetFiles, wanted: list[int], layout: str
+    dataset: DatasetFiles, wanted: list[int], layout: str, require_assistant: bool
 ) -> Iterator[tuple[int, Conversation | Dropped]]:
     offset, position = 0, 0
     for path in dataset.files:
@@ -424,8 +460,8 @@ def _iter_rows_at(
             here.append(wanted[position] - offset)
             position += 1
         if here:
-            reader = _parquet_at if file_format(path) == "parquet" else _jsonl_at
-            for local, row in reader(path, here, layout):
+            reader = {"parquet": _parquet_at, "json_array": _json_array_at}.get(file_format(path), _jsonl_at)
+            for local, row in reader(path, here, layout, require_assistant):
                 yield offset + local, row
         if position == len(wanted):
             return
@@ -441,10 +477,14 @@ def row_location(dataset: DatasetSource, index: int) -> str:
         rows = file_rows(path) if number < len(files.files) - 1 else index - offset + 1
         if index < offset + rows:
             local = index - offset
-            where = f"row {local}" if file_format(path) == "parquet" else f"line {local + 1}"
+            kind = file_format(path)
+            where = f"line {local + 1}" if kind == "jsonl" else f"{_ROW_WORD[kind]} {local}"
             return f"{files.names[number]} {where}" if files.names else where
         offset += rows
     return f"row {index}"
+
+
+_ROW_WORD = {"parquet": "row", "json_array": "record"}  # what a 0-based position is called in a file
 
 
 def _open_binary(path: Path) -> Any:
@@ -454,9 +494,35 @@ def _open_binary(path: Path) -> Any:
 def _iter_file(
     path: Path, start: int, end: int | None, layout: str, require_assistant: bool
 ) -> Iterator[tuple[int, Conversation | Dropped]]:
-    if file_format(path) == "parquet":
+    kind = file_format(path)
+    if kind == "parquet":
         return _iter_parquet(path, start, end, layout, require_assistant)
+    if kind == "json_array":
+        return _iter_json_array(path, start, end, layout, require_assistant)
     return _iter_jsonl(path, start, end, layout, require_assistant)
+
+
+def _iter_json_array(
+    path: Path, start: int, end: int | None, layout: str, require_assistant: bool
+) -> Iterator[tuple[int, Conversation | Dropped]]:
+    # Records before `start` are decoded too (nothing says where a record starts without reading the
+    # ones before it); at about 300 MB/s that is a second for a large file, per range.
+    for index, record in json_array.iter_records(path):
+        if end is not None and index > end:
+            return
+        if index >= start:
+            yield index, conversation_from_row(record, layout, require_assistant=require_assistant)
+
+
+def _json_array_at(
+    path: Path, wanted: list[int], layout: str, require_assistant: bool
+) -> Iterator[tuple[int, Conversation | Dropped]]:
+    chosen = set(wanted)
+    for index, record in json_array.iter_records(path):
+        if index in chosen:
+            yield index, conversation_from_row(record, layout, require_assistant=require_assistant)
+        if index >= wanted[-1]:
+            return
 
 
 def _iter_jsonl(
@@ -477,12 +543,19 @@ def _iter_jsonl(
             )
 
 
-def _jsonl_at(path: Path, wanted: list[int], layout: str) -> Iterator[tuple[int, Conversation | Dropped]]:
+def _jsonl_at(
+    path: Path, wanted: list[int], layout: str, require_assistant: bool
+) -> Iterator[tuple[int, Conversation | Dropped]]:
     chosen = set(wanted)
     with _open_binary(path) as handle:
         for index, raw_line in enumerate(handle):
             if index in chosen:
-                yield index, parse_jsonl_line(raw_line, first_line=index == 0, layout=layout)
+                yield (
+                    index,
+                    parse_jsonl_line(
+                        raw_line, first_line=index == 0, layout=layout, require_assistant=require_assistant
+                    ),
+                )
             if index >= wanted[-1]:
                 return
 
@@ -546,7 +619,9 @@ def _iter_parquet(
         group_start = group_end + 1
 
 
-def _parquet_at(path: Path, wanted: list[int], layout: str) -> Iterator[tuple[int, Conversation | Dropped]]:
+def _parquet_at(
+    path: Path, wanted: list[int], layout: str, require_assistant: bool
+) -> Iterator[tuple[int, Conversation | Dropped]]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -561,7 +636,8 @@ def _parquet_at(path: Path, wanted: list[int], layout: str) -> Iterator[tuple[in
         if here:
             table = parquet.read_row_group(group, columns=columns)
             for index in here:
-                yield index, conversation_from_row(table.slice(index - group_start, 1).to_pylist()[0], layout)
+                row = table.slice(index - group_start, 1).to_pylist()[0]
+                yield index, conversation_from_row(row, layout, require_assistant=require_assistant)
         if position == len(wanted):
             return
         group_start = group_end + 1

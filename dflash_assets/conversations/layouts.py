@@ -35,6 +35,8 @@ SHAREGPT_ROLES = {
     "gpt": "assistant",
     "assistant": "assistant",
     "chatgpt": "assistant",
+    "bing": "assistant",  # ShareGPT V3's answers from other assistants
+    "bard": "assistant",
     "function_call": "assistant",  # its value is the call: {"name", "arguments"} (or a list of them)
     "tool": "tool",
     "observation": "tool",
@@ -71,6 +73,8 @@ DROP_REASONS: dict[str, str] = {
     "no_prompt": "the conversation has no user or tool turn for the target to answer",
     "generation_failed": "the inference server refused the request for good (e.g. a prompt too long)",
     "exceeds_context": "the prompt fills the target's context (max_position_embeddings): no room to answer",
+    "prompt_past_max_length": "the conversation's first prompt alone is DFLASH_MAX_LENGTH tokens or more: "
+    "training would cut its whole answer, so it is not asked",
     "truncated_answer": "an answer hit max_new_tokens and truncated='drop'",
 }
 

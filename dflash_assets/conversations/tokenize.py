@@ -19,6 +19,7 @@ from dflash_assets.conversations.datasets import (
     resolve_dataset,
     row_location,
 )
+from dflash_assets.conversations.drops import SHOWN, BadRow, dropped_line
 from dflash_assets.conversations.layouts import Conversation, Dropped, Messages, as_conversation
 from dflash_assets.conversations.loss_mask import (
     Rendered,
@@ -37,21 +38,6 @@ DEFAULT_MAX_LENGTH = int(settings.MAX_LENGTH.default)  # stated once, in the set
 _ENCODE_BATCH = 256  # rows rendered in Python, then encoded together by the Rust tokenizer
 
 
-@dataclass(frozen=True)
-class BadRow:
-    """Where the first dropped row of a range is, so a person can open the file at that line."""
-
-    dataset: str
-    index: int
-    location: str  # "line 8" (JSONL, 1-based) or "row 7" (Parquet position)
-    reason: str
-    detail: str
-
-    def __str__(self) -> str:
-        detail = f" ({self.detail})" if self.detail else ""
-        return f"{self.dataset} {self.location}: {self.reason}{detail}"
-
-
 @dataclass
 class TokenizeResult:
     """One sample range, tokenized: the kept samples and an account of everything left out."""
@@ -65,6 +51,11 @@ class TokenizeResult:
     truncated: int = 0  # kept samples cut to max_length
     exact_ids: int = 0  # kept samples whose answer ids are the target's own (regenerated data)
     first_bad: BadRow | None = None  # the first dropped row, to point a person at the file
+    bad_rows: list[BadRow] = field(default_factory=list)  # the first `drops.SHOWN` dropped rows, in order
+
+    def dropped_line(self, *, rows_word: str = "rows", verb: str = "were dropped") -> str:
+        """The dropped rows in one line: how many, by reason, and the first few with what was wrong."""
+        return dropped_line(self.rows, self.dropped_by_reason, self.bad_rows, rows_word=rows_word, verb=verb)
 
     @property
     def mean_length(self) -> float:
@@ -156,9 +147,10 @@ def tokenize_rows(
     def record_drop(index: int, dropped: Dropped) -> None:
         result.dropped[index] = dropped.reason
         drop_counts[dropped.reason] += 1
-        if result.first_bad is None:
+        if len(result.bad_rows) < SHOWN:  # rows come in order: these are the first
             location = row_location(dataset, index)
-            result.first_bad = BadRow(dataset_name, index, location, dropped.reason, dropped.detail)
+            result.bad_rows.append(BadRow(dataset_name, index, location, dropped.reason, dropped.detail))
+            result.first_bad = result.bad_rows[0]
 
     batch: list[tuple[int, Conversation | Messages | Dropped]] = []
 

@@ -10,6 +10,10 @@ arguments, ids aside; calls where the dataset has none, or none where it has som
 there: the dataset's tool results answer the dataset's calls, not the target's, so nothing after that
 turn is asked for or kept. A turn whose calls match keeps the dataset's call ids, so the tool results
 still refer to them.
+
+Length: with a token budget (`GenerationSettings.max_conversation_tokens`, the training length
+DFLASH_MAX_LENGTH), an answer that brings the conversation to the budget ends it there too: training cuts
+every sample at that length, so a later turn would start past it, paid for and never trained on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from dflash_assets.conversations.layouts import (
     parse_tool_calls,
     tool_call_signature,
 )
+
+# Why a conversation ended before its last turn (a record's `ended_early`).
+ENDED_AT_TOOL_CALLS = "tool_calls_differ"  # a turn's tool calls left the dataset's
+ENDED_AT_MAX_LENGTH = "max_length"  # the conversation reached its token budget
 
 
 @dataclass
@@ -58,6 +66,13 @@ class Answer:
             return len(self.completion_token_ids)
         return self.completion_tokens or 0
 
+    def conversation_tokens(self) -> int:
+        """Tokens of the conversation up to the end of this answer: its prompt and itself, as ids where the
+        engine returned them, else as counted. A count the engine left out is 0: an undercount only asks
+        for more turns, never for fewer."""
+        prompt = len(self.prompt_token_ids) if self.prompt_token_ids is not None else self.prompt_tokens
+        return (prompt or 0) + self.num_tokens()
+
 
 @dataclass
 class Regeneration:
@@ -68,6 +83,9 @@ class Regeneration:
     answers: list[Answer] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # where each answer goes in `messages`
     tools: list[dict[str, Any]] | None = None  # the row's tools, passed with every turn
+    # No later turn once an answer ends at this many tokens of conversation (None: no bound); see
+    # `GenerationSettings.max_conversation_tokens`.
+    token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not self.positions:
@@ -75,7 +93,7 @@ class Regeneration:
 
     @property
     def turns(self) -> int:
-        """Turns to answer: every assistant turn, or up to the one whose tool calls left the dataset's."""
+        """Turns to answer: every assistant turn, or up to the one the conversation ends at early."""
         cut = self.ended_at()
         return len(self.positions) if cut is None else cut + 1
 
@@ -84,11 +102,23 @@ class Regeneration:
         return len(self.answers) >= self.turns
 
     def ended_at(self) -> int | None:
-        """The answer (0-based) after which the conversation ends early because its tool calls differ
-        from the dataset's turn, when a later turn would have followed; else None."""
+        """The answer (0-based) after which the conversation ends early, when a later turn would have
+        followed (`ended_because` says why); else None."""
+        ending = self._ending()
+        return None if ending is None else ending[0]
+
+    def ended_because(self) -> str | None:
+        """Why the conversation ends early: ENDED_AT_TOOL_CALLS (an answer's tool calls differ from the
+        dataset's turn) or ENDED_AT_MAX_LENGTH (an answer brought it to `token_budget` tokens); else None."""
+        ending = self._ending()
+        return None if ending is None else ending[1]
+
+    def _ending(self) -> tuple[int, str] | None:
         for number, answer in enumerate(self.answers[: len(self.positions) - 1]):
             if tool_call_signature(answer.tool_calls) != tool_call_signature(self._source_calls(number)):
-                return number
+                return number, ENDED_AT_TOOL_CALLS
+            if self.token_budget is not None and answer.conversation_tokens() >= self.token_budget:
+                return number, ENDED_AT_MAX_LENGTH
         return None
 
     def _source_calls(self, number: int) -> Any:
@@ -138,13 +168,13 @@ def answer_positions(messages: Messages) -> list[int]:
     return positions
 
 
-def plan_regeneration(sample_index: int, row: Any) -> Regeneration | Dropped:
+def plan_regeneration(sample_index: int, row: Any, token_budget: int | None = None) -> Regeneration | Dropped:
     """A dataset row (its Conversation or messages, or why they are unusable) as a conversation to
-    regenerate."""
+    regenerate; `token_budget`: see `Regeneration.token_budget`."""
     conversation = as_conversation(row, require_assistant=False)
     if isinstance(conversation, Dropped):
         return conversation
     messages = conversation.messages
     if not any(message["role"] in ("user", "tool") for message in messages):
         return Dropped("no_prompt", f"roles: {[m['role'] for m in messages]}")
-    return Regeneration(sample_index, messages, tools=conversation.tools)
+    return Regeneration(sample_index, messages, tools=conversation.tools, token_budget=token_budget)

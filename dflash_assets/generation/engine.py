@@ -46,6 +46,19 @@ def no_room(prompt_tokens: int, context_tokens: int | None) -> Dropped:
     )
 
 
+def past_max_length(turn: int, prompt_tokens: int, max_conversation_tokens: int | None) -> Dropped | None:
+    """Why a conversation's first turn is not asked at all: its prompt alone reaches the training length
+    (`max_conversation_tokens`, DFLASH_MAX_LENGTH), so training would cut every token of the answer.
+    None for a turn worth asking (a later turn's bound is checked after each answer: `Regeneration`)."""
+    if turn or max_conversation_tokens is None or prompt_tokens < max_conversation_tokens:
+        return None
+    return Dropped(
+        "prompt_past_max_length",
+        f"its prompt is {prompt_tokens} tokens, at least DFLASH_MAX_LENGTH={max_conversation_tokens}: "
+        "training would cut the whole answer",
+    )
+
+
 @dataclass
 class EngineStats:
     requests: int = 0  # turns sent to the engine (one per server request)

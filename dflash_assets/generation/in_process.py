@@ -27,6 +27,7 @@ from dflash_assets.generation.engine import (
     TurnScheduler,
     new_token_limit,
     no_room,
+    past_max_length,
 )
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.generation.tool_calls import parse_answer, response_template
@@ -122,8 +123,18 @@ class InProcessEngine(Engine):
         max_new = self.settings.max_new_tokens
         # A batch's worth at a time, so the next turns of conversations under way join the next batch
         # (the scheduler hands them out first) instead of waiting behind every first turn of the range.
-        while requests := scheduler.take(limit=self.max_batch_size):
-            prompts = [prompt_token_ids(self.tokenizer, r.messages, self.settings, r.tools) for r in requests]
+        while taken := scheduler.take(limit=self.max_batch_size):
+            requests, prompts = [], []
+            for request in taken:
+                prompt = prompt_token_ids(self.tokenizer, request.messages, self.settings, request.tools)
+                bound = self.settings.max_conversation_tokens
+                if (dropped := past_max_length(request.turn, len(prompt), bound)) is not None:
+                    scheduler.drop(request, dropped)
+                    continue
+                requests.append(request)
+                prompts.append(prompt)
+            if not requests:
+                continue
             limits = [new_token_limit(len(p), max_new, self.context_tokens) for p in prompts]
             whole = [i for i, limit in enumerate(limits) if limit == max_new]
             budget = [len(prompts[i]) + max_new for i in whole]

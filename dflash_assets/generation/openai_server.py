@@ -39,6 +39,7 @@ from dflash_assets.generation.engine import (
     TurnScheduler,
     new_token_limit,
     no_room,
+    past_max_length,
 )
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.redaction import redact
@@ -205,6 +206,10 @@ class OpenAIEngine(Engine):
             while requests := scheduler.take(limit=1):
                 request = requests[0]
                 max_tokens, prompt_tokens = self._max_tokens(request)
+                bound = self.settings.max_conversation_tokens
+                if (dropped := past_max_length(request.turn, prompt_tokens, bound)) is not None:
+                    scheduler.drop(request, dropped)
+                    continue
                 if max_tokens < 1:
                     scheduler.drop(request, no_room(prompt_tokens, self.context_tokens))
                     continue
@@ -390,6 +395,11 @@ class OpenAIEngine(Engine):
             completion_tokens=usage.get("completion_tokens"),
         )
         self._check_prompt_tokens(server, request, answer)
+        uncounted = answer.prompt_token_ids is None and answer.prompt_tokens is None
+        if uncounted and self._prompt_tokens is not None:
+            # A server that counts nothing: the target's own count, so a conversation's length (against
+            # its token budget) still includes the prompt.
+            answer.prompt_tokens = self._count_prompt(request)
         return answer
 
     def _check_prompt_tokens(self, server: Server, request: TurnRequest, answer: Answer) -> None:

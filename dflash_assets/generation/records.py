@@ -11,7 +11,9 @@ A record (format `dflash-assets.completions/1`):
                 "completion_token_ids": [...]}],   where the engine returned them
      "prompt_token_ids": [...],               the exact prompt of the last answer, where returned
      "tools": [...],                          the row's tools, where it has any (every prompt had them)
-     "ended_early": "tool_calls_differ",      where a turn's tool calls left the dataset's: later turns cut
+     "ended_early": "tool_calls_differ",      where later turns were not asked for: a turn's tool calls left
+                                              the dataset's, or "max_length": the conversation reached
+                                              DFLASH_MAX_LENGTH tokens
      "engine": "in-process"}
 
 A row that could not be answered is a line `{"sample_index": 18, "dropped": "<reason>", "detail": "..."}`
@@ -34,7 +36,6 @@ from dflash_assets.generation.conversation import Regeneration
 COMPLETIONS_FORMAT = "dflash-assets.completions/1"
 COMPLETIONS_NAME = "completions.jsonl"
 CHUNKS_DIR = "chunks"
-ENDED_AT_TOOL_CALLS = "tool_calls_differ"
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class CompletionRecord:
     prompt_token_ids: list[int] | None
     engine: str
     tools: list[dict[str, Any]] | None = None
-    ended_early: str | None = None  # ENDED_AT_TOOL_CALLS: the conversation stops at a turn whose calls differ
+    ended_early: str | None = None  # `Regeneration.ended_because()`: later turns not asked for
 
     @classmethod
     def from_regeneration(cls, conversation: Regeneration, engine: str) -> CompletionRecord:
@@ -68,7 +69,7 @@ class CompletionRecord:
             prompt_token_ids=list(last.prompt_token_ids) if last.prompt_token_ids is not None else None,
             engine=engine,
             tools=conversation.tools,
-            ended_early=ENDED_AT_TOOL_CALLS if conversation.ended_at() is not None else None,
+            ended_early=conversation.ended_because(),
         )
 
     @property

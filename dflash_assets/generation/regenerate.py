@@ -35,9 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from dflash_assets.conversations.drops import SHOWN, BadRow, dropped_line
 from dflash_assets.conversations.layouts import Conversation, Dropped
-from dflash_assets.conversations.tokenize import BadRow, check_bad_rows
-from dflash_assets.generation.conversation import Answer, Regeneration, plan_regeneration
+from dflash_assets.conversations.tokenize import check_bad_rows
+from dflash_assets.generation.conversation import (
+    ENDED_AT_MAX_LENGTH,
+    ENDED_AT_TOOL_CALLS,
+    Answer,
+    Regeneration,
+    plan_regeneration,
+)
 from dflash_assets.generation.engine import Engine, TurnScheduler
 from dflash_assets.generation.records import (
     CHUNKS_DIR,
@@ -109,16 +116,31 @@ def dataset_identity(uri: str, rows: Sequence[tuple[int, Any]]) -> dict[str, str
 def _same_answers(fingerprint: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
     """Which stored fingerprints made answers this range can keep: the same one found elsewhere (a dataset
     moved: same rows, another path), or one an earlier version wrote before fingerprints named the
-    dataset (such a store's answers were made for it; the store itself is this pipeline's)."""
+    dataset (such a store's answers were made for it; the store itself is this pipeline's), before
+    conversations were bounded by `max_conversation_tokens` (every turn answered) or bounded by a larger
+    one (a longer DFLASH_MAX_LENGTH: every turn asked now was answered)."""
 
     def without_uri(value: dict[str, Any]) -> dict[str, Any]:
         dataset = {k: v for k, v in (value.get("dataset") or {}).items() if k != "uri"}
         return {**value, "dataset": dataset}
 
+    def without_budget(value: dict[str, Any]) -> dict[str, Any]:
+        generation = {
+            k: v for k, v in (value.get("generation") or {}).items() if k != "max_conversation_tokens"
+        }
+        return {**value, "generation": generation}
+
+    ours_bound = (fingerprint.get("generation") or {}).get("max_conversation_tokens")
+
     def same(stored: dict[str, Any]) -> bool:
+        ours = fingerprint
+        # Answered before conversations were bounded, or to a longer bound: every turn asked now is there.
+        bound = (stored.get("generation") or {}).get("max_conversation_tokens")
+        if bound is None or (ours_bound is not None and bound >= ours_bound):
+            ours, stored = without_budget(fingerprint), without_budget(stored)
         if "dataset" not in stored:
-            return stored == {k: v for k, v in fingerprint.items() if k != "dataset"}
-        return without_uri(stored) == without_uri(fingerprint)
+            return stored == {k: v for k, v in ours.items() if k != "dataset"}
+        return without_uri(stored) == without_uri(ours)
 
     return same
 
@@ -156,6 +178,7 @@ class RegenerationResult:
     truncated: int  # kept records with an answer cut at max_new_tokens
     tool_call_turns: int  # answers of kept records that called tools
     ended_at_tool_calls: int  # kept records cut at a turn whose tool calls differ from the dataset's
+    ended_at_max_length: int  # kept records cut at the answer that reached the token budget
     generated_now: int
     reused_from_store: int
     reused_from_staging: int
@@ -170,10 +193,15 @@ class RegenerationResult:
     engine: str
     fingerprint: dict[str, Any] = field(default_factory=dict)
     sample_indices: list[int] = field(default_factory=list)  # the rows kept, in order
+    bad_rows: list[BadRow] = field(default_factory=list)  # the first `drops.SHOWN` dropped rows, in order
 
     @property
     def dropped_by_reason(self) -> dict[str, int]:
         return dict(sorted(Counter(self.dropped.values()).items()))
+
+    def dropped_line(self) -> str:
+        """The dropped rows in one line: how many, by reason, and the first few with what was wrong."""
+        return dropped_line(self.rows, self.dropped_by_reason, self.bad_rows)
 
     def metadata(self) -> dict[str, Any]:
         """What the run reports about the range: numbers a UI plots across ranges, and the settings."""
@@ -185,6 +213,7 @@ class RegenerationResult:
             "truncated": self.truncated,
             "tool_call_turns": self.tool_call_turns,
             "ended_at_tool_calls": self.ended_at_tool_calls,
+            "ended_at_max_length": self.ended_at_max_length,
             "tokens_generated": self.tokens_generated,
             "generated_now": self.generated_now,
             "reused_from_store": self.reused_from_store,
@@ -209,6 +238,7 @@ class RegenerationResult:
             "truncated_policy": self.fingerprint.get("truncated"),
             "conversations": self.records,
             "truncated": self.truncated,
+            "ended_at_max_length": self.ended_at_max_length,
             "tokens_generated": self.tokens_generated,
         }
 
@@ -218,6 +248,11 @@ class RegenerationResult:
             f"{human_duration(self.duration_s)} ({self.generated_now} generated now, "
             f"{self.reused_from_store} already in the store, {self.reused_from_staging} recovered from local "
             "staging)"
+            + (
+                f"; {self.ended_at_max_length} ended at the token budget (DFLASH_MAX_LENGTH)"
+                if self.ended_at_max_length
+                else ""
+            )
         )
 
 
@@ -239,16 +274,27 @@ def regenerate_range(
     on_progress: Callable[[RegenerationProgress], None] | None = None,
     chunk_records: int = 256,
     chunk_every_s: float = 30.0,
+    token_budget: int | None = None,
+    locate: Callable[[int], str] | None = None,
 ) -> RegenerationResult:
     """Make `<prefix>/completions.jsonl` hold every row of `rows` (`(index, messages or Dropped)`, as
     `datasets.iter_rows` yields them), generating only what neither the store nor staging holds.
 
     `open_engine()` is entered only when something is left to generate (no device is leased and no
     model loaded for a range already done). Raises `TooManyBadRows` when more than `max_bad_fraction`
-    of the rows were dropped, after everything is stored.
+    of the rows were dropped, after everything is stored. `token_budget` ends a conversation once an
+    answer reaches that many tokens of it: the `max_conversation_tokens` of the settings `fingerprint`
+    was made from, so answers bounded by one budget are never stored as another's. `locate(index)` says
+    where a dropped row is in the dataset ("line 8"; default "row <index>").
     """
     if truncated not in TRUNCATED_POLICIES:
         raise ValueError(f"truncated={truncated!r} must be one of {TRUNCATED_POLICIES}")
+    fingerprinted = (fingerprint.get("generation") or {}).get("max_conversation_tokens")
+    if token_budget != fingerprinted:
+        raise ValueError(
+            f"token_budget={token_budget} but the fingerprint's settings say max_conversation_tokens="
+            f"{fingerprinted}: pass the settings' own max_conversation_tokens (DFLASH_MAX_LENGTH)"
+        )
     started = time.monotonic()
     warn = warn or (lambda message: log(f"WARNING: {message}"))
     base = prefix.strip("/") + "/"
@@ -259,7 +305,7 @@ def regenerate_range(
     planned: list[Regeneration] = []
     unreadable: dict[int, Dropped] = {}
     for index, row in rows:
-        plan = plan_regeneration(index, row)
+        plan = plan_regeneration(index, row, token_budget)
         if isinstance(plan, Dropped):
             unreadable[index] = plan
         else:
@@ -345,6 +391,7 @@ def regenerate_range(
         truncated=summary.truncated,
         tool_call_turns=summary.tool_call_turns,
         ended_at_tool_calls=summary.ended_at_tool_calls,
+        ended_at_max_length=summary.ended_at_max_length,
         generated_now=counters.done_this_run,
         reused_from_store=len(in_store),
         reused_from_staging=len(in_staging),
@@ -367,10 +414,12 @@ def regenerate_range(
         f"{result.tokens_generated_now:,} tokens at {result.tokens_per_s:,.0f} tokens/s; "
         f"{result.requests} requests, {result.retries} retries"
     )
-    first = min(result.dropped, default=None)
-    first_bad = None
-    if first is not None:
-        first_bad = BadRow(dataset_name, first, f"row {first}", result.dropped[first], summary.first_detail)
+    locate = locate or (lambda index: f"row {index}")
+    result.bad_rows = [
+        BadRow(dataset_name, index, locate(index), dropped.reason, dropped.detail)
+        for index, dropped in sorted(summary.first_dropped.items())
+    ]
+    first_bad = result.bad_rows[0] if result.bad_rows else None
     check_bad_rows(
         result.rows,
         result.dropped,
@@ -488,7 +537,9 @@ class _Journal:
 
     @staticmethod
     def _resumed(planned: Regeneration, answers: list[Answer]) -> Regeneration:
-        return Regeneration(planned.sample_index, planned.source, answers=list(answers), tools=planned.tools)
+        # Everything the plan holds (tools, token budget) decides where it ends: a resumed conversation
+        # must end at the turn the uninterrupted one would have.
+        return dataclasses.replace(planned, answers=list(answers))
 
     def _read_journal(self, warn: Callable[[str], None]) -> Iterator[tuple[int, Any]]:
         """`(sample, a record (CompletionRecord or DroppedRow) or (turn, Answer, engine, the line))` for
@@ -605,9 +656,10 @@ class _Summary:
     truncated: int = 0
     tool_call_turns: int = 0
     ended_at_tool_calls: int = 0
+    ended_at_max_length: int = 0
     tokens: int = 0
     dropped: dict[int, str] = field(default_factory=dict)
-    first_detail: str = ""
+    first_dropped: dict[int, Dropped] = field(default_factory=dict)  # the first `drops.SHOWN`, in order
     chunk_keys: list[str] = field(default_factory=list)
 
 
@@ -646,13 +698,14 @@ def _assemble(
                 seen.add(line.sample_index)
                 if isinstance(line, DroppedRow):
                     summary.dropped[line.sample_index] = line.dropped.reason
-                    if not summary.first_detail or line.sample_index == min(summary.dropped):
-                        summary.first_detail = line.dropped.detail
+                    if len(summary.first_dropped) < SHOWN:  # merged in sample order: these are the first
+                        summary.first_dropped[line.sample_index] = line.dropped
                 else:
                     summary.records += 1
                     summary.truncated += line.truncated
                     summary.tool_call_turns += line.tool_call_turns
-                    summary.ended_at_tool_calls += line.ended_early is not None
+                    summary.ended_at_tool_calls += line.ended_early == ENDED_AT_TOOL_CALLS
+                    summary.ended_at_max_length += line.ended_early == ENDED_AT_MAX_LENGTH
                     summary.tokens += line.generated_tokens
                 yield line
             missing = sorted(all_rows - seen)

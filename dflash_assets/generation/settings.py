@@ -35,6 +35,10 @@ class GenerationSettings:
     # Passed to the chat template (and to servers as `chat_template_kwargs`), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # sampled decoding only
+    # No turn is asked for once a conversation holds this many tokens (its prompt and answer so far):
+    # training cuts every sample at DFLASH_MAX_LENGTH, so an answer starting past it is never trained on,
+    # only paid for. None: every turn is answered.
+    max_conversation_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -49,6 +53,11 @@ class GenerationSettings:
             raise ValueError(
                 f"max_new_tokens must be >= 1, got {self.max_new_tokens} (DFLASH_GENERATE_MAX_NEW_TOKENS)"
             )
+        if self.max_conversation_tokens is not None and self.max_conversation_tokens < 1:
+            raise ValueError(
+                f"max_conversation_tokens must be >= 1 or None, got {self.max_conversation_tokens} "
+                "(DFLASH_MAX_LENGTH)"
+            )
         try:
             json.dumps(self.chat_template_kwargs)
         except TypeError as error:
@@ -62,6 +71,8 @@ class GenerationSettings:
         """What decides the answers: two ranges with different values are never mixed. A greedy run's
         sampling knobs and seed decide nothing, so they are left out of it."""
         values = asdict(self)
+        if self.max_conversation_tokens is None:  # ranges answered before it existed keep their fingerprint
+            values.pop("max_conversation_tokens")
         if self.greedy:
             for name in ("top_p", "top_k", "seed"):
                 values.pop(name)

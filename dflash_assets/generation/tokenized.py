@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_assets.conversations.datasets import Dropped
+from dflash_assets.conversations.drops import SHOWN, BadRow
 from dflash_assets.conversations.tokenize import (
     DEFAULT_MAX_LENGTH,
     AnswerTokenizer,
-    BadRow,
     TokenizeResult,
     check_bad_rows,
 )
@@ -46,8 +46,10 @@ def tokenize_completions(
     def drop(index: int, dropped: Dropped) -> None:
         result.dropped[index] = dropped.reason
         reasons[dropped.reason] += 1
-        if result.first_bad is None or index < result.first_bad.index:
-            result.first_bad = BadRow(where, index, f"row {index}", dropped.reason, dropped.detail)
+        # Rows dropped upstream come first, then the records in order: keep the lowest indices.
+        result.bad_rows.append(BadRow(where, index, f"row {index}", dropped.reason, dropped.detail))
+        result.bad_rows = sorted(result.bad_rows, key=lambda bad: bad.index)[:SHOWN]
+        result.first_bad = result.bad_rows[0]
 
     for index, reason in sorted((dropped_upstream or {}).items()):
         result.rows += 1

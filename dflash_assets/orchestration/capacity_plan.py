@@ -99,6 +99,7 @@ def build_plan(
                 dataset=workload.dataset,
                 given=f"given: {count:,} samples of {mean:,.0f} tokens ({flag}; the dataset's length "
                 "distribution scaled to that mean)",
+                warnings=workload.warnings,
             )
     model_dir, layer_ids = target_model.model_dir(), target_model.layer_ids()
     final_state = settings.CAPTURE_FINAL_STATE.get_bool()

@@ -120,6 +120,34 @@ def dataset_range_keys(uri: str | None = None) -> list[str]:
     return [r.key for r in sample_ranges(rows, settings.samples_per_partition())]
 
 
+RANGES_SAMPLE_ROWS = 200  # rows `dflash-assets ranges` reads, spread over the dataset, before registering
+
+
+def check_dataset_rows(uri: str | None = None, sample: int = RANGES_SAMPLE_ROWS) -> list[str]:
+    """What a person should know before the dataset's ranges are registered: each file cut short (a JSON
+    array's note), and the rows of `sample` spread over the dataset that would be dropped on reading, by
+    reason with the first few. Raises `AllRowsDropped` when every one would be: such a dataset, or such a
+    `DFLASH_DATASET_FORMAT`, gives no range a sample."""
+    from dflash_assets.conversations.datasets import dataset_notes, resolve_dataset
+    from dflash_assets.conversations.drops import sample_rows
+
+    uri = uri or dataset_uri()
+    files = resolve_dataset(uri, cache_dir=settings.cache_dir())
+    warnings = dataset_notes(files)
+    rows = dataset_row_count(uri)
+    # Rows the target answers itself need no answer of their own (DFLASH_COMPLETIONS=target).
+    require_assistant = settings.COMPLETIONS.get() != "target"
+    read = sample_rows(
+        files, rows, sample, layout=settings.DATASET_FORMAT.get(), require_assistant=require_assistant
+    )
+    read.check_not_all_dropped(
+        f"Nothing was registered: check {settings.DATASET.name} and {settings.DATASET_FORMAT.name}"
+    )
+    if read.dropped:
+        warnings.append(read.line())
+    return warnings
+
+
 def unregistered_ranges(instance: DagsterInstance, keys: Sequence[str]) -> list[str]:
     """The keys among `keys` the instance does not know yet, in their order."""
     known = set(instance.get_dynamic_partitions(PARTITIONS_NAME))

@@ -213,7 +213,9 @@ class DatasetResource(ConfigurableResource):
     def uri(self) -> str:
         from dflash_assets.conversations.datasets import dataset_uri
 
-        return dataset_uri(settings.given_or(self.dataset, settings.DATASET.get))
+        # `sharegpt` is built into this cache on first use.
+        cache_dir = Path(settings.given_or(self.cache_dir, settings.cache_dir)).expanduser()
+        return dataset_uri(settings.given_or(self.dataset, settings.DATASET.get), cache_dir=cache_dir)
 
     def layout(self) -> str:
         """How rows are read (`DFLASH_DATASET_FORMAT`): `auto`, `messages` or `sharegpt`."""

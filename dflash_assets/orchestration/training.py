@@ -503,10 +503,21 @@ def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
 def manifest_fields(outcome: dict[str, Any], job) -> dict[str, Any]:
     """What `checkpoints/<run>/_manifest.json` records of the run."""
     from dflash_assets.drafter.config import DrafterConfig
+    from dflash_assets.drafter.model import drafter_parameter_count
+    from dflash_assets.training.train import device_seconds
 
     drafter = DrafterConfig.from_json(job.drafter_config)
+    train_seconds, train_device_seconds = device_seconds(outcome.get("world_sizes") or [])
     return {
         "run": job.run,
+        # What the drafter is and how it was trained, for `dflash-assets compare` beside its evaluations.
+        "drafter_arch": drafter.arch,
+        "block_size": drafter.block_size,
+        "loss": job.settings.get("loss"),
+        "distill_weight": job.settings.get("distill_weight"),
+        "parameters": drafter_parameter_count(drafter),
+        "train_seconds": round(train_seconds, 1),
+        "train_device_seconds": round(train_device_seconds, 1),
         "mode": job.mode,
         "steps": outcome["steps"],
         "trained_partitions": outcome["partitions"],

@@ -46,6 +46,8 @@ _INTEGERS: dict[Setting, tuple[int, bool]] = {
     settings.TRAIN_RDZV_PORT: (0, False),
     settings.TRAIN_MAX_RESTARTS: (0, False),
     settings.BLOCK_SIZE: (2, False),
+    settings.EVAL_PROMPTS: (1, False),
+    settings.EVAL_NEW_TOKENS: (1, False),
 }
 # Numbers: the smallest value, and whether it is allowed itself.
 _NUMBERS: dict[Setting, tuple[float, bool]] = {
@@ -90,6 +92,15 @@ def _store_url(value: str) -> None:
 
 
 def _dataset(value: str) -> None:
+    from dflash_assets.conversations import sharegpt
+    from dflash_assets.conversations.datasets import DatasetError
+
+    if sharegpt.is_reference(value):
+        try:
+            sharegpt.parse_slice(value)
+        except DatasetError as error:
+            raise SettingError(f"{settings.DATASET.name}: {error}") from None
+        return
     if value == "bundled" or value.startswith(("s3://", "file://")) or "://" not in value:
         if value.startswith("s3://") and not value[len("s3://") :].split("/", 1)[0]:
             raise SettingError(
@@ -157,6 +168,15 @@ def _run_name(value: str) -> None:
         )
 
 
+def _eval_sets(value: str) -> None:
+    from dflash_assets.evaluation.prompt_sets import PromptSetError, parse_eval_sets
+
+    try:
+        parse_eval_sets(value)
+    except PromptSetError as error:
+        raise SettingError(str(error)) from None
+
+
 def _ranks_per_node(value: str) -> None:
     if value != "auto" and not (value.isdigit() and int(value) >= 1):
         raise SettingError(f"{settings.TRAIN_NPROC_PER_NODE.name}={value!r} must be `auto` or 1 or more")
@@ -214,6 +234,7 @@ def _special() -> dict[Setting, Callable[[str], None]]:
         settings.DISTILL_WEIGHT: _between_0_and_1(settings.DISTILL_WEIGHT),
         settings.CAPTURE_FINAL_STATE: _flag(settings.CAPTURE_FINAL_STATE),
         settings.DRAFTER_INIT: _local_directory(settings.DRAFTER_INIT),
+        settings.EVAL_SETS: _eval_sets,
     }
 
 
@@ -270,13 +291,15 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from dflash_assets.conversations.datasets import DatasetError
     from dflash_assets.drafter.config import MaskTokenError
     from dflash_assets.drafter.published import DrafterInitError
+    from dflash_assets.evaluation.prompt_sets import PromptSetError
+    from dflash_assets.evaluation.runs import RunNotTrained
     from dflash_assets.orchestration.partitions import NotASampleRange
     from dflash_assets.storage.store import StoreConfigError
     from dflash_assets.target.smollm2 import RealModelMissing
 
     return (
         SettingError, DatasetError, StoreConfigError, NotASampleRange, DrafterInitError, MaskTokenError,
-        RealModelMissing,
+        RealModelMissing, PromptSetError, RunNotTrained,
     )  # fmt: skip
 
 

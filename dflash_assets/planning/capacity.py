@@ -395,7 +395,7 @@ def plan_capacity(
         "per_range": ranges,
     }
     plan = CapacityPlan(figures)
-    plan.warnings = _warnings(figures, settings, target)
+    plan.warnings = [*workload.warnings, *_warnings(figures, settings, target)]
     return plan
 
 

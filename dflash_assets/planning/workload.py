@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.conversations.datasets import count_rows, iter_rows_at, resolve_dataset
+from dflash_assets.conversations.datasets import count_rows, dataset_notes, iter_rows_at, resolve_dataset
 from dflash_assets.conversations.sample_range import SampleRange, range_containing, sample_ranges
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.conversations.shard import SHARD_NAME, read_shard
@@ -59,6 +59,8 @@ class Workload:
     estimated_rows: int = 0  # rows of the estimated ranges
     tokens_error_95: float = 0.0  # half-width of the 95 % interval of the token total (0: exact)
     notes: list[str] = field(default_factory=list)
+    # What a person should know about the data before a run: a file cut short, rows that would be dropped.
+    warnings: list[str] = field(default_factory=list)
     given: str = ""  # a what-if's counts (`plan --samples --mean-tokens`), said in words
 
     @property
@@ -139,9 +141,12 @@ def build_workload(
     `tokenized_completions` is materialising. Without a `tokenizer` nothing is tokenized: ranges not
     known or in the store are estimated from the ranges that are. `sample_rows=0` tokenizes every row.
     `rows` is the dataset's row count when the caller knows it (counting a large file takes a scan).
-    Rows are read in `layout` (`DFLASH_DATASET_FORMAT`), as `tokenized_completions` reads them.
+    Rows are read in `layout` (`DFLASH_DATASET_FORMAT`), as `tokenized_completions` reads them; the
+    workload's `warnings` say which of the rows tokenized would be dropped and why, and where a file stops
+    short (a cut JSON array).
     """
     path = resolve_dataset(dataset_uri, cache_dir=cache_dir)
+    file_notes = dataset_notes(path)
     rows = count_rows(path) if rows is None else rows
     if rows == 0:
         raise ValueError(f"dataset {dataset_uri!r} has no rows: check DFLASH_DATASET")
@@ -174,7 +179,7 @@ def build_workload(
             f"({min(len(materialised), shards_for_lengths)} of their shards read for the length distribution)"
         )
 
-    workload = Workload(str(dataset_uri), rows, samples_per_partition, max_length, [])
+    workload = Workload(str(dataset_uri), rows, samples_per_partition, max_length, [], warnings=file_notes)
     left_rows = [i for r in left for i in range(r.start, r.start + _present_rows(r, rows))]
     if left_rows and tokenizer is not None:
         whole = sample_rows <= 0 or len(left_rows) <= sample_rows
@@ -191,6 +196,9 @@ def build_workload(
             max_length=max_length,
             overlong=overlong,
         )
+        if result.dropped:
+            what = "rows" if whole else "sampled rows"
+            workload.warnings.append(result.dropped_line(rows_word=what, verb="would be dropped"))
         if whole:
             by_range: dict[str, list[TokenizedSample]] = {r.key: [] for r in left}
             for sample in result.samples:
@@ -275,10 +283,12 @@ def given_workload(
     lengths: Sequence[int] = (),
     dataset: str = "given",
     given: str = "",
+    warnings: Sequence[str] = (),
 ) -> Workload:
     """A what-if workload (`plan --samples N --mean-tokens T`): `samples` samples of `mean_tokens`
     tokens on average, in ranges of `samples_per_partition`. Per-sample lengths follow `lengths` (a
-    dataset's, scaled to the mean and truncated at `max_length`), else every sample is at the mean."""
+    dataset's, scaled to the mean and truncated at `max_length`), else every sample is at the mean;
+    `warnings` are the dataset's, when one was read."""
     if lengths:
         scale = mean_tokens / (sum(lengths) / len(lengths))
         shape = [min(max_length, max(1, round(n * scale))) for n in _spread(sorted(lengths), GIVEN_LENGTHS)]
@@ -299,5 +309,12 @@ def given_workload(
             )
         )
     return Workload(
-        dataset, samples, samples_per_partition, max_length, ranges, sample_lengths=shape, given=given
+        dataset,
+        samples,
+        samples_per_partition,
+        max_length,
+        ranges,
+        sample_lengths=shape,
+        given=given,
+        warnings=list(warnings),
     )

@@ -103,6 +103,13 @@ class TrainResult:
     evaluations: list[dict[str, Any]] = field(default_factory=list)
 
 
+def device_seconds(world_sizes: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """(wall seconds, device seconds) of training recorded in `world_sizes` segments (each segment's seconds
+    times its world size); segments written before seconds were recorded count 0."""
+    wall = sum(float(w.get("seconds") or 0.0) for w in world_sizes)
+    return wall, sum(float(w.get("seconds") or 0.0) * int(w.get("world_size") or 1) for w in world_sizes)
+
+
 REDO, UNFIT = 1, 2  # how a rank's step ran out of memory where every rank must know (`_local_step`)
 
 
@@ -266,6 +273,7 @@ class DrafterTrainer:
         self.world_sizes: list[dict[str, Any]] = []  # earlier processes' world sizes (from a checkpoint)
         self._evaluated = False  # since this process started (the same on every rank)
         self.evaluation_seconds = 0.0  # spent in `evaluate` by this process
+        self.started = time.monotonic()  # the wall clock of this process's training, less evaluations
         self.evaluations: list[dict[str, Any]] = []  # each `evaluate`'s headline figures, by step
         self.skipped_nonfinite = self._consecutive_nonfinite = 0
         self._gradients: Any = None  # see `gradients`
@@ -663,7 +671,10 @@ class DrafterTrainer:
     def _world_sizes(self) -> list[dict[str, Any]]:
         """The world sizes the weights were trained at so far, this process's included."""
         start = (self.resumed_from or 0) + 1
-        here = {"from_step": start, "to_step": self.step, **self.world}
+        # Wall seconds this process trained (steps, checkpoints, data), less its evaluations: with the
+        # world size, what the weights cost in device time (`device_seconds` sums it over the segments).
+        seconds = max(0.0, time.monotonic() - self.started - self.evaluation_seconds)
+        here = {"from_step": start, "to_step": self.step, "seconds": round(seconds, 1), **self.world}
         return [*self.world_sizes, here] if self.step >= start else list(self.world_sizes)
 
     def save_checkpoint(self) -> None:

@@ -22,11 +22,13 @@ from dflash_assets.conversations.datasets import (
     Dropped,
     bundled_dataset_path,
     count_rows,
+    file_note,
     iter_rows,
     iter_rows_at,
     resolve_dataset,
     row_location,
 )
+from dflash_assets.conversations.drops import AllRowsDropped, sample_rows
 from dflash_assets.conversations.sample_range import SampleRange
 from dflash_assets.storage.open_store import open_store
 
@@ -143,6 +145,86 @@ def test_gzipped_jsonl_reads_like_plain_jsonl(tmp_path: Path) -> None:
         "malformed_json",
         "ok",
     ]
+
+
+# A JSON array of records as ShareGPT-style datasets ship it: record 2 is a bing answer (read as the
+# assistant), record 4 has a speaker nobody knows, record 5 asks and is never answered.
+ARRAY_RECORDS = [
+    {"id": f"r{n}", "conversations": [{"from": "human", "value": f"q{n}"}, {"from": "gpt", "value": f"a{n}"}]}
+    for n in range(7)
+]
+ARRAY_RECORDS[2]["conversations"][1]["from"] = "bing"
+ARRAY_RECORDS[4]["conversations"][0]["from"] = "narrator"
+ARRAY_RECORDS[5]["conversations"].pop()
+
+
+@pytest.fixture
+def array_json(tmp_path: Path) -> Path:
+    path = tmp_path / "chats.json"
+    path.write_text(json.dumps(ARRAY_RECORDS, indent=2))
+    return path
+
+
+def test_a_json_array_file_is_read_as_its_records_in_every_way_rows_are_read(array_json: Path) -> None:
+    assert count_rows(array_json) == 7
+    rows = dict(iter_rows(array_json))
+    assert [getattr(rows[i], "reason", "ok") for i in range(7)] == ["ok"] * 4 + [
+        "unknown_role",
+        "no_assistant",
+        "ok",
+    ]
+    assert rows[2].messages == [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    assert "turn 0 is from 'narrator'" in rows[4].detail
+    assert [i for i, _ in iter_rows(array_json, SampleRange(3, 5))] == [3, 4, 5]
+    assert [i for i, _ in iter_rows(array_json, SampleRange(5, 99))] == [5, 6]
+    assert [(i, getattr(r, "reason", "ok")) for i, r in iter_rows_at(array_json, [6, 4, 1])] == [
+        (1, "ok"),
+        (4, "unknown_role"),
+        (6, "ok"),
+    ]
+    assert [i for i, _ in iter_rows_at(array_json, [5, 99])] == [5]
+    assert row_location(array_json, 4) == "record 4"  # a 0-based position, as the array's records are
+    assert file_note(array_json) == ""
+
+
+def test_a_cut_json_array_gives_its_complete_records_and_a_note_saying_where_it_stops(tmp_path: Path) -> None:
+    text = json.dumps(ARRAY_RECORDS, indent=2)
+    path = tmp_path / "cut.json.gz"
+    path.write_bytes(gzip.compress(text[: text.index('"r3"') + 30].encode()))
+    assert count_rows(path) == 3 == len(list(iter_rows(path)))
+    assert file_note(path).startswith("cut.json.gz stops mid-record at line ")
+    assert file_note(path).endswith(": 3 complete record(s) were read and the rest of the file is ignored")
+
+
+def test_a_json_file_holding_json_lines_is_still_read_line_by_line(tmp_path: Path) -> None:
+    path = tmp_path / "rows.json"
+    path.write_bytes(good_line(0) + b"{oops\n" + good_line(2))
+    assert count_rows(path) == 3
+    assert [getattr(row, "reason", "ok") for _, row in iter_rows(path)] == ["ok", "malformed_json", "ok"]
+    assert row_location(path, 1) == "line 2" and file_note(path) == ""
+
+
+def test_rows_sampled_over_a_dataset_say_which_would_be_dropped_and_where(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    bad = {111, 500, 999}  # ten rows spread over a thousand are rows 0, 111, 222, ..., 999: 500 is not one
+    path.write_bytes(b"".join(b"{oops\n" if n in bad else good_line(n) for n in range(1000)))
+    sample = sample_rows(resolve_dataset(path), 1000, 10)
+    assert sample.rows == 10 and sample.dropped == 2
+    assert sample.line() == (
+        "2 of 10 sampled rows would be dropped (malformed_json 2): line 112: malformed_json: Expecting "
+        "property name enclosed in double quotes at column 2; line 1000: malformed_json: Expecting property "
+        "name enclosed in double quotes at column 2"
+    )
+    sample.check_not_all_dropped("advice")  # some rows are read: nothing is refused
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(b"{oops\n" * 50)
+    every = sample_rows(resolve_dataset(broken), 50, 200)
+    with pytest.raises(
+        AllRowsDropped,
+        match=r"every one of the 50 rows sampled from .*broken.jsonl would be dropped \(malformed_json 50\): "
+        r"line 1: .*; line 5: [^;]*\. Fix it$",
+    ):
+        every.check_not_all_dropped("Fix it")
 
 
 def test_parquet_with_struct_messages_reads_by_row_position_across_row_groups(tmp_path: Path) -> None:

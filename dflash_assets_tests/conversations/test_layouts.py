@@ -46,6 +46,12 @@ def test_sharegpt_roles_become_messages_with_the_row_level_system_and_tools():
     )
 
 
+def test_sharegpt_v3s_other_assistants_answer_as_the_assistant():
+    for speaker in ("chatgpt", "bing", "bard", "Bing"):
+        row = {"conversations": [{"from": "human", "value": "q"}, {"from": speaker, "value": "a"}]}
+        assert conversation_from_row(row).messages[1] == {"role": "assistant", "content": "a"}, speaker
+
+
 def test_a_sharegpt_system_turn_is_kept_and_the_row_level_one_not_repeated():
     turns = [{"from": "system", "value": "S"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
     row = {"system": "ignored", "conversations": turns}
@@ -123,7 +129,7 @@ def test_an_assistant_turn_that_only_calls_a_tool_is_not_empty():
             "conversations",
         ),
         ({"messages": [{"role": "user", "content": "q"}]}, "sharegpt", "missing_conversations", "messages"),
-        ({"conversations": [{"from": "bard", "value": "q"}]}, "auto", "unknown_role", "'bard'"),
+        ({"conversations": [{"from": "narrator", "value": "q"}]}, "auto", "unknown_role", "'narrator'"),
         ({"messages": [], "tools": "[{broken"}, "auto", "malformed_json", "'tools' string"),
         (
             {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}]},

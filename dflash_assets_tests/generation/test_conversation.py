@@ -1,5 +1,5 @@
-"""Which turns the target answers, the history each answer is generated from, and the tokenized sample
-made of the last answer (exact ids where the engine kept them, the text otherwise)."""
+"""Which turns the target answers (up to the token budget), the history each answer is generated from, and
+the tokenized sample made of the last answer (exact ids where the engine kept them, the text otherwise)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from dflash_assets.conversations.datasets import Dropped
 from dflash_assets.conversations.tokenize import AnswerTokenizer
 from dflash_assets.generation.conversation import Answer, Regeneration, answer_positions, plan_regeneration
+from dflash_assets.generation.records import CompletionRecord
 
 
 def test_every_assistant_turn_and_a_trailing_user_turn_are_answered():
@@ -50,6 +51,85 @@ def test_each_answer_is_generated_from_the_history_the_target_wrote_with_its_rea
     ]
     plan.answers.append(Answer(content="a2", finish_reason="length"))
     assert plan.finished and [m["content"] for m in plan.messages()] == ["u1", "a1", "u2", "a2"]
+
+
+THREE_TURNS = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "u1"},
+    {"role": "assistant", "content": "the dataset's a1"},
+    {"role": "user", "content": "u2"},
+    {"role": "assistant", "content": "the dataset's a2"},
+    {"role": "user", "content": "u3"},
+    {"role": "assistant", "content": "the dataset's a3"},
+]
+
+
+def answer_of(prompt_tokens: int, completion_tokens: int, content: str = "a") -> Answer:
+    """An answer as the in-process engine gives it: the exact ids of its prompt and of itself."""
+    return Answer(
+        content=content,
+        finish_reason="stop",
+        prompt_token_ids=list(range(prompt_tokens)),
+        completion_token_ids=list(range(completion_tokens)),
+    )
+
+
+def answer_until_finished(plan: Regeneration, lengths: list[tuple[int, int]]) -> list[int]:
+    """Answer `plan` turn by turn as the scheduler does (`(prompt, completion)` tokens per turn) until it
+    is finished; returns the turns asked for."""
+    asked = []
+    for turn, (prompt, completion) in enumerate(lengths):
+        if plan.finished:
+            break
+        asked.append(turn)
+        plan.answers.append(answer_of(prompt, completion, f"a{turn + 1}"))
+    return asked
+
+
+def test_a_conversation_ends_after_the_answer_that_brings_it_to_the_token_budget():
+    plan = plan_regeneration(0, THREE_TURNS, token_budget=100)
+    assert not isinstance(plan, Dropped) and plan.turns == 3
+    asked = answer_until_finished(plan, [(60, 40), (130, 10), (160, 10)])  # 60 + 40: the budget, reached
+
+    assert asked == [0] and plan.finished  # the later turns are never asked for
+    assert plan.ended_at() == 0 and plan.ended_because() == "max_length"
+    record = CompletionRecord.from_regeneration(plan, "in-process")
+    assert [m["content"] for m in record.messages] == ["be brief", "u1", "a1"]  # one answer, nothing after
+    assert len(record.turns) == 1 and record.ended_early == "max_length"
+    assert record.prompt_token_ids == list(range(60))  # the trained sample: that answer's prompt, then it
+
+
+def test_a_conversation_one_token_short_of_the_budget_gets_its_next_turn():
+    plan = plan_regeneration(0, THREE_TURNS, token_budget=100)
+    assert answer_until_finished(plan, [(60, 39), (110, 10), (130, 10)]) == [0, 1]
+    assert plan.ended_at() == 1 and len(plan.messages()) == 5
+
+
+@pytest.mark.parametrize("budget", [None, 10_000], ids=["no budget", "a budget nobody reaches"])
+def test_without_a_budget_or_under_one_every_turn_is_answered(budget):
+    plan = plan_regeneration(0, THREE_TURNS, token_budget=budget)
+    assert answer_until_finished(plan, [(60, 40), (130, 10), (160, 10)]) == [0, 1, 2]
+    assert plan.ended_at() is None and plan.ended_because() is None
+    assert [m["content"] for m in plan.messages()][-1] == "a3"
+
+
+def test_the_last_turn_past_the_budget_is_no_early_end():
+    """Nothing follows the last answer: a record that reaches the budget there says nothing of it."""
+    plan = plan_regeneration(0, [{"role": "user", "content": "u"}], token_budget=10)
+    plan.answers.append(answer_of(30, 30))
+    assert plan.finished and plan.ended_because() is None
+    assert CompletionRecord.from_regeneration(plan, "in-process").ended_early is None
+
+
+def test_a_conversations_length_is_the_prompt_and_the_answer_as_ids_else_as_counted():
+    # The in-process engine (and vLLM with return_token_ids): exact ids.
+    assert answer_of(60, 40).conversation_tokens() == 100
+    # A server that returns text: its usage counts.
+    counted = Answer(content="a", finish_reason="stop", prompt_tokens=60, completion_tokens=40)
+    assert counted.conversation_tokens() == 100
+    # Nothing counted (the server engine fills in the prompt's own count where it can): 0, so a budget
+    # never ends a conversation on a count it lacks.
+    assert Answer(content="a", finish_reason="stop").conversation_tokens() == 0
 
 
 @pytest.fixture(scope="module")

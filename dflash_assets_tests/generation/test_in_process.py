@@ -216,6 +216,30 @@ def test_prompt_and_answer_stay_within_the_context_or_the_row_is_dropped_naming_
     )
 
 
+def test_a_first_prompt_at_the_training_length_is_not_asked_and_its_row_is_dropped_naming_why(demo_target):
+    """Training cuts every sample at DFLASH_MAX_LENGTH: an answer to a first prompt that long would be cut
+    whole, so the engine never generates it (the row is dropped with the reason); shorter ones are asked."""
+    model, tokenizer = demo_target
+    settings = GenerationSettings(max_new_tokens=8)
+    single_turn = [c for c in bundled_conversations(40) if Regeneration(0, c).positions == [len(c) - 1]]
+    length = {id(c): len(prompt_token_ids(tokenizer, c[:-1], settings)) for c in single_turn}
+    ordered = sorted(single_turn, key=lambda c: length[id(c)])
+    short, long = ordered[0], ordered[-1]
+    bound = length[id(long)]  # the long prompt reaches it exactly; the short one is well under
+    assert length[id(short)] < bound
+    bounded = GenerationSettings(max_new_tokens=8, max_conversation_tokens=bound)
+    plans = [Regeneration(i, messages) for i, messages in enumerate([short, long])]
+    dropped: dict[int, str] = {}
+    scheduler = TurnScheduler(
+        plans, on_finished=lambda c: None, on_dropped=lambda c, d: dropped.update({c.sample_index: str(d)})
+    )
+    InProcessEngine(model, tokenizer, bounded, device="cpu").run(scheduler, tick=lambda: None)
+
+    assert list(dropped) == [1] and dropped[1].startswith("prompt_past_max_length: its prompt is")
+    assert f"DFLASH_MAX_LENGTH={bound}" in dropped[1]
+    assert len(plans[0].answers) == 1 and not plans[1].answers
+
+
 @pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_sampled_answers_follow_the_seed(demo_target):
     model, tokenizer = demo_target

@@ -370,3 +370,51 @@ def test_a_server_is_never_asked_past_the_targets_context_and_a_prompt_that_fill
         httpd.shutdown()
     assert [body["max_tokens"] for body in _FakeVLLM.bodies] == [4]  # 10 + 4 = the 14 positions
     assert dropped == {1: "exceeds_context"} and plans[0].finished
+
+
+class _Uncounting(BaseHTTPRequestHandler):
+    """A server that returns the answer's text and nothing else: no ids, no usage."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._answer(200, {"object": "list", "data": [{"id": "org/demo-target"}]})
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(200, {"choices": [{"message": {"content": "four"}, "finish_reason": "stop"}]})
+
+    _answer = _RecordingServer._answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("handler", "knows_token_ids", "expected"),
+    [(_FakeVLLM, True, 3 + 2), (_FakeVLLM, False, 3 + 2), (_Uncounting, False, 9)],
+    ids=["vllm's ids", "a server's usage counts", "the target's own count of the prompt"],
+)
+def test_a_served_conversations_length_is_its_ids_else_the_servers_counts_else_the_targets_prompt_count(
+    handler, knows_token_ids, expected, monkeypatch
+):
+    """What a conversation's token budget is measured against: [5, 6, 7] + [11, 2] as ids, or 3 + 2 as
+    counted, from the fake vLLM; the target tokenizer's count (9 here) where a server counts nothing."""
+    from dflash_assets.generation.conversation import Regeneration
+    from dflash_assets.generation.engine import TurnRequest
+
+    monkeypatch.setattr(_FakeVLLM, "knows_token_ids", knows_token_ids)
+    httpd = ThreadingHTTPServer((LOOPBACK, 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        engine = OpenAIEngine(
+            [f"http://{LOOPBACK}:{httpd.server_address[1]}/v1"],
+            SETTINGS,
+            target_name="/models/demo-target",
+            prompt_tokens=lambda messages: 9 if handler is _Uncounting else 3,
+            warn=lambda message: None,
+        )
+        engine.check()
+        conversation = Regeneration(0, [{"role": "user", "content": "2+2?"}])
+        answer = engine._answer(TurnRequest(conversation, 0, conversation.next_prompt()))
+    finally:
+        httpd.shutdown()
+    assert answer.conversation_tokens() == expected

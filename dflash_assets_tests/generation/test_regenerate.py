@@ -1,8 +1,10 @@
-"""Regenerating a range: every turn answered in order against the regenerated history, each row stored
-once in `completions.jsonl`, and a rerun after any failure asking only for what was not finished."""
+"""Regenerating a range: every turn answered in order against the regenerated history (up to the token
+budget), each row stored once in `completions.jsonl`, and a rerun after any failure asking only for what
+was not finished."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +18,12 @@ from dflash_assets.conversations.datasets import Dropped
 from dflash_assets.conversations.tokenize import TooManyBadRows
 from dflash_assets.generation.engine import EngineUnavailable
 from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, DroppedRow, parse_line
-from dflash_assets.generation.regenerate import completions_fingerprint, dataset_identity, regenerate_range
+from dflash_assets.generation.regenerate import (
+    _same_answers,
+    completions_fingerprint,
+    dataset_identity,
+    regenerate_range,
+)
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.manifest import new_manifest, write_manifest
@@ -153,20 +160,30 @@ def _all_stored_or_staged(store: ObjectStore, staging: Path) -> list:
 
 
 def run_killed_after(
-    journaled: int, store_dir: Path, staging: Path, rows: int, words: str = "q", engine_batch: int = 3
+    journaled: int,
+    store_dir: Path,
+    staging: Path,
+    rows: int,
+    words: str = "q",
+    engine_batch: int = 3,
+    budget: int | None = None,
 ) -> list[str]:
     """Regenerate `rows` rows (`make_rows(rows, words=...)`, fingerprinted with their dataset) in a child
     process that SIGKILLs itself right after its `journaled`-th answered turn reached the journal
-    (before any chunk is sealed); returns the journal's lines."""
+    (before any chunk is sealed); returns the journal's lines. With a `budget`, answers state
+    `ten_per_message` prompts and conversations end at it."""
     script = textwrap.dedent(
         f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-        from test_regenerate import LocalStore, ScriptedEngine, fingerprint_of, make_rows, regenerate
+        from test_regenerate import (
+            LocalStore, ScriptedEngine, fingerprint_of, make_rows, regenerate, ten_per_message
+        )
         rows = make_rows({rows}, words={words!r})
         regenerate(LocalStore({str(store_dir)!r}), __import__("pathlib").Path({str(staging)!r}), rows,
-                   ScriptedEngine(batch={engine_batch}), chunk_records=1000, chunk_every_s=3600,
-                   fingerprint=fingerprint_of(rows))
+                   ScriptedEngine(batch={engine_batch}, prompt_tokens=ten_per_message), chunk_records=1000,
+                   chunk_every_s=3600, fingerprint=fingerprint_of(rows, budget={budget}),
+                   token_budget={budget})
         """
     )
     env = {**os.environ, "DFLASH_FAULT_POINTS": f"regenerate_journal@{journaled}"}
@@ -180,8 +197,14 @@ def turn_lines(journal: list[str]) -> set[tuple[int, int]]:
     return {(body["sample_index"], body["turn"]) for body in map(json.loads, journal) if "turn" in body}
 
 
-def fingerprint_of(rows, uri: str = "conversations.jsonl") -> dict:
-    return completions_fingerprint("tiny@0123", SETTINGS, dataset=dataset_identity(uri, rows))
+def fingerprint_of(rows, uri: str = "conversations.jsonl", budget: int | None = None) -> dict:
+    settings = dataclasses.replace(SETTINGS, max_conversation_tokens=budget)
+    return completions_fingerprint("tiny@0123", settings, dataset=dataset_identity(uri, rows))
+
+
+def ten_per_message(request) -> int:
+    """The prompt length a scripted answer states: ten tokens per message of its history."""
+    return 10 * len(request.messages)
 
 
 def all_turns(rows) -> set[tuple[int, int]]:
@@ -333,3 +356,137 @@ def test_the_scripted_answer_names_its_history():
 
     conv = Regeneration(7, conversation(6))
     assert scripted_content(TurnRequest(conv, 0, conv.next_prompt())) == "answer 7.0 to [q6a]"
+
+
+# ------------------------------------------------------------------------------ the token budget
+
+
+def three_turns(index: int) -> list[dict]:
+    return [
+        {"role": "user", "content": f"q{index}a"},
+        {"role": "assistant", "content": "the dataset's first answer"},
+        {"role": "user", "content": f"q{index}b"},
+        {"role": "assistant", "content": "the dataset's second answer"},
+        {"role": "user", "content": f"q{index}c"},
+        {"role": "assistant", "content": "the dataset's third answer"},
+    ]
+
+
+def bounded(budget: int | None, rows) -> dict:
+    return {"fingerprint": fingerprint_of(rows, budget=budget), "token_budget": budget}
+
+
+def test_a_conversation_ends_at_the_answer_that_reaches_the_token_budget_and_later_turns_are_never_asked(
+    tmp_path,
+):
+    """Ten tokens per message of prompt and five of answer: the three answers of a three-turn row bring
+    it to 15, 35 and 55 tokens. A budget of 35 is reached by the second: the third is never asked for."""
+    rows = [(0, three_turns(0)), (1, [{"role": "user", "content": "q1"}])]
+    store = LocalStore(tmp_path / "store")
+    engine = ScriptedEngine(prompt_tokens=ten_per_message)
+    result = regenerate(store, tmp_path / "staging", rows, engine, **bounded(35, rows))
+
+    assert sorted(engine.asked) == [(0, 0), (0, 1), (1, 0)]
+    record, single = stored_lines(store)
+    assert [m["content"] for m in record.messages] == [
+        "q0a",
+        "answer 0.0 to [q0a]",
+        "q0b",
+        "answer 0.1 to [q0b]",
+    ]
+    assert len(record.turns) == 2 and record.ended_early == "max_length"
+    assert single.ended_early is None  # one turn, nothing cut
+    assert result.records == 2 and result.ended_at_max_length == 1 and result.ended_at_tool_calls == 0
+    assert result.metadata()["ended_at_max_length"] == result.manifest_fields()["ended_at_max_length"] == 1
+    assert "1 ended at the token budget (DFLASH_MAX_LENGTH)" in result.summary()
+
+
+@pytest.mark.parametrize("budget", [None, 56], ids=["no budget", "a budget nobody reaches"])
+def test_without_a_budget_or_under_one_every_turn_is_answered(tmp_path, budget):
+    rows = [(0, three_turns(0))]
+    engine = ScriptedEngine(prompt_tokens=ten_per_message)
+    result = regenerate(
+        LocalStore(tmp_path / "store"), tmp_path / "staging", rows, engine, **bounded(budget, rows)
+    )
+    assert sorted(engine.asked) == [(0, 0), (0, 1), (0, 2)]
+    assert result.ended_at_max_length == 0 and len(stored_lines(LocalStore(tmp_path / "store"))[0].turns) == 3
+
+
+def test_a_conversation_resumed_after_a_kill_ends_at_the_turn_an_uninterrupted_run_ends_at(tmp_path):
+    """Killed right after the first answer of row 0 reached the journal, before its record: that answer
+    alone brings the conversation to the budget (2 messages, 25 tokens), so the rerun asks nothing more
+    of row 0 and stores what an uninterrupted run stores."""
+    store_dir, staging = tmp_path / "store", tmp_path / "staging"
+    journal = run_killed_after(1, store_dir, staging, rows=6, budget=25)
+    assert turn_lines(journal) == {(0, 0)}
+
+    rows = make_rows(6)
+    again = ScriptedEngine(prompt_tokens=ten_per_message)
+    result = regenerate(LocalStore(store_dir), staging, rows, again, **bounded(25, rows))
+    assert not [turn for turn in again.asked if turn[0] == 0]  # resumed finished: nothing asked again
+    assert sorted(again.asked) == [(1, 0), (2, 0), (3, 0), (4, 0)]  # every first turn, no second turn
+    assert result.reused_from_staging == 1 and result.ended_at_max_length == 2  # rows 0 and 3
+
+    reference = LocalStore(tmp_path / "reference")
+    regenerate(
+        reference,
+        tmp_path / "staging-reference",
+        rows,
+        ScriptedEngine(prompt_tokens=ten_per_message),
+        **bounded(25, rows),
+    )
+    assert [line.to_json() for line in stored_lines(LocalStore(store_dir))] == [
+        line.to_json() for line in stored_lines(reference)
+    ]
+
+
+def test_settings_without_a_budget_keep_the_fingerprint_older_versions_wrote_and_a_budget_changes_it():
+    written_before_the_budget = {"temperature": 0.0, "max_new_tokens": 16, "chat_template_kwargs": {}}
+    assert GenerationSettings(max_new_tokens=16).fingerprint() == written_before_the_budget
+    bounded_settings = GenerationSettings(max_new_tokens=16, max_conversation_tokens=2048)
+    assert bounded_settings.fingerprint() == {**written_before_the_budget, "max_conversation_tokens": 2048}
+    with pytest.raises(ValueError, match="DFLASH_MAX_LENGTH"):
+        GenerationSettings(max_conversation_tokens=0)
+
+
+def test_answers_made_before_the_budget_or_to_a_longer_one_are_kept_and_those_cut_shorter_are_not():
+    rows = make_rows(6)
+    ours = fingerprint_of(rows, budget=2048)
+    same = _same_answers(ours)
+    # Every turn answered: a superset of what a budget asks for.
+    assert same(fingerprint_of(rows, budget=None))
+    assert same({k: v for k, v in fingerprint_of(rows, budget=None).items() if k != "dataset"})  # oldest
+    assert same(fingerprint_of(rows, "moved.jsonl", budget=2048))
+    assert same(fingerprint_of(rows, budget=4096))  # a longer DFLASH_MAX_LENGTH answered every turn asked now
+    assert not same(fingerprint_of(rows, budget=1024))  # cut shorter than asked now
+    assert not same(fingerprint_of(make_rows(6, words="other"), budget=None))  # other rows, still not
+    # Answers cut by a budget never pass for a range without one.
+    assert not _same_answers(fingerprint_of(rows, budget=None))(ours)
+
+
+def test_a_range_answered_before_the_budget_is_kept_whole_and_another_budget_regenerates_it(tmp_path):
+    store, rows = LocalStore(tmp_path / "store"), make_rows(6, unreadable=())
+    engine = ScriptedEngine(prompt_tokens=ten_per_message)
+    regenerate(store, tmp_path / "staging", rows, engine, **bounded(None, rows))
+    before = store.get_bytes(f"{PREFIX}/{COMPLETIONS_NAME}")
+
+    kept = regenerate(store, tmp_path / "staging", rows, never_opened, **bounded(25, rows))
+    assert kept.reused_from_store == 6 and store.get_bytes(f"{PREFIX}/{COMPLETIONS_NAME}") == before
+    assert json.loads(store.get_bytes(f"{PREFIX}/_fingerprint.json")) == fingerprint_of(rows, budget=25)
+
+    engine = ScriptedEngine(prompt_tokens=ten_per_message)
+    regenerate(store, tmp_path / "staging", rows, engine, **bounded(45, rows))
+    assert sorted(engine.asked) == sorted(all_turns(rows))  # another budget: every turn asked again
+
+
+def test_a_budget_other_than_the_fingerprints_is_refused_naming_both(tmp_path):
+    rows = make_rows(3)
+    with pytest.raises(ValueError, match=r"token_budget=25 .*max_conversation_tokens=None"):
+        regenerate(
+            LocalStore(tmp_path / "store"),
+            tmp_path / "staging",
+            rows,
+            never_opened,
+            fingerprint=fingerprint_of(rows),
+            token_budget=25,
+        )

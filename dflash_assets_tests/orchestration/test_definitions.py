@@ -17,7 +17,7 @@ from dflash_assets.orchestration.partitions import PARTITIONS_NAME, NotASampleRa
 from dflash_assets_tests.support.s3_server import free_port
 
 
-def test_the_definitions_load_with_the_four_assets_the_sensors_and_the_resources():
+def test_the_definitions_load_with_the_five_assets_the_sensors_and_the_resources():
     repository = defs.get_repository_def()
     keys = {key.to_user_string() for key in repository.asset_graph.get_all_asset_keys()}
     assert keys == {
@@ -25,7 +25,14 @@ def test_the_definitions_load_with_the_four_assets_the_sensors_and_the_resources
         "tokenized_completions",
         "hidden_state_partitions",
         "drafter_checkpoints",
+        "drafter_evaluations",
     }
+    # Each prompt set is a partition of its own (`held_out` always), downstream of the trained drafter,
+    # with its check beside it.
+    evaluations = repository.asset_graph.get(AssetKey("drafter_evaluations"))
+    assert evaluations.parent_keys == {AssetKey("drafter_checkpoints")}
+    assert evaluations.partitions_def.get_partition_keys() == ["held_out"]
+    assert {key.name for key in evaluations.check_keys} == {"tau_at_least_floor"}
     # With the dataset's own answers (the default), tokenized_completions reads no regenerated ones.
     assert repository.asset_graph.get(AssetKey("tokenized_completions")).parent_keys == set()
     assert {s.name for s in repository.sensor_defs} == {"failed_range_sensor", "sample_range_sensor"}

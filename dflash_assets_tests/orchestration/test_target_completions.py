@@ -198,6 +198,20 @@ def test_the_tokenized_shard_holds_the_targets_own_greedy_answers_with_their_exa
     assert run.tags["dflash/progress"].startswith("100% 9/9")
 
 
+def test_the_run_log_says_which_rows_were_dropped_where_and_why(in_process):
+    with open_instance(in_process["env"]["DAGSTER_HOME"]) as instance:
+        run_id = instance.get_latest_materialization_event(AssetKey("target_completions")).run_id
+        said = [
+            entry.user_message for entry in instance.all_logs(run_id) if "were dropped" in entry.user_message
+        ]
+    assert said == [
+        f"{KEY}: 1 of 10 rows were dropped (messages_not_a_list 1): line 8: messages_not_a_list: "
+        "'messages' is a str",  # target_completions: where the row is in the dataset
+        f"{KEY}: 1 of 10 rows were dropped (messages_not_a_list 1): row 7: messages_not_a_list: dropped by "
+        "target_completions",  # tokenized_completions, reading what target_completions stored
+    ]
+
+
 def _parents(monkeypatch, completions: str) -> dict[str, list[str]]:
     from dflash_assets.definitions import build_definitions
 
@@ -314,3 +328,67 @@ def test_an_answer_is_as_long_as_the_target_states_unless_a_setting_or_the_run_c
     silent.mkdir()
     (silent / "generation_config.json").write_text('{"eos_token_id": 2}')
     assert GenerateConfig().generation_settings(silent).max_new_tokens == 8192
+
+
+def test_a_conversation_is_regenerated_only_until_it_reaches_the_training_length(
+    dflash_env: dict[str, str], demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """DFLASH_MAX_LENGTH is where training cuts every sample: a three-turn row whose second answer brings
+    it there is not asked its third turn, and the range says how many conversations ended so."""
+    from transformers import AutoTokenizer
+
+    first = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Describe the number 7."},
+    ]
+    # A long second question: the second answer starts past the first prompt plus a whole first answer.
+    second = (
+        "Then tell me, in plain words and one sentence at a time, what makes that number interesting to a "
+        "child who is learning to count."
+    )
+    three_turns = [
+        *first,
+        {"role": "assistant", "content": "the dataset's answer"},
+        {"role": "user", "content": second},
+        {"role": "assistant", "content": "the dataset's second answer"},
+        {"role": "user", "content": "And once more?"},
+        {"role": "assistant", "content": "the dataset's third answer"},
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    first_prompt = len(
+        tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    # Past the first answer however long it is, reached by the second however short it is.
+    max_length = first_prompt + MAX_NEW_TOKENS + 1
+    assert len(tokenizer.encode(second)) > MAX_NEW_TOKENS + 1
+
+    dataset = tmp_path / "conversations.jsonl"
+    rows = [{"messages": three_turns}, {"messages": [{"role": "user", "content": "Name a prime above 20."}]}]
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for name, value in {
+        "DFLASH_DATASET": str(dataset),
+        "DFLASH_STORE_URL": str(tmp_path / "store"),
+        "DFLASH_SAMPLES_PER_PARTITION": "10",
+        "DFLASH_COMPLETIONS": "target",
+        "DFLASH_GENERATE_TEMPERATURE": "0",
+        "DFLASH_GENERATE_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
+        "DFLASH_MAX_LENGTH": str(max_length),
+    }.items():
+        monkeypatch.setenv(name, value)
+    run = materialize_here("target_completions", KEY, dict(os.environ))
+    assert run.success, run.output[-4000:]
+
+    store = open_store(str(tmp_path / "store"))
+    text = store.get_bytes(f"target-completions/{KEY}/{COMPLETIONS_NAME}").decode()
+    bounded, single = (parse_line(line, "completions") for line in text.splitlines())
+    assert [m["role"] for m in bounded.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert len(bounded.turns) == 2 and bounded.ended_early == "max_length"
+    # The trained sample (its last prompt, then the answer) reaches the cut: nothing after would count.
+    assert len(bounded.prompt_token_ids) + len(bounded.turns[-1]["completion_token_ids"]) >= max_length
+    assert len(single.turns) == 1 and single.ended_early is None
+
+    assert run.metadata["ended_at_max_length"] == 1 and run.metadata["conversations"] == 2
+    assert run.metadata["requests"] == 3  # two turns of the first row, one of the second: never the third
+    manifest = read_manifest(store, f"target-completions/{KEY}")
+    assert manifest["ended_at_max_length"] == 1
+    assert manifest["generation"]["max_conversation_tokens"] == max_length

@@ -86,7 +86,7 @@ def test_the_same_run_writes_to_s3_when_pointed_at_a_bucket_and_the_secret_appea
     assert TEST_SECRET_ACCESS_KEY not in "\n".join(str(entry) for entry in logs)
 
 
-def _run(dataset: str, store_url: str, demo_model_dir: Path, tmp_path: Path, **config):
+def _run(dataset: str, store_url: str, demo_model_dir: Path, tmp_path: Path, instance=None, **config):
     store = StoreResource(url=store_url, staging_dir=str(tmp_path / "staging"), s3_max_attempts=1)
     return materialize(
         [tokenized_completions_asset("dataset")],
@@ -98,7 +98,7 @@ def _run(dataset: str, store_url: str, demo_model_dir: Path, tmp_path: Path, **c
             "target_model": TargetModelResource(model=str(demo_model_dir)),
         },
         run_config={"ops": {"tokenized_completions": {"config": config}}} if config else None,
-        instance=DagsterInstance.ephemeral(),
+        instance=instance or DagsterInstance.ephemeral(),
         raise_on_error=False,
     )
 
@@ -146,6 +146,31 @@ def test_bad_rows_are_dropped_and_counted_by_reason_in_the_metadata(tmp_path, de
     assert sum(reasons.values()) == 6 and len(reasons) >= 5, reasons
     manifest = read_manifest(open_store(str(tmp_path / "store")), PREFIX)
     assert set(manifest["dropped"]) == {"8", "9", "10", "11", "12", "13"}
+
+
+def test_the_run_log_says_where_the_first_dropped_rows_are_and_what_is_wrong_with_each(
+    tmp_path, demo_model_dir
+):
+    good = json.dumps(GOOD).encode()
+    unknown = json.dumps({"messages": [{"role": "wizard", "content": "hi"}, GOOD["messages"][1]]}).encode()
+    lines = [good] * 8 + [b"{not json", unknown, b"[]", good, b"{}", b"{oops", b"{again", b"{more"]
+    dataset = _write_jsonl(tmp_path / "conversations.jsonl", lines)
+    instance = DagsterInstance.ephemeral()
+    result = _run(dataset, str(tmp_path / "store"), demo_model_dir, tmp_path, instance, max_bad_fraction=0.9)
+    assert result.success, _failure_message(result)
+    said = [
+        entry.user_message
+        for entry in instance.all_logs(result.run_id)
+        if "rows were dropped" in entry.user_message
+    ]
+    assert said == [
+        f"{KEY}: 7 of 16 rows were dropped (malformed_json 4, unknown_layout 2, unknown_role 1): "
+        "line 9: malformed_json: Expecting property name enclosed in double quotes at column 2; "
+        "line 10: unknown_role: message 0 has role 'wizard'; "
+        "line 11: unknown_layout: the row is a JSON list, not an object; "
+        "line 13: unknown_layout: fields: []; "
+        "line 14: malformed_json: Expecting property name enclosed in double quotes at column 2; and 2 more"
+    ]
 
 
 def test_a_mostly_bad_range_fails_naming_the_file_and_the_first_bad_line(tmp_path, demo_model_dir):

@@ -52,6 +52,7 @@ CASES = [
     (["ranges"], {"DFLASH_COMPLETIONS": "targets"}, "DFLASH_COMPLETIONS"),
     (["ranges"], {"DFLASH_DATASET_FORMAT": "alpaca"}, "DFLASH_DATASET_FORMAT"),
     (["plan"], {"DFLASH_DATASET": "hf://models/someone/chats"}, "DFLASH_DATASET"),
+    (["ranges"], {"DFLASH_DATASET": "sharegpt[5:2]"}, "DFLASH_DATASET: 'sharegpt[5:2]' is an empty slice"),
     (["ranges"], {"DFLASH_TARGET_LAYER_IDS": "1,x,3"}, "DFLASH_TARGET_LAYER_IDS"),
     (["reap"], {"DFLASH_EXECUTOR": "slurm"}, "DFLASH_EXECUTOR"),
     (["reap"], {"DFLASH_EXECUTOR": "celery"}, "DFLASH_CELERY_BROKER_URL"),
@@ -102,6 +103,7 @@ def test_the_defaults_and_every_documented_choice_pass_the_checks(clean_env: Pat
 
 def test_every_dataset_source_and_layout_the_manual_documents_passes_the_checks(clean_env: Path, monkeypatch):
     sources = ["bundled", "data/chats", "data/train-*.parquet", "s3://bucket/chats/", "s3://bucket/a.jsonl"]
+    sources += ["data/chats.json", "sharegpt", "sharegpt[0:17000]", "sharegpt[17000:]"]
     sources += ["hf://datasets/someone/chats", "hf://datasets/someone/chats@v1/data/*.parquet"]
     for dataset in sources:
         monkeypatch.setenv("DFLASH_DATASET", dataset)

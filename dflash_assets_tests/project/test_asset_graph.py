@@ -92,4 +92,9 @@ def test_the_snapshot_holds_what_each_setting_changes(current):
         "k8s",
         "celery",
     }
-    assert len(current) == 2 * 3 * 2 * 2  # completions x executor x generation URL x Kubernetes placement
+    # drafter_evaluations: a partition for the run's held-out rows, and one for each set named.
+    sets = [graph["assets"]["drafter_evaluations"]["partitions"] for graph in current.values()]
+    named = "StaticPartitionsDefinition:held_out,chat,code"
+    assert set(sets) == {"StaticPartitionsDefinition:held_out", named}
+    # completions x executor x generation URL x evaluation sets x Kubernetes placement
+    assert len(current) == 2 * 3 * 2 * 2 * 2

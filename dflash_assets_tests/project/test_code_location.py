@@ -18,7 +18,13 @@ from dflash_assets import definitions
 from dflash_assets.settings import ALL_SETTINGS
 from dflash_assets_tests.conftest import REPO
 
-PRODUCT = ["drafter_checkpoints", "hidden_state_partitions", "target_completions", "tokenized_completions"]
+PRODUCT = [
+    "drafter_checkpoints",
+    "drafter_evaluations",
+    "hidden_state_partitions",
+    "target_completions",
+    "tokenized_completions",
+]
 
 
 def test_dg_takes_the_folder_the_definitions_load_as_the_defs_folder_not_definitions_py():
@@ -50,9 +56,9 @@ def _fresh_copy(destination: Path) -> Path:
 
 
 @pytest.mark.slow  # three dg processes in a fresh copy
-def test_in_a_fresh_clone_dg_checks_scaffolds_and_lists_an_asset_beside_the_products_four(tmp_path):
+def test_in_a_fresh_clone_dg_checks_scaffolds_and_lists_an_asset_beside_the_products_five(tmp_path):
     """The held-out check's commands, as a newcomer runs them: no DAGSTER_HOME (dg then makes a
-    temporary instance from the repository's dagster.yaml), no setting but the one that puts all four
+    temporary instance from the repository's dagster.yaml), no setting but the one that puts all five
     product assets in the graph."""
     clone = _fresh_copy(tmp_path / "clone")
     env = {

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from dflash_assets.cli import DEMO_EVALUATION
 from dflash_assets.conversations.datasets import bundled_dataset_path
 from dflash_assets_tests.conftest import REPO, make_dagster_home
 
@@ -114,6 +115,27 @@ def test_the_readme_commands_continue_the_demos_ranges_without_rewriting_any_obj
     assert not rewritten, f"rewritten in place: {rewritten[:5]}"  # a shard is tokenized again, same bytes
     assert "deleting them" not in output and "0 to generate" in output
     assert not [p for p in store.rglob("*") if p.is_dir() and not any(p.iterdir())]  # no empty folders
+
+
+def test_the_demo_ends_with_its_drafter_beside_the_free_floor_on_the_held_out_prompts(after_up: dict):
+    """The demo's own summary, from the `drafter_evaluations` it materialised after training: τ of the
+    drafter and of prompt lookup on the run's held-out prompts, and the stored evaluation they come from."""
+    output = after_up["demo_output"]
+    assert re.search(r"drafter_evaluations\s+held_out\s+ok ", output), output[-3000:]
+    line = re.search(
+        r"held-out prompts: τ (\d+\.\d{3}) for the drafter, (\d+\.\d{3}) for prompt lookup \(no training\): "
+        r"(\d+\.\d{2})x, (above|BELOW) the free floor; (\d+)/(\d+) outputs equal the target's own \((.+)\)",
+        output,
+    )
+    assert line, output[-3000:]
+    tau, floor, ratio = (float(line.group(i)) for i in (1, 2, 3))
+    assert line.group(4) == ("above" if tau >= floor else "BELOW")
+    assert ratio == pytest.approx(tau / floor, abs=0.01)
+    assert line.group(5) == line.group(6) == str(DEMO_EVALUATION["prompts"])  # lossless, every prompt
+    stored = Path(line.group(7))
+    assert stored == after_up["store"] / "evaluations" / "drafter" / "held_out" / "evaluation.json"
+    record = json.loads(stored.read_text())
+    assert (f"{record['tau']:.3f}", f"{record['floor_tau']:.3f}") == (line.group(1), line.group(2))
 
 
 def test_dg_the_dagster_cli_and_the_ui_load_one_code_location_with_one_asset_graph(tmp_path: Path):

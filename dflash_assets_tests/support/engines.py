@@ -28,14 +28,17 @@ class ScriptedEngine(Engine):
         truncate: set[int] | frozenset[int] = frozenset(),
         batch: int = 3,
         tool_calls: Callable[[TurnRequest], list[dict] | None] | None = None,
+        prompt_tokens: Callable[[TurnRequest], int] | None = None,
     ) -> None:
-        """`tool_calls(request)`: the calls an answer makes (None: none)."""
+        """`tool_calls(request)`: the calls an answer makes (None: none); `prompt_tokens(request)`: the
+        prompt's length each answer states (None: none, as a server that counts nothing). Every answer
+        is 5 tokens long."""
         self.name = "scripted"
         self.stats = EngineStats()
         self.asked: list[tuple[int, int]] = []  # (sample, turn) of every request
         self.tools_seen: dict[tuple[int, int], list[dict] | None] = {}  # the tools each request carried
         self.fail_after, self.refuse, self.truncate, self.batch = fail_after, refuse, truncate, batch
-        self.tool_calls = tool_calls
+        self.tool_calls, self.prompt_tokens = tool_calls, prompt_tokens
         self._lock = threading.Lock()
 
     def run(self, scheduler: TurnScheduler, tick: Callable[[], None]) -> None:
@@ -53,7 +56,13 @@ class ScriptedEngine(Engine):
                 content = scripted_content(request)
                 finish = "length" if request.sample_index in self.truncate else "stop"
                 calls = self.tool_calls(request) if self.tool_calls else None
-                answer = Answer(content=content, finish_reason=finish, completion_tokens=5, tool_calls=calls)
+                answer = Answer(
+                    content=content,
+                    finish_reason=finish,
+                    completion_tokens=5,
+                    tool_calls=calls,
+                    prompt_tokens=self.prompt_tokens(request) if self.prompt_tokens else None,
+                )
                 scheduler.answer(request, answer)
             tick()
 

@@ -96,6 +96,9 @@ class GenerateConfig(Config):
             ),
             chat_template_kwargs=kwargs,
             seed=self.seed,
+            # Training cuts every sample at DFLASH_MAX_LENGTH: no turn is asked after an answer that brings
+            # the conversation there (it would start past the cut).
+            max_conversation_tokens=settings.MAX_LENGTH.get_int(),
         )
 
 
@@ -123,15 +126,14 @@ def target_completions_asset() -> AssetsDefinition:
         devices: DeviceLeaseResource,
         generation: GenerationResource,
     ) -> PartitionOutput:
-        from dflash_assets.conversations.datasets import iter_rows
+        from dflash_assets.conversations.datasets import iter_rows, row_location
         from dflash_assets.generation import regenerate
 
         sample_range = SampleRange.parse(context.partition_key)
         object_store = store.check()
         announce_drafter(target_model, context.log.info)  # a target no drafter trains for stops here
-        rows = list(
-            iter_rows(dataset.local_path(), sample_range, require_assistant=False, layout=dataset.layout())
-        )
+        files = dataset.local_path()
+        rows = list(iter_rows(files, sample_range, require_assistant=False, layout=dataset.layout()))
         if not rows:
             raise dataset.past_the_end(sample_range)
         generation_settings = config.generation_settings(target_model.model_dir())
@@ -177,8 +179,12 @@ def target_completions_asset() -> AssetsDefinition:
                 warn=context.log.warning,
                 progress_every_s=config.progress_every_s,
                 on_progress=progress,
+                token_budget=generation_settings.max_conversation_tokens,
+                locate=lambda index: row_location(files, index),
             )
         context.log.info(f"{sample_range.key}: {result.summary()}")
+        if result.dropped:
+            context.log.warning(f"{sample_range.key}: {result.dropped_line()}")
         context.add_output_metadata(dagster_metadata({**result.metadata(), "node": step_node(context)}))
         return PartitionOutput(stored_objects=result.objects, manifest_fields=result.manifest_fields())
 

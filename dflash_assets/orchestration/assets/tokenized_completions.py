@@ -117,6 +117,8 @@ def tokenized_completions_asset(completions: str) -> AssetsDefinition:
             f"{sample_range.key}: {len(result.samples)} samples ({source['completions']}'s answers), "
             f"{result.tokens} tokens, {len(result.dropped)} rows dropped {dict(result.dropped_by_reason)}"
         )
+        if result.dropped:
+            context.log.warning(f"{sample_range.key}: {result.dropped_line()}")
         # What this range, and the whole run, will take in the later stages (capacity_plan.py).
         plan = range_plan_metadata(
             result.samples, sample_range.key, store=store, dataset=dataset, target_model=target_model,
