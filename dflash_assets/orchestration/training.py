@@ -530,4 +530,7 @@ def manifest_fields(outcome: dict[str, Any], job) -> dict[str, Any]:
         "world_sizes": outcome.get("world_sizes") or [],
         "acceptance_length_tau": outcome["acceptance_length_tau"],
         "baseline_acceptance_length_tau": outcome["metrics"].get("baseline_acceptance_length_tau"),
+        # τ at each evaluation, by step (`{step, tau, teacher_forced_tau, ce}`; step 0: the fresh weights),
+        # beside the final τ: whether it was still rising. A resumed run's holds its last process's points.
+        "curve": outcome.get("evaluations") or [],
     }

@@ -315,6 +315,8 @@ def outcome(job: TrainingJob, result, metrics: dict[str, Any], store: ObjectStor
         "tokens_per_second": result.tokens_per_second,
         "rank_step_seconds": result.rank_step_seconds,
         "evaluation_seconds": result.evaluation_seconds,
+        # The curve: each held-out evaluation of this process, in order (`train.evaluation_point`).
+        "evaluations": result.evaluations,
         "world": result.world,
         "world_sizes": result.world_sizes,
         "checkpoints": result.checkpoints,

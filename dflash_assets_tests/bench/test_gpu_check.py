@@ -1,5 +1,6 @@
 """`scripts/gpu-check.sh`, the device check for a lent GPU: its dry run (`--cpu`) starts every stage and
-writes each figure where docs/testing.md says, and a stage that fails fails the script, naming it."""
+writes each figure where docs/testing.md says (the yardstick's compare table and curve too), and a stage that
+fails fails the script, naming it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
-STAGES = ("bench-tiny", "train-step", "bench", "rehearse")
+STAGES = ("bench-tiny", "train-step", "bench", "rehearse", "yardstick")
 
 
 def gpu_check(
@@ -28,8 +29,9 @@ def gpu_check(
 def test_the_dry_run_starts_every_stage_and_writes_each_figure_where_the_docs_say(tmp_path, demo_model_dir):
     out = tmp_path / "out"
     env = {"GPU_CHECK_CACHE_DIR": str(demo_model_dir.parent), "OMP_NUM_THREADS": "1"}
-    # Budgets for a shared 2-core machine; on an H200 the defaults hold the whole check to 10 minutes.
-    env |= {f"GPU_CHECK_{name}_S": "400" for name in ("BENCH_TINY", "TRAIN_STEP", "BENCH", "REHEARSE")}
+    # Budgets for a shared 2-core machine; on an H200 the defaults hold the first four stages to 10 minutes
+    # and the yardstick to 8.
+    env |= {f"GPU_CHECK_{stage.upper().replace('-', '_')}_S": "400" for stage in STAGES}
     done = gpu_check("--cpu", str(out), env=env, timeout=1800)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
@@ -37,7 +39,7 @@ def test_the_dry_run_starts_every_stage_and_writes_each_figure_where_the_docs_sa
         assert f"gpu-check: {stage} ok" in done.stdout, stage
         assert (out / f"{stage}.log").stat().st_size > 0
     summary = (out / "summary.md").read_text()
-    assert [f"## {stage}: ok" in summary for stage in STAGES] == [True] * 4
+    assert [f"## {stage}: ok" in summary for stage in STAGES] == [True] * len(STAGES)
     for name in ("gpu-bench-tiny.json", "gpu-bench.json"):
         assert json.loads((out / name).read_text())  # what `plan --gpu-result` reads
     step = json.loads((out / "train-step.json").read_text())
@@ -51,6 +53,14 @@ def test_the_dry_run_starts_every_stage_and_writes_each_figure_where_the_docs_sa
             "draft one block",
         }
     assert "object bytes (mean)" in (out / "rehearse.log").read_text()  # the rehearsal's table
+    # The yardstick on the demo target: `dflash-assets compare --markdown` of its run on both sets, its curve.
+    table = (out / "yardstick.md").read_text().splitlines()
+    assert table[0].startswith("| run | set |")
+    assert [row.split(" | ")[:2] for row in table[2:4]] == [
+        ["| dflash2-dpace-8", "held_out"],
+        ["| dflash2-dpace-8", "later"],
+    ]
+    assert any(line.startswith("- dflash2-dpace-8: steps 0 / 1 / 2: τ ") for line in table)
 
 
 def test_a_failing_stage_fails_the_script_naming_it_and_showing_its_last_lines(tmp_path):

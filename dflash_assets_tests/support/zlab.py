@@ -39,16 +39,19 @@ def _runnable_here(block_size: int) -> Iterator[object]:
         zlab._cuda_time, zlab._make_cache = saved
 
 
-def load_zlab_drafter(directory: str | Path) -> tuple[nn.Module, dict]:
-    """The export as z-lab's own class for its architecture loads it: (model, loading info)."""
+def load_zlab_drafter(
+    directory: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, dict]:
+    """The export as z-lab's own class for its architecture loads it, on `device` in `dtype` (the target's:
+    the drafter reads its hidden states): (model, loading info)."""
     import json
 
     from dflash import DFlash2DraftModel, DFlashDraftModel
 
     architecture = json.loads((Path(directory) / "config.json").read_text())["architectures"][0]
     cls = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel}[architecture]
-    model, info = cls.from_pretrained(str(directory), output_loading_info=True, dtype=torch.float32)
-    return model.eval(), info
+    model, info = cls.from_pretrained(str(directory), output_loading_info=True, dtype=dtype)
+    return model.to(device).eval(), info
 
 
 def zlab_generate(
@@ -63,7 +66,7 @@ def zlab_generate(
         out = zlab.dflash_generate(
             drafter,
             target,
-            torch.tensor([list(prompt)]),
+            torch.tensor([list(prompt)], device=next(target.parameters()).device),
             max_new_tokens,
             list(stop) or None,
             return_stats=True,

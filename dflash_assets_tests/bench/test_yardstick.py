@@ -1,0 +1,184 @@
+"""`scripts/yardstick.py`, the drafter side by side through the product alone: a variant's name is its run
+config, a name that is not one is refused in one line before anything loads, and `train` then `table` on
+the demo ranges materialise `drafter_checkpoints` and `drafter_evaluations` and list the variant beside the
+free floor with its curve, z-lab's `dflash_generate` agreeing with the product's loop."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_assets.evaluation.runs import run_manifest
+from dflash_assets.storage.open_store import open_store
+from dflash_assets_tests.conftest import make_dagster_home
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "yardstick.py"
+VARIANT = "dflash2-dpace-8"
+STEPS, EVALS, PROMPTS, NEW_TOKENS = 2, 2, 2, 8
+
+
+@pytest.fixture(scope="module")
+def yardstick():
+    spec = importlib.util.spec_from_file_location("yardstick", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["yardstick"] = module  # its dataclass resolves its annotations in its module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("yardstick", None)
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        ("dflash2-dpace-16", ("dflash2", "dpace", 16, 0.0)),
+        ("dflash-decay-16", ("dflash", "decay", 16, 0.0)),
+        ("dflash2-dpace-8-kl0.5", ("dflash2", "dpace", 8, 0.5)),
+        ("dflash2-dpace-16-kl1", ("dflash2", "dpace", 16, 1.0)),
+    ],
+)
+def test_a_variant_name_is_its_architecture_loss_block_and_distillation_weight(yardstick, name, fields):
+    variant = yardstick.parse_variant(name)
+    assert (variant.arch, variant.loss, variant.block_size, variant.distill_weight) == fields
+    assert variant.train_config() == {
+        "run_name": name,
+        "drafter_arch": fields[0],
+        "loss": fields[1],
+        "block_size": fields[2],
+        "distill_weight": fields[3],
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("dflash2-dpace", "is not <arch>-<loss>-<block>[-kl<w>]"),
+        ("dflash2-dpace-16-kl0.5-x", "is not <arch>-<loss>-<block>[-kl<w>]"),
+        ("dflash3-dpace-16", "architecture 'dflash3' is not one of dflash, dflash2"),
+        ("dflash2-ce-16", "loss 'ce' is not one of dpace, decay"),
+        ("dflash2-dpace-1", "block '1' is not a whole number of 2 or more"),
+        ("dflash2-dpace-x", "block 'x'"),
+        ("dflash2-dpace-16-kl0", "'kl0' is not kl<w>, the distillation weight w in (0, 1]"),
+        ("dflash2-dpace-16-kl1.5", "'kl1.5' is not kl<w>"),
+        ("dflash2-dpace-16-klx", "'klx' is not kl<w>"),
+        ("dflash2-dpace-16-0.5", "'0.5' is not kl<w>"),
+    ],
+)
+def test_a_name_that_is_not_a_variant_says_which_part_is_wrong(yardstick, name, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        yardstick.parse_variant(name)
+
+
+def test_the_flags_become_the_run_config_and_the_curve_has_evals_points(yardstick):
+    args = yardstick.parser().parse_args(
+        ["train", "dflash2-dpace-8-kl0.5", "--steps", "480", "--evals", "4", "--batch", "16", "--lr", "3e-4"]
+    )
+    assert yardstick.train_config(yardstick.parse_variant(args.variants[0]), args) == {
+        "run_name": "dflash2-dpace-8-kl0.5",
+        "drafter_arch": "dflash2",
+        "loss": "dpace",
+        "block_size": 8,
+        "distill_weight": 0.5,
+        "max_steps": 480,
+        "checkpoint_every_steps": 120,
+        "global_batch_size": 16,
+        "lr": 3e-4,
+    }  # what no flag gives is left to the user's settings: no num_anchors, no spec_eval_prompts
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["train", "dflash3-dpace-16", "--steps", "2"], "variant 'dflash3-dpace-16': architecture"),
+        (["train", VARIANT, "--steps", "2", "--sets", "held_out,code"], "code is not a prompt set here"),
+        (["train", VARIANT, "--steps", "0"], "--steps 0 must be 1 or more"),
+        (["train", VARIANT, "--steps", "2", "--sets", "chat", "--zlab"], "add held_out to --sets"),
+    ],
+)
+def test_a_wrong_flag_is_one_line_before_anything_loads(yardstick, monkeypatch, capsys, argv, says):
+    monkeypatch.setenv("DFLASH_EVAL_SETS", "chat=sharegpt-first-turn[17000:]")  # read by no one here
+    assert yardstick.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("yardstick train: ") and says in err and len(err.splitlines()) == 1
+
+
+def _yardstick(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=900
+    )
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, demo_ranges, demo_model_dir):
+    """The shared demo ranges in a store of its own, then `train` of one variant (2 steps, a checkpoint each,
+    held_out measured on 2 prompts, z-lab's loop beside) and `table`, as a user runs them."""
+    root = tmp_path_factory.mktemp("yardstick")
+    store_url = str(root / "store")
+    demo_ranges.copy_to(open_store(store_url))
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "DFLASH_"))},
+        "DAGSTER_HOME": make_dagster_home(root / "dagster-home"),
+        "DFLASH_HOME": str(root / "home"),
+        "DFLASH_CACHE_DIR": str(demo_model_dir.parent),
+        "DFLASH_SAMPLES_PER_PARTITION": "24",  # the demo ranges' keys
+        "DFLASH_STORE_URL": store_url,
+        "DFLASH_MAX_LENGTH": "256",
+        "OMP_NUM_THREADS": "1",
+    }
+    trained = _yardstick(
+        "train", VARIANT, "--steps", str(STEPS), "--evals", str(EVALS), "--batch", "6", "--anchors", "16",
+        "--curve-prompts", "2", "--prompts", str(PROMPTS), "--new-tokens", str(NEW_TOKENS), "--zlab",
+        "--threads", "1", env=env,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    table = _yardstick("table", env=env)
+    assert table.returncode == 0, table.stderr[-3000:]
+    return {"train": trained.stdout, "table": table.stdout, "store": open_store(store_url)}
+
+
+def test_train_materialises_the_run_and_its_evaluation_under_the_variants_name(measured):
+    store = measured["store"]
+    manifest = run_manifest(store, VARIANT)
+    assert (manifest["drafter_arch"], manifest["loss"], manifest["block_size"]) == ("dflash2", "dpace", 8)
+    assert manifest["steps"] == STEPS and manifest["distill_weight"] == 0.0
+    # A checkpoint every steps // evals steps, each evaluated; step 0 is the fresh drafter.
+    assert [point["step"] for point in manifest["curve"]] == [0, 1, 2]
+    assert all(point["tau"] >= 1.0 and point["teacher_forced_tau"] >= 1.0 for point in manifest["curve"])
+    assert manifest["curve"][-1]["tau"] == manifest["acceptance_length_tau"]
+    record = json.loads(bytes(store.get_bytes(f"evaluations/{VARIANT}/held_out/evaluation.json")))
+    assert (record["prompts"], record["max_new_tokens"], record["lossless_prompts"]) == (
+        PROMPTS,
+        NEW_TOKENS,
+        2,
+    )
+    assert re.search(r"drafter_checkpoints +\(all ranges\) +ok", measured["train"])
+    assert f"held_out: τ {record['tau']:.3f}, prompt lookup {record['floor_tau']:.3f}" in measured["train"]
+
+
+def test_z_labs_dflash_generate_agrees_with_the_products_loop_on_the_same_prompts(measured):
+    found = re.search(
+        r"held_out by z-lab's dflash_generate: τ ([\d.]+) \(the product's loop ([\d.]+)\); "
+        r"(\d+)/(\d+) outputs equal the target's own \(the product's (\d+)/(\d+)\)",
+        measured["train"],
+    )
+    assert found, measured["train"][-2000:]
+    zlab, product = float(found[1]), float(found[2])
+    assert zlab == pytest.approx(product, rel=0.02)
+    assert found.groups()[2:] == (str(PROMPTS),) * 4  # every output the target's own, by either loop
+
+
+def test_the_table_is_compare_markdown_with_each_runs_curve(measured):
+    lines = measured["table"].splitlines()
+    assert lines[0].startswith("| run | set | prompts | τ | floor τ |") and lines[1].startswith("|---|")
+    row = lines[2].split(" | ")
+    assert (row[0], row[1], row[2]) == (f"| {VARIANT}", "held_out", str(PROMPTS))
+    assert row[7:10] == ["dflash2", "dpace", "8"] and row[11] == str(STEPS)
+    curve = next(line for line in lines if line.startswith(f"- {VARIANT}: "))
+    three = r"[\d.]+ / [\d.]+ / [\d.]+"
+    assert re.fullmatch(rf"- {VARIANT}: steps 0 / 1 / 2: τ {three}; teacher-forced τ {three}", curve), curve

@@ -1,0 +1,452 @@
+"""The drafter yardstick: drafters trained side by side on the configured target's data and measured on each
+prompt set beside the free floor (prompt lookup), through the product alone. A thin driver: it materialises
+the product's own assets (`definitions.build_definitions()`, in this process, against the user's Dagster
+instance and store, as `dflash-assets demo` does) and prints `dflash-assets compare`; every figure it shows
+is one the product stored, which the UI and `compare` read again later.
+
+    python scripts/yardstick.py data       # every range of DFLASH_DATASET: target_completions (only with
+                                           # DFLASH_COMPLETIONS=target), tokenized_completions, hidden states
+    python scripts/yardstick.py train VARIANT [VARIANT ...] --steps N [--evals E] [--sets held_out,chat]
+    python scripts/yardstick.py table [RUN ...]     # compare --markdown, and each run's curve
+
+A variant is `<arch>-<loss>-<block>[-kl<w>]`: `dflash2-dpace-16`, `dflash-decay-16`, `dflash2-dpace-8-kl0.5`
+(distillation from the target's distribution at weight w: hidden states captured with the final state,
+DFLASH_CAPTURE_FINAL_STATE=1, the default). Each variant is a training run of that name:
+`drafter_checkpoints` with run config `run_name`, `drafter_arch`, `loss`, `block_size`, `distill_weight`
+from the name and `max_steps`, `num_anchors`, `global_batch_size`, `lr` from the flags, checkpointing every
+`steps // evals` steps so that the trainer's own held-out evaluation at each checkpoint gives the curve (τ
+against steps, step 0 the fresh weights; recorded in the run's manifest as `curve`); then
+`drafter_evaluations` of each set in `--sets` with run config `run_name`, `prompts`, `new_tokens`. A run
+already in the store is continued from its last checkpoint (the product resumes, it does not start again):
+a fresh comparison wants a fresh DFLASH_STORE_URL. `--zlab` also decodes each export with z-lab's
+`dflash_generate` (the `dflash` package, a test dependency `scripts/setup.sh` installs) on the held_out
+evaluation's prompts: the engines' own loop beside the product's, τ and outputs equal to the target's.
+
+It sets nothing of its own: the target, the data, the store, the devices and whatever no flag gives are the
+user's DFLASH_* settings, printed first. The SmolLM2-on-ShareGPT yardstick (docs/drafter.md, "Measured on a
+real model: SmolLM2"; `scripts/gpu-check.sh --stages yardstick` runs the same on a lent GPU):
+
+    export DFLASH_TARGET_MODEL=smollm2 DFLASH_DATASET='sharegpt-first-turn[0:1200]' \\
+      DFLASH_COMPLETIONS=target DFLASH_MAX_LENGTH=2048 DFLASH_GENERATE_MAX_NEW_TOKENS=256 \\
+      DFLASH_EVAL_SETS='sharegpt=sharegpt-first-turn[17000:]'
+    dflash-assets build-smollm2 && dflash-assets build-sharegpt     # the model and the rows, into the cache
+    python scripts/yardstick.py data
+    python scripts/yardstick.py train dflash-decay-16 dflash-dpace-16 dflash2-dpace-16 dflash2-dpace-8 \\
+      --steps 480 --batch 16 --anchors 512 --evals 4 --sets held_out,sharegpt --prompts 32 --new-tokens 64
+    python scripts/yardstick.py table
+
+Variants run one after another in one process, or one a process: on a 2-core machine, two processes at once,
+each on one thread (`--threads 1`) and each leasing a CPU "device" of its own:
+
+    export DFLASH_DEVICES=cpu:0,cpu:1
+    python scripts/yardstick.py train dflash2-dpace-16 --threads 1 --steps 96 ... &
+    python scripts/yardstick.py train dflash2-dpace-8 --threads 1 --steps 96 ... &
+    wait; python scripts/yardstick.py table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `dflash_assets_tests.support.zlab`, for --zlab
+
+from dflash_assets.cli import UsageError  # noqa: E402
+
+RANGE_ASSETS = ("target_completions", "tokenized_completions", "hidden_state_partitions")
+# The steps log to the instance; the terminal gets this script's lines and the product's status line.
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+VARIANT_GRAMMAR = "<arch>-<loss>-<block>[-kl<w>] (e.g. dflash2-dpace-16, dflash2-dpace-8-kl0.5)"
+
+
+# ------------------------------------------------------------------------------------------------ variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A drafter to train, named as the training run it becomes."""
+
+    name: str
+    arch: str
+    loss: str
+    block_size: int
+    distill_weight: float = 0.0
+
+    def train_config(self) -> dict[str, Any]:
+        """What the name fixes of `drafter_checkpoints`' run config (`TrainConfig`)."""
+        return {
+            "run_name": self.name,
+            "drafter_arch": self.arch,
+            "loss": self.loss,
+            "block_size": self.block_size,
+            "distill_weight": self.distill_weight,
+        }
+
+
+def parse_variant(name: str) -> Variant:
+    """`<arch>-<loss>-<block>[-kl<w>]` as a `Variant`; a name that is not one raises `UsageError` saying
+    which part is wrong."""
+    from dflash_assets.drafter.config import ARCHITECTURES
+    from dflash_assets.drafter.objective import LOSSES
+
+    parts = name.split("-")
+    if len(parts) not in (3, 4):
+        raise UsageError(f"variant {name!r} is not {VARIANT_GRAMMAR}")
+    arch, loss, block, *distill = parts
+    if arch not in ARCHITECTURES:
+        raise UsageError(f"variant {name!r}: architecture {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    if loss not in LOSSES:
+        raise UsageError(f"variant {name!r}: loss {loss!r} is not one of {', '.join(LOSSES)}")
+    if not block.isascii() or not block.isdigit() or int(block) < 2:
+        raise UsageError(f"variant {name!r}: block {block!r} is not a whole number of 2 or more")
+    weight = 0.0
+    if distill:
+        try:
+            weight = float(distill[0].removeprefix("kl")) if distill[0].startswith("kl") else math.nan
+        except ValueError:
+            weight = math.nan
+        if not 0 < weight <= 1:
+            raise UsageError(
+                f"variant {name!r}: {distill[0]!r} is not kl<w>, the distillation weight w in (0, 1]"
+            )
+    return Variant(name, arch, loss, int(block), weight)
+
+
+# ------------------------------------------------------------------------------------------ the product
+
+
+class Product:
+    """The product's assets and resources as `definitions.build_definitions()` makes them on the current
+    settings, materialised in this process against the user's Dagster instance (as `dflash-assets demo`)."""
+
+    def __init__(self) -> None:
+        from dflash_assets.cli import _instance
+        from dflash_assets.definitions import build_definitions
+        from dflash_assets.orchestration.execution.recovery import RUN_WORKER_TAG, RunWorker
+
+        defs = build_definitions()
+        self.assets = list(defs.assets or [])
+        self.resources = dict(defs.resources or {})
+        self.names = {key.to_user_string() for asset in self.assets for key in asset.keys}
+        self.instance = _instance()
+        self.tags = {RUN_WORKER_TAG: RunWorker.current().tag}  # this process runs them: the reaper's to check
+
+    def store(self) -> Any:
+        return self.resources["store"].check()
+
+    def materialise(
+        self, name: str, *, partition: str | None = None, config: dict | None = None, label: str = ""
+    ):
+        """One asset (one partition of it), its line printed: status, seconds, run id; a failure's cause."""
+        from dagster import materialize
+
+        from dflash_assets.cli import _print_failure
+
+        started = time.monotonic()
+        result = materialize(
+            self.assets,
+            selection=[name],
+            partition_key=partition,
+            resources=self.resources,
+            instance=self.instance,
+            raise_on_error=False,
+            run_config={**QUIET, **({"ops": {name: {"config": config}}} if config else {})},
+            tags=self.tags,
+        )
+        status = "ok" if result.success else "FAILED"
+        seconds = time.monotonic() - started
+        line = f"  {name:24s} {label or partition or '':18s} {status}  {seconds:7.1f} s  run {result.run_id}"
+        print(line, flush=True)
+        if not result.success:
+            _print_failure(result)
+        return result
+
+
+def metadata_of(result, name: str) -> dict[str, Any]:
+    """The plain values of the asset's materialisation metadata in `result`."""
+    for event in result.asset_materializations_for_node(name):
+        return {key: value.value for key, value in event.metadata.items()}
+    return {}
+
+
+def print_settings(product: Product) -> None:
+    """What this run is made of: the user's settings, as the product reads them."""
+    from dflash_assets import settings
+
+    shown = (settings.TARGET_MODEL, settings.DATASET, settings.COMPLETIONS, settings.MAX_LENGTH,
+             settings.GENERATE_MAX_NEW_TOKENS, settings.EVAL_SETS, settings.DEVICES)  # fmt: skip
+    print("settings: " + ", ".join(f"{s.name}={s.get()!r}" for s in shown))
+    print(f"store: {product.resources['store'].store_url()}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def run_data(product: Product) -> int:
+    """Every range of DFLASH_DATASET through the range assets, registered first; done work is kept."""
+    from dflash_assets import settings, terminal
+    from dflash_assets.orchestration.partitions import (
+        check_dataset_rows,
+        dataset_range_keys,
+        register_sample_ranges,
+    )
+
+    for warning in check_dataset_rows():
+        print(f"WARNING: {warning}", file=sys.stderr)
+    keys = dataset_range_keys()
+    new = register_sample_ranges(product.instance, keys)
+    print(
+        f"{len(keys)} sample ranges cover {settings.DATASET.get()} ({keys[0]} .. {keys[-1]}); {len(new)} new"
+    )
+    regenerate = settings.completions_source() == "target"
+    names = [n for n in RANGE_ASSETS if n in product.names and (n != "target_completions" or regenerate)]
+    started = time.monotonic()
+    model_dir = product.resources["target_model"].model_dir()  # built on first use (smollm2: the wheel)
+    print(f"  the target: {model_dir} ({time.monotonic() - started:.1f} s)", flush=True)
+    with terminal.live_progress():  # a status line on a terminal, a line now and then in a log
+        for key in keys:
+            for name in names:
+                if not product.materialise(name, partition=key).success:
+                    return 1
+    return 0
+
+
+def evaluation_sets(names: str) -> list[str]:
+    """The prompt sets `--sets` names, each a partition of `drafter_evaluations` on these settings."""
+    from dflash_assets import settings
+    from dflash_assets.evaluation.prompt_sets import parse_eval_sets
+
+    known = [spec.name for spec in parse_eval_sets(settings.EVAL_SETS.get())]
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in known]
+    if unknown or not chosen:
+        raise UsageError(
+            f"--sets {names!r}: {', '.join(unknown) or 'no set'} is not a prompt set here "
+            f"({', '.join(known)}); name a set in {settings.EVAL_SETS.name} as name=reference"
+        )
+    return chosen
+
+
+def train_config(variant: Variant, args: argparse.Namespace) -> dict[str, Any]:
+    flags = {"num_anchors": args.anchors, "global_batch_size": args.batch, "lr": args.lr,
+             "spec_eval_prompts": args.curve_prompts}  # fmt: skip
+    return {
+        **variant.train_config(),
+        "max_steps": args.steps,
+        "checkpoint_every_steps": max(1, args.steps // args.evals),
+        **{name: value for name, value in flags.items() if value is not None},
+    }
+
+
+def checked_train(args: argparse.Namespace) -> tuple[list[Variant], list[str]]:
+    """`train`'s variants and sets, every flag checked before anything loads: a typo is one line."""
+    variants = [parse_variant(name) for name in args.variants]
+    if args.tag:  # the run is `<variant>-<tag>`: the same variant at another budget, beside the first
+        variants = [replace(variant, name=f"{variant.name}-{args.tag}") for variant in variants]
+    sets = evaluation_sets(args.sets)
+    for flag, value in (("--steps", args.steps), ("--evals", args.evals)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} must be 1 or more")
+    if args.zlab and "held_out" not in sets:
+        raise UsageError("--zlab decodes the held_out evaluation's prompts: add held_out to --sets")
+    return variants, sets
+
+
+def run_train(product: Product, args: argparse.Namespace) -> int:
+    """Each variant trained, then measured on each set; one after another."""
+    from dflash_assets import terminal
+    from dflash_assets.evaluation.runs import CHECKPOINTS_PREFIX, run_manifest
+    from dflash_assets.storage.manifest import read_manifest
+
+    variants, sets = checked_train(args)
+    store = product.store()
+    evaluation = {name: value for name, value in (("prompts", args.prompts), ("new_tokens", args.new_tokens))
+                  if value is not None}  # fmt: skip
+    for variant in variants:
+        earlier = read_manifest(store, f"{CHECKPOINTS_PREFIX}/{variant.name}")
+        if earlier is not None:
+            print(
+                f"{variant.name}: in the store already ({earlier.get('steps')} steps): the product continues "
+                "it from its last checkpoint; a fresh DFLASH_STORE_URL trains it from the start"
+            )
+        every = train_config(variant, args)["checkpoint_every_steps"]
+        print(f"{variant.name}: {args.steps} steps, a checkpoint and evaluation every {every}", flush=True)
+        with terminal.live_progress():
+            trained = product.materialise(
+                "drafter_checkpoints", config=train_config(variant, args), label="(all ranges)"
+            )
+        if not trained.success:
+            return 1
+        print(f"    curve: {curve_text(run_manifest(store, variant.name).get('curve'))}")
+        for name in sets:
+            config = {"run_name": variant.name, **evaluation}
+            with terminal.live_progress():
+                measured = product.materialise("drafter_evaluations", partition=name, config=config)
+            if not measured.success:
+                return 1
+            print(f"    {evaluation_text(metadata_of(measured, 'drafter_evaluations'))}", flush=True)
+        if args.zlab:
+            zlab_cross_check(product, variant.name)
+    print(f"the table: python scripts/yardstick.py table {' '.join(v.name for v in variants)}")
+    return 0
+
+
+def evaluation_text(metadata: dict[str, Any]) -> str:
+    return (
+        f"{metadata['prompt_set']}: τ {metadata['tau']:.3f}, prompt lookup {metadata['floor_tau']:.3f} "
+        f"({metadata['ratio_to_floor']:.2f}x); {metadata['lossless_prompts']}/{metadata['prompts']} outputs "
+        "equal the target's own"
+    )
+
+
+def curve_text(curve: list[dict[str, Any]] | None) -> str:
+    """A run's curve from its manifest: `steps 0 / 2 / 4: τ 1.000 / 1.250 / 1.312; teacher-forced τ ...`."""
+    if not curve:
+        return "none recorded (a run trained before drafter_checkpoints recorded its curve)"
+
+    def figures(name: str, digits: int) -> str:
+        return " / ".join("—" if p.get(name) is None else f"{p[name]:.{digits}f}" for p in curve)
+
+    steps = " / ".join(str(point["step"]) for point in curve)
+    return f"steps {steps}: τ {figures('tau', 3)}; teacher-forced τ {figures('teacher_forced_tau', 2)}"
+
+
+def run_table(runs: list[str]) -> int:
+    """`dflash-assets compare --markdown`, then each run's curve from its manifest."""
+    from dflash_assets.cli import main as dflash_assets
+    from dflash_assets.evaluation.compare import stored_evaluations
+    from dflash_assets.evaluation.runs import run_manifest
+    from dflash_assets.orchestration.resources import StoreResource
+
+    code = dflash_assets(["compare", "--markdown", *runs])
+    if code:
+        return code
+    store = StoreResource().check()
+    print("\nCurves (the trainer's held-out evaluation at each checkpoint; step 0: the fresh weights):\n")
+    for run in runs or list(dict.fromkeys(record["run"] for record in stored_evaluations(store))):
+        print(f"- {run}: {curve_text(run_manifest(store, run).get('curve'))}")
+    return 0
+
+
+def zlab_cross_check(product: Product, run: str) -> None:
+    """z-lab's `dflash_generate` on the export, on the held_out evaluation's own prompts and token count,
+    each output checked against the target's greedy one: printed beside the product's figures."""
+    from dflash_assets import settings
+    from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode, stop_token_ids_of
+    from dflash_assets.evaluation.loaders import load_prompt_set
+    from dflash_assets.evaluation.runs import (
+        EVALUATION_NAME,
+        download_export,
+        evaluation_prefix,
+        run_manifest,
+    )
+    from dflash_assets.target.model import load_target_model
+    from dflash_assets.target.threads import decoding_threads
+    from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate
+
+    store, target = product.store(), product.resources["target_model"]
+    cache = product.resources["store"].read_cache_dir()
+    record = json.loads(bytes(store.get_bytes(f"{evaluation_prefix(run, 'held_out')}/{EVALUATION_NAME}")))
+    manifest, new_tokens = run_manifest(store, run), record["max_new_tokens"]
+    prompts = load_prompt_set(
+        "held_out", settings.EVAL_SETS.get(), object_store=store, run_manifest=manifest,
+        target_dir=target.model_dir(), count=record["prompts"], new_tokens=new_tokens, cache_dir=cache,
+    ).prompts  # fmt: skip
+    if [prompt.location for prompt in prompts] != record["prompt_locations"]:
+        raise RuntimeError(f"{run}: the held_out prompts are not the ones its evaluation measured")
+    export = download_export(store, run, cache / "exports" / run)
+    stops = stop_token_ids_of(str(target.model_dir()))
+    lengths, lossless = [], 0
+    with product.resources["devices"].lease(holder=f"yardstick z-lab {run}") as device:
+        model = load_target_model(target.model_dir(), device)
+        drafter, _ = load_zlab_drafter(export, device=device, dtype=next(model.parameters()).dtype)
+        verifier = TargetVerifier(model, manifest["target_layer_ids"])
+        with decoding_threads(model):
+            for prompt in prompts:
+                greedy = greedy_decode(verifier, prompt.token_ids, new_tokens, stops)
+                tokens, rounds = zlab_generate(drafter, model, prompt.token_ids, new_tokens, sorted(stops))
+                lossless += tokens == greedy
+                lengths += rounds
+    print(
+        f"    held_out by z-lab's dflash_generate: τ {sum(lengths) / len(lengths):.3f} (the product's loop "
+        f"{record['tau']:.3f}); {lossless}/{len(prompts)} outputs equal the target's own (the product's "
+        f"{record['lossless_prompts']}/{record['prompts']})",
+        flush=True,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yardstick.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "data", help="every range of DFLASH_DATASET: regenerated (target), tokenized, captured"
+    )
+    train = commands.add_parser("train", help="train each variant, then measure it on each prompt set")
+    train.add_argument("variants", nargs="+", metavar="VARIANT", help=VARIANT_GRAMMAR)
+    train.add_argument("--steps", type=int, required=True, help="optimiser steps each (run config max_steps)")
+    train.add_argument("--evals", type=int, default=4, help="checkpoints, each evaluated: the curve's points")
+    train.add_argument("--anchors", type=int, default=None, help="anchors a sequence (num_anchors)")
+    train.add_argument("--batch", type=int, default=None, help="sequences a step (global_batch_size)")
+    train.add_argument("--lr", type=float, default=None, help="peak learning rate (lr)")
+    train.add_argument(
+        "--curve-prompts", type=int, default=None,
+        help="held-out prompts the trainer decodes at each checkpoint (spec_eval_prompts; the recipe's 8)",
+    )  # fmt: skip
+    train.add_argument("--sets", default="held_out", help="prompt sets to measure, comma-separated")
+    train.add_argument("--tag", default="", help="run names <variant>-<tag> (the same variant twice)")
+    train.add_argument("--prompts", type=int, default=None, help="prompts a set (DFLASH_EVAL_PROMPTS)")
+    train.add_argument(
+        "--new-tokens", type=int, default=None, help="tokens a prompt (DFLASH_EVAL_NEW_TOKENS)"
+    )
+    train.add_argument(
+        "--zlab", action="store_true", help="also decode held_out with z-lab's dflash_generate"
+    )
+    table = commands.add_parser("table", help="dflash-assets compare --markdown, and each run's curve")
+    table.add_argument("runs", nargs="*", metavar="RUN", help="training runs (default: every run evaluated)")
+    for command in (commands.choices["data"], train):
+        command.add_argument(
+            "--threads", type=int, default=None, help="torch intra-op threads (default: all)"
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_assets.orchestration.user_errors import check_settings, user_error_message
+
+    args = parser().parse_args(argv)
+    try:
+        check_settings()  # every DFLASH_* value, before any work
+        if args.command == "table":
+            return run_table(args.runs)
+        if args.command == "train":
+            checked_train(args)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        product = Product()
+        print_settings(product)
+        return run_data(product) if args.command == "data" else run_train(product, args)
+    except Exception as error:
+        message = str(error) if isinstance(error, UsageError) else user_error_message(error)
+        if message is None:
+            raise
+        print(f"yardstick {args.command}: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
