@@ -253,8 +253,6 @@ def checked_train(args: argparse.Namespace) -> tuple[list[Variant], list[str]]:
     for flag, value in (("--steps", args.steps), ("--evals", args.evals)):
         if value < 1:
             raise UsageError(f"{flag} {value} must be 1 or more")
-    if args.zlab and "held_out" not in sets:
-        raise UsageError("--zlab decodes the held_out evaluation's prompts: add held_out to --sets")
     return variants, sets
 
 
@@ -292,7 +290,8 @@ def run_train(product: Product, args: argparse.Namespace) -> int:
                 return 1
             print(f"    {evaluation_text(metadata_of(measured, 'drafter_evaluations'))}", flush=True)
         if args.zlab:
-            zlab_cross_check(product, variant.name)
+            for name in sets:
+                zlab_cross_check(product, variant.name, name)
     print(f"the table: python scripts/yardstick.py table {' '.join(v.name for v in variants)}")
     return 0
 
@@ -334,8 +333,8 @@ def run_table(runs: list[str]) -> int:
     return 0
 
 
-def zlab_cross_check(product: Product, run: str) -> None:
-    """z-lab's `dflash_generate` on the export, on the held_out evaluation's own prompts and token count,
+def zlab_cross_check(product: Product, run: str, set_name: str = "held_out") -> None:
+    """z-lab's `dflash_generate` on the export, on one set's evaluation's own prompts and token count,
     each output checked against the target's greedy one: printed beside the product's figures."""
     from dflash_assets import settings
     from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode, stop_token_ids_of
@@ -352,14 +351,14 @@ def zlab_cross_check(product: Product, run: str) -> None:
 
     store, target = product.store(), product.resources["target_model"]
     cache = product.resources["store"].read_cache_dir()
-    record = json.loads(bytes(store.get_bytes(f"{evaluation_prefix(run, 'held_out')}/{EVALUATION_NAME}")))
+    record = json.loads(bytes(store.get_bytes(f"{evaluation_prefix(run, set_name)}/{EVALUATION_NAME}")))
     manifest, new_tokens = run_manifest(store, run), record["max_new_tokens"]
     prompts = load_prompt_set(
-        "held_out", settings.EVAL_SETS.get(), object_store=store, run_manifest=manifest,
+        set_name, settings.EVAL_SETS.get(), object_store=store, run_manifest=manifest,
         target_dir=target.model_dir(), count=record["prompts"], new_tokens=new_tokens, cache_dir=cache,
     ).prompts  # fmt: skip
     if [prompt.location for prompt in prompts] != record["prompt_locations"]:
-        raise RuntimeError(f"{run}: the held_out prompts are not the ones its evaluation measured")
+        raise RuntimeError(f"{run}: the {set_name} prompts are not the ones its evaluation measured")
     export = download_export(store, run, cache / "exports" / run)
     stops = stop_token_ids_of(str(target.model_dir()))
     lengths, lossless = [], 0
@@ -373,9 +372,11 @@ def zlab_cross_check(product: Product, run: str) -> None:
                 tokens, rounds = zlab_generate(drafter, model, prompt.token_ids, new_tokens, sorted(stops))
                 lossless += tokens == greedy
                 lengths += rounds
+    tau = sum(lengths) / len(lengths)
     print(
-        f"    held_out by z-lab's dflash_generate: τ {sum(lengths) / len(lengths):.3f} (the product's loop "
-        f"{record['tau']:.3f}); {lossless}/{len(prompts)} outputs equal the target's own (the product's "
+        f"    {set_name} by z-lab's dflash_generate: τ {tau:.3f} (the product's loop {record['tau']:.3f}); "
+        f"{tau / record['floor_tau']:.2f}x the prompt-lookup floor's {record['floor_tau']:.3f}; "
+        f"{lossless}/{len(prompts)} outputs equal the target's own (the product's "
         f"{record['lossless_prompts']}/{record['prompts']})",
         flush=True,
     )
@@ -412,7 +413,7 @@ def parser() -> argparse.ArgumentParser:
         "--new-tokens", type=int, default=None, help="tokens a prompt (DFLASH_EVAL_NEW_TOKENS)"
     )
     train.add_argument(
-        "--zlab", action="store_true", help="also decode held_out with z-lab's dflash_generate"
+        "--zlab", action="store_true", help="also decode each set with z-lab's dflash_generate"
     )
     table = commands.add_parser("table", help="dflash-assets compare --markdown, and each run's curve")
     table.add_argument("runs", nargs="*", metavar="RUN", help="training runs (default: every run evaluated)")

@@ -129,6 +129,43 @@ def test_the_loss_of_a_batch_split_in_two_sums_to_the_whole_batch_s_numerator_an
         )
 
 
+@pytest.mark.parametrize("chunk_rows", [1_000_000, 7])
+def test_the_head_runs_once_a_step_when_the_rows_fit_one_chunk_and_the_gradients_are_those_of_a_recompute(
+    config: DrafterConfig, monkeypatch: pytest.MonkeyPatch, chunk_rows: int
+):
+    """A chunk's logits are recomputed in backward only when there are several chunks (a production
+    vocabulary's `[R, V]` would not fit at once); rows that fit one chunk pass through the head once, with
+    the same loss and gradients."""
+    from dflash_assets.drafter import objective as objective_module
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.from_target(
+        DrafterConfig(**{**config.__dict__, "arch": "dflash2", "selector_rank": 16})
+    )
+    batch = _batch(drafter.config, [40, 31], seed=3)
+    anchors = sample_anchors(batch.loss_mask, 8, [anchor_generator(0, 0, i) for i in batch.sample_indices])
+
+    def step(chunk: int) -> tuple[int, float, dict[str, torch.Tensor]]:
+        monkeypatch.setattr(objective_module, "logits_chunk_rows", lambda vocab, distill=False: chunk)
+        calls = []
+        real = DFlashDrafter.logits
+        monkeypatch.setattr(DFlashDrafter, "logits", lambda self, h: calls.append(len(h)) or real(self, h))
+        drafter.zero_grad()
+        output = dflash_loss(drafter, batch, anchors, Objective())
+        output.weighted_ce.backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        return sum(calls), float(output.weighted_ce.detach()), grads
+
+    rows, loss, grads = step(chunk_rows)
+    labels = int(dflash_loss(drafter, batch, anchors, Objective()).num_labels)
+    # One chunk: each row through the head once; several: each row twice (forward, then recomputed).
+    assert rows == (labels if chunk_rows >= labels else 2 * labels)
+    reference_rows, reference_loss, reference_grads = step(1_000_000 if chunk_rows == 7 else 7)
+    assert loss == pytest.approx(reference_loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6)
+
+
 def test_the_selector_s_candidates_are_the_unary_top_k_with_the_label_put_in_where_it_is_missing(
     config: DrafterConfig,
 ):
