@@ -323,9 +323,9 @@ DISTILL_WEIGHT = Setting(
 )
 BLOCK_SIZE = Setting(
     "DFLASH_BLOCK_SIZE",
-    "16",
-    "Drafter block: the anchor and the slots drafted after it in one forward (the published DFlash2 27B "
-    "drafter uses 8).",
+    "",
+    "Drafter block: the anchor and the slots drafted after it in one forward. Unset: 8 for DFlash2 (its "
+    "recipes': SpecForge's, speculators', z-lab's published 27B drafter), 16 for DFlash (the paper's).",
 )
 DRAFTER_INIT = Setting(
     "DFLASH_DRAFTER_INIT",
@@ -594,6 +594,18 @@ def train_max_steps() -> int | None:
     if not TRAIN_MAX_STEPS.is_set() and DATASET.get() == "bundled":
         return BUNDLED_TRAIN_MAX_STEPS
     return TRAIN_MAX_STEPS.get_optional_int()
+
+
+# The block each architecture trains at when DFLASH_BLOCK_SIZE is unset: DFlash2's recipes use 8 (and at
+# equal training time 8 trains twice the anchors of 16: docs/drafter.md, SmolLM2 on ShareGPT), DFlash's 16.
+DEFAULT_BLOCK_SIZES = {"dflash2": 8, "dflash": 16}
+
+
+def block_size_for(arch: str) -> int:
+    """`DFLASH_BLOCK_SIZE`, else the architecture's own default (`DEFAULT_BLOCK_SIZES`)."""
+    if BLOCK_SIZE.is_set():
+        return BLOCK_SIZE.get_int()
+    return DEFAULT_BLOCK_SIZES.get(arch, 16)
 
 
 def train_num_anchors() -> int | None:

@@ -77,7 +77,10 @@ class TrainConfig(Config):
         default=None,
         description="Weight of distillation from the target's distribution, 0..1 (DFLASH_DISTILL_WEIGHT).",
     )
-    block_size: int | None = Field(default=None, description="Drafter block size (DFLASH_BLOCK_SIZE).")
+    block_size: int | None = Field(
+        default=None,
+        description="Drafter block size (DFLASH_BLOCK_SIZE; unset: 8 for dflash2, 16 for dflash).",
+    )
     drafter_init: str | None = Field(
         default=None,
         description="A drafter directory in z-lab's layout to start from (DFLASH_DRAFTER_INIT).",
@@ -150,7 +153,7 @@ class TrainConfig(Config):
         return settings.given_or(self.drafter_arch, settings.DRAFTER_ARCH.get)
 
     def block(self) -> int:
-        return settings.given_or(self.block_size, settings.BLOCK_SIZE.get_int)
+        return settings.given_or(self.block_size, lambda: settings.block_size_for(self.arch()))
 
     def mask_token(self) -> int | None:
         value = self.mask_token_id

@@ -45,7 +45,7 @@ _INTEGERS: dict[Setting, tuple[int, bool]] = {
     settings.TRAIN_NNODES: (1, False),
     settings.TRAIN_RDZV_PORT: (0, False),
     settings.TRAIN_MAX_RESTARTS: (0, False),
-    settings.BLOCK_SIZE: (2, False),
+    settings.BLOCK_SIZE: (2, True),
     settings.EVAL_PROMPTS: (1, False),
     settings.EVAL_NEW_TOKENS: (1, False),
 }

@@ -152,8 +152,8 @@ def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_
         store.download(f"drafter/offline-run/{name}", local / name)
     drafter = load_drafter(local, target_model=ranges["model_dir"])
     config = json.loads((local / "config.json").read_text())
-    # The default drafter: DFlash2 (DFLASH_DRAFTER_ARCH), in z-lab's layout.
-    assert config["architectures"] == ["DFlash2DraftModel"] and config["block_size"] == 16
+    # The default drafter: DFlash2 (DFLASH_DRAFTER_ARCH) at its recipes' block of 8, in z-lab's layout.
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["block_size"] == 8
     assert config["num_target_layers"] == 12  # the demo target's depth
     assert config["dflash_config"]["target_layer_ids"] == [1, 3, 5, 7, 9]
     assert config["dflash_config"]["mask_token_id"] == 3
