@@ -126,68 +126,46 @@ def run_demo(steps: int | None = None) -> int:
     stages = StageTimes()
     with stages.timing("the target (built on first use)"):
         resources["target_model"].model_dir()
+
+    def step(name: str, label: str, partition: str | None = None, config: dict | None = None):
+        """Materialise one asset (one partition), print its line; the result, or None when it failed."""
+        t0 = time.monotonic()
+        ops = {"ops": {name: {"config": config}}} if config else {}
+        result = materialize(
+            assets,
+            selection=[name],
+            partition_key=partition,
+            resources=resources,
+            instance=instance,
+            raise_on_error=False,
+            run_config={**quiet, **ops},  # the ranges' settings are everyone's: a shell or the UI continues
+            tags=worker,
+        )
+        status = "ok" if result.success else "FAILED"
+        print(f"  {name:26s} {label:17s} {status}  {time.monotonic() - t0:6.1f}s  run {result.run_id}")
+        if not result.success:
+            _print_failure(result)
+            return None
+        return result
+
     for key in partition_keys:
         for name in partitioned:
-            t0 = time.monotonic()
-            result = materialize(
-                assets,
-                selection=[name],
-                partition_key=key,
-                resources=resources,
-                instance=instance,
-                raise_on_error=False,
-                run_config=quiet,  # the ranges' settings are everyone's: a shell or the UI continues them
-                tags=worker,
-            )
-            status = "ok" if result.success else "FAILED"
-            stages.add(name, time.monotonic() - t0)
-            print(f"  {name:26s} {key}  {status}  {time.monotonic() - t0:6.1f}s  run {result.run_id}")
-            if not result.success:
-                _print_failure(result)
-                return 1
+            with stages.timing(name):
+                if step(name, key, partition=key) is None:
+                    return 1
     if "drafter_checkpoints" in by_name:
         t0 = time.monotonic()
         length = f"{steps} steps" if steps else "the recipe's epochs"
         print(f"  training the drafter ({length}) ...", flush=True)
-        result = materialize(
-            assets,
-            selection=["drafter_checkpoints"],
-            resources=resources,
-            instance=instance,
-            raise_on_error=False,
-            run_config={**quiet, "ops": {"drafter_checkpoints": {"config": train_config}}},
-            tags=worker,
-        )
-        status = "ok" if result.success else "FAILED"
-        print(
-            f"  {'drafter_checkpoints':26s} {'(all ranges)':17s} {status}  {time.monotonic() - t0:6.1f}s  "
-            f"run {result.run_id}"
-        )
-        if not result.success:
-            _print_failure(result)
+        result = step("drafter_checkpoints", "(all ranges)", config=train_config)
+        if result is None:
             return 1
         stages.add_training(time.monotonic() - t0, _training_metadata(result).get("evaluation_seconds"))
         _print_acceptance(result)
     if "drafter_evaluations" in by_name:
-        t0 = time.monotonic()
-        result = materialize(
-            assets,
-            selection=["drafter_evaluations"],
-            partition_key="held_out",
-            resources=resources,
-            instance=instance,
-            raise_on_error=False,
-            run_config={**quiet, "ops": {"drafter_evaluations": {"config": DEMO_EVALUATION}}},
-            tags=worker,
-        )
-        status = "ok" if result.success else "FAILED"
-        stages.add("drafter_evaluations (held_out)", time.monotonic() - t0)
-        print(
-            f"  {'drafter_evaluations':26s} {'held_out':17s} {status}  {time.monotonic() - t0:6.1f}s  "
-            f"run {result.run_id}"
-        )
-        if not result.success:
-            _print_failure(result)
+        with stages.timing("drafter_evaluations (held_out)"):
+            result = step("drafter_evaluations", "held_out", partition="held_out", config=DEMO_EVALUATION)
+        if result is None:
             return 1
         _print_evaluation(result)
     print(f"done in {time.monotonic() - started:.0f}s. Results under {store_url}:")

@@ -4,13 +4,12 @@ its held-out samples (the tokenized rows training set aside)."""
 from __future__ import annotations
 
 import hashlib
-import shutil
 from pathlib import Path
 from typing import Any
 
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.conversations.shard import load_shard
-from dflash_assets.storage.manifest import StoredPartition, read_manifest
+from dflash_assets.storage.manifest import StoredPartition, keep_only_version, read_manifest
 from dflash_assets.storage.store import ObjectStore
 
 CHECKPOINTS_PREFIX = "checkpoints"
@@ -71,14 +70,7 @@ def download_export(store: ObjectStore, run: str, directory: Path) -> Path:
         content.update(f"{info.key}\0{info.size}\0{store.checksum(info) or ''}\n".encode())
     version = content.hexdigest()[:16]
     local_dir = Path(directory) / version
-    if Path(directory).is_dir():
-        for stale in Path(directory).iterdir():
-            if stale.name == version:
-                continue
-            if stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                stale.unlink(missing_ok=True)
+    keep_only_version(Path(directory), version)
     for info in listed:
         store.download(info.key, local_dir / info.key[len(prefix) :], size=info.size)
     return local_dir

@@ -172,14 +172,7 @@ class StoredPartition:
         folder = Path(cache_dir) / self.prefix
         version = _VERSION_CHARACTERS.sub("-", str(tag))[:40]
         local = folder / version / name
-        if folder.is_dir():
-            for stale in folder.iterdir():
-                if stale.name == version:
-                    continue
-                if stale.is_dir():
-                    shutil.rmtree(stale, ignore_errors=True)
-                else:
-                    stale.unlink(missing_ok=True)
+        keep_only_version(folder, version)
         local.parent.mkdir(parents=True, exist_ok=True)
         # The manifest has the size: one GET, no HEAD.
         self.store.download(f"{self.prefix}/{name}", local, size=self.manifest["objects"][name])
@@ -187,3 +180,17 @@ class StoredPartition:
 
 
 _VERSION_CHARACTERS = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def keep_only_version(folder: Path, version: str) -> None:
+    """Remove everything in `folder` but its `version` entry: the local copies of an object's (or an
+    export's) earlier contents, which a reader never takes again."""
+    if not folder.is_dir():
+        return
+    for stale in folder.iterdir():
+        if stale.name == version:
+            continue
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)

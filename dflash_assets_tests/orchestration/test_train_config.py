@@ -26,3 +26,17 @@ def test_a_users_dataset_trains_the_recipes_anchors(monkeypatch, tmp_path):
     assert (own.num_anchors, own.tokens_per_anchor, own.global_batch_size) == (512, 1.0, 32)
     assert TrainConfig(num_anchors=16).train_settings().num_anchors == 16
     assert TrainConfig(tokens_per_anchor=1).train_settings().tokens_per_anchor == 1.0
+
+
+def test_dflash2_trains_at_block_8_and_dflash_at_16_unless_the_setting_or_the_run_config_says(monkeypatch):
+    """Each architecture's recipe block when nothing says: DFlash2's recipes (SpecForge, speculators, z-lab's
+    published 27B drafter) use 8, the DFlash paper 16; DFLASH_BLOCK_SIZE, then run config, override it."""
+    monkeypatch.delenv("DFLASH_BLOCK_SIZE", raising=False)
+    monkeypatch.delenv("DFLASH_DRAFTER_ARCH", raising=False)
+    assert TrainConfig().block() == 8 and TrainConfig().train_settings().block_size == 8
+    assert TrainConfig(drafter_arch="dflash").block() == 16
+    monkeypatch.setenv("DFLASH_DRAFTER_ARCH", "dflash")
+    assert TrainConfig().block() == 16
+    monkeypatch.setenv("DFLASH_BLOCK_SIZE", "12")
+    assert TrainConfig().block() == 12 and TrainConfig(drafter_arch="dflash2").block() == 12
+    assert TrainConfig(block_size=4).block() == 4
