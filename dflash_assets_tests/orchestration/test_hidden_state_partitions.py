@@ -469,7 +469,9 @@ def flip_tensor_bytes(data: bytes, tensor: str = "hidden_states", count: int = 1
 def _check_then_train(env: dict[str, str]) -> dict:
     """Runs the range check alone with training after it (as the UI's "Execute" of the check would, then a
     job that trains), then training alone, in this process under `env`; what each run's steps did."""
-    from dagster import DagsterEventType
+    from dagster import AssetSelection, DagsterEventType, Definitions, define_asset_job
+
+    from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 
     from dflash_assets.definitions import build_definitions
 
@@ -477,7 +479,12 @@ def _check_then_train(env: dict[str, str]) -> dict:
     training = {AssetKey("drafter_checkpoints")}
     report = {}
     with environment(env), open_instance(env["DAGSTER_HOME"]) as instance:
-        job = build_definitions().resolve_implicit_global_asset_job_def()
+        # A job over the ranges' partitions holding the check and training (drafter_evaluations, partitioned
+        # by prompt set, shares no partitions with the ranges: there is no single global asset job).
+        evaluations = AssetSelection.assets("drafter_evaluations")
+        ranges_and_training = AssetSelection.all() - evaluations - evaluations.checks()
+        jobs = [define_asset_job("check_then_train", ranges_and_training, partitions_def=SAMPLE_RANGES)]
+        job = Definitions.merge(build_definitions(), Definitions(jobs=jobs)).resolve_job_def("check_then_train")
         for name, checks, key in [("check_then_training", {check}, KEY), ("training", set(), None)]:
             subset = job.get_subset(asset_selection=training, asset_check_selection=checks)
             result = subset.execute_in_process(partition_key=key, instance=instance, raise_on_error=False)

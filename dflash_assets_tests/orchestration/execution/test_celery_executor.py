@@ -32,6 +32,7 @@ def test_gpu_steps_go_to_the_gpu_queue_and_tokenisation_to_the_default_queue():
         "tokenized_completions": "default",
         "hidden_state_partitions": "gpu",
         "drafter_checkpoints": "gpu",
+        "drafter_evaluations": "gpu",  # the target decodes each prompt set with the drafter
     }
 
 
