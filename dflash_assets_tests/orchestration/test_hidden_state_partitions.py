@@ -471,9 +471,8 @@ def _check_then_train(env: dict[str, str]) -> dict:
     job that trains), then training alone, in this process under `env`; what each run's steps did."""
     from dagster import AssetSelection, DagsterEventType, Definitions, define_asset_job
 
-    from dflash_assets.orchestration.partitions import SAMPLE_RANGES
-
     from dflash_assets.definitions import build_definitions
+    from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 
     check = AssetCheckKey(AssetKey("hidden_state_partitions"), "range_complete")
     training = {AssetKey("drafter_checkpoints")}
@@ -484,7 +483,8 @@ def _check_then_train(env: dict[str, str]) -> dict:
         evaluations = AssetSelection.assets("drafter_evaluations")
         ranges_and_training = AssetSelection.all() - evaluations - evaluations.checks()
         jobs = [define_asset_job("check_then_train", ranges_and_training, partitions_def=SAMPLE_RANGES)]
-        job = Definitions.merge(build_definitions(), Definitions(jobs=jobs)).resolve_job_def("check_then_train")
+        defs = Definitions.merge(build_definitions(), Definitions(jobs=jobs))
+        job = defs.resolve_job_def("check_then_train")
         for name, checks, key in [("check_then_training", {check}, KEY), ("training", set(), None)]:
             subset = job.get_subset(asset_selection=training, asset_check_selection=checks)
             result = subset.execute_in_process(partition_key=key, instance=instance, raise_on_error=False)
