@@ -33,6 +33,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from dflash_assets.conversations import json_array
+from dflash_assets.conversations.errors import DatasetError, DatasetNotFound  # noqa: F401  (raised here; callers import them from here)
 from dflash_assets.conversations.layouts import (
     ALLOWED_ROLES,
     DROP_REASONS,
@@ -71,14 +72,6 @@ SHARD_SUFFIXES = (".parquet", ".pq", ".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.
 ROW_COLUMNS = ("messages", "conversations", "tools", "system")
 _SPLIT_SHARD = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}$")
 _GLOB = re.compile(r"[*?\[]")
-
-
-class DatasetError(ValueError):
-    """The dataset as a whole cannot be used (wrong format, missing column, too many bad rows)."""
-
-
-class DatasetNotFound(DatasetError, FileNotFoundError):
-    pass
 
 
 @dataclass(frozen=True)

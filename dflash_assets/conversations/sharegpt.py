@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash_assets.conversations.datasets import DatasetError, DatasetNotFound
+from dflash_assets.conversations.errors import DatasetError, DatasetNotFound
 from dflash_assets.conversations.json_array import iter_records, read_end
 
 NAME = "sharegpt"  # DFLASH_DATASET's value, and an evaluation set's reference
