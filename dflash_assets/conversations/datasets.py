@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from dflash_assets.conversations import json_array
-from dflash_assets.conversations.errors import DatasetError, DatasetNotFound  # noqa: F401  (raised here; callers import them from here)
+from dflash_assets.conversations.errors import DatasetError, DatasetNotFound
 from dflash_assets.conversations.layouts import (
     ALLOWED_ROLES,
     DROP_REASONS,
