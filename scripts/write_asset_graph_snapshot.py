@@ -38,6 +38,7 @@ GRAPH_SETTINGS: dict[str, list[str]] = {
     "DFLASH_COMPLETIONS": ["dataset", "target"],
     "DFLASH_EXECUTOR": ["local", "k8s", "celery"],
     "DFLASH_GENERATE_URL": ["", "http://127.0.0.1:8000/v1"],
+    "DFLASH_GENERATE_ENGINE": ["", "vllm"],  # vllm keeps the gpu pool a URL gives up
     # drafter_evaluations' partitions: `held_out` and the sets named.
     "DFLASH_EVAL_SETS": ["", "chat=sharegpt[17000:],code=/data/code.jsonl"],
 }

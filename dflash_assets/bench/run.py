@@ -55,6 +55,16 @@ def run_bench(quick: bool = False, only: str | None = None, threads: int | None 
                 if quick
                 else bench_target_generation(str(target.model_dir()), target.name)
             )
+        # Every available engine on the same prompts (vLLM's server where an environment has it).
+        from dflash_assets.bench.engines import bench_engines
+        from dflash_assets.orchestration.resources import TargetModelResource
+
+        target = TargetModelResource()
+        figures.update(
+            bench_engines(str(target.model_dir()), target.name, count=8, max_new_tokens=32)
+            if quick
+            else bench_engines(str(target.model_dir()), target.name)
+        )
     if only in (None, "fidelity"):
         # As the demo trains: every bundled conversation, 240 steps of 4 (quick: a smoke run).
         figures.update(bench_fidelity(64 if quick else 500, steps=12 if quick else 240))

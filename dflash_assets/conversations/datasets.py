@@ -68,8 +68,9 @@ DATASET_SETTING = "DFLASH_DATASET"
 FORMAT_SETTING = "DFLASH_DATASET_FORMAT"
 # What a directory's data files end with (a glob takes whatever it matches).
 SHARD_SUFFIXES = (".parquet", ".pq", ".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
-# Fields a Parquet shard's rows are read from (other columns, an image say, are never read).
-ROW_COLUMNS = ("messages", "conversations", "tools", "system")
+# Fields a Parquet shard's rows are read from (other columns, an image say, are never read); `exact_ids`
+# is an exported row's token ids (`layouts.EXACT_IDS_FIELD`).
+ROW_COLUMNS = ("messages", "conversations", "tools", "system", "exact_ids")
 _SPLIT_SHARD = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}$")
 _GLOB = re.compile(r"[*?\[]")
 

@@ -14,15 +14,22 @@ Layouts (`DFLASH_DATASET_FORMAT`; `auto` decides by the fields a row has):
   `SHAREGPT_ROLES` (`human` -> user, `gpt` -> assistant, `function_call` -> an assistant tool call whose
   value is the call's JSON, `observation` -> tool, ...).
 
-A field holding a JSON string (`messages`, `conversations`, `tools`, a message's `tool_calls`: how
-Parquet shards often store nested data) is decoded first. Tools given as bare function schemas are
-wrapped as `{"type": "function", "function": schema}`, the form `transformers` builds from functions.
+A `messages` row may also carry `exact_ids` (`EXACT_IDS_FIELD`), written by `dflash-assets
+export-completions`: the target's own answers as `target_completions` stored them, token ids included.
+Such a row becomes a Conversation holding its messages and tools exactly as written (never normalised:
+the same JSON the target's record held) and an `ExactIds`, so it tokenizes to the very ids and mask the
+target's record did; a malformed block drops the row as `bad_exact_ids`.
+
+A field holding a JSON string (`messages`, `conversations`, `tools`, a message's `tool_calls`,
+`exact_ids`: how Parquet shards often store nested data) is decoded first. Tools given as bare function
+schemas are wrapped as `{"type": "function", "function": schema}`, the form `transformers` builds from
+functions.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DATASET_FORMATS = ("auto", "messages", "sharegpt")
@@ -76,7 +83,11 @@ DROP_REASONS: dict[str, str] = {
     "prompt_past_max_length": "the conversation's first prompt alone is DFLASH_MAX_LENGTH tokens or more: "
     "training would cut its whole answer, so it is not asked",
     "truncated_answer": "an answer hit max_new_tokens and truncated='drop'",
+    # An exported row (`dflash-assets export-completions`) read back as a dataset.
+    "bad_exact_ids": "the row's `exact_ids` (the target's answers with their token ids, written by "
+    "`dflash-assets export-completions`) is malformed: the detail says what",
 }
+EXACT_IDS_FIELD = "exact_ids"
 
 Messages = list[dict[str, Any]]
 
@@ -97,12 +108,26 @@ class Dropped:
 
 
 @dataclass(frozen=True)
+class ExactIds:
+    """The target's own answers of an exported row, as `target_completions` recorded them: `turns` (per
+    answer: `message`, its index in the messages; `finish_reason`; `completion_token_ids` where the engine
+    returned them), the last answer's exact prompt ids, and the chat-template arguments they were made
+    with. Tokenized by `tokenize.AnswerTokenizer.last_answer`, as the stored record is."""
+
+    turns: list[dict[str, Any]]
+    prompt_token_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Conversation:
     """One row in the one shape: messages as the chat template takes them, and the row's tools (None:
-    the row has none), passed to the template as `tools=`."""
+    the row has none), passed to the template as `tools=`; `exact_ids` where the row carries the target's
+    own answers with their token ids (an exported row: see the module's docstring)."""
 
     messages: Messages
     tools: list[dict[str, Any]] | None = None
+    exact_ids: ExactIds | None = None
 
     def identity(self) -> Any:
         """What the row's content is, for digests: the messages alone when there are no tools, so rows
@@ -142,12 +167,14 @@ def conversation_from_row(
     chosen = row_layout(present, layout) or row_layout(row.keys(), layout)
     if chosen is None:
         return Dropped("unknown_layout", f"fields: {sorted(row)[:12]}")
-    field = "messages" if chosen == "messages" else "conversations"
-    if row.get(field) is None:
+    name = "messages" if chosen == "messages" else "conversations"
+    if row.get(name) is None:
         reason = "missing_messages" if chosen == "messages" else "missing_conversations"
-        what = f"{field!r} is null" if field in row else f"no {field!r} field (fields: {sorted(row)[:12]})"
+        what = f"{name!r} is null" if name in row else f"no {name!r} field (fields: {sorted(row)[:12]})"
         return Dropped(reason, what)
-    turns = _json_field(row[field], field)
+    if row.get(EXACT_IDS_FIELD) is not None:
+        return _exported_conversation(row, chosen)
+    turns = _json_field(row[name], name)
     if isinstance(turns, Dropped):
         return turns
     if chosen == "sharegpt":
@@ -161,6 +188,88 @@ def conversation_from_row(
     if isinstance(messages, Dropped):
         return messages
     return Conversation(messages, tools)
+
+
+def _exported_conversation(row: dict[str, Any], layout: str) -> Conversation | Dropped:
+    """A row carrying `exact_ids`: its messages and tools kept exactly as written (they are the target's
+    record, and any normalising would render other ids than the target saw), after the same checks any
+    row gets; every answer the exact ids name must be an assistant message of the row."""
+    if layout != "messages":
+        return Dropped("bad_exact_ids", f"{EXACT_IDS_FIELD!r} goes with the `messages` layout, not {layout}")
+    messages = _json_field(row["messages"], "messages")
+    if isinstance(messages, Dropped):
+        return messages
+    # An earlier answer of the target's may be empty (an end-of-turn token alone): its record kept it.
+    checked = parse_messages(messages, require_assistant=False)
+    if isinstance(checked, Dropped):
+        return checked
+    tools = _json_field(row.get("tools"), "tools")
+    if isinstance(tools, Dropped):
+        return tools
+    parsed_tools = parse_tools(tools)
+    if isinstance(parsed_tools, Dropped):
+        return parsed_tools
+    exact = parse_exact_ids(row[EXACT_IDS_FIELD], messages)
+    if isinstance(exact, Dropped):
+        return exact
+    return Conversation(messages, tools if parsed_tools is not None else None, exact)
+
+
+def parse_exact_ids(value: Any, messages: Messages) -> ExactIds | Dropped:
+    """A row's `exact_ids` block checked against its `messages`: `Dropped("bad_exact_ids", <what>)` for
+    anything a tokenizer could not use as the target's record (so a broken row is one line, never a
+    crash)."""
+    value = _json_field(value, EXACT_IDS_FIELD)
+    if isinstance(value, Dropped):
+        return value
+
+    def bad(what: str) -> Dropped:
+        return Dropped("bad_exact_ids", what)
+
+    if not isinstance(value, dict):
+        return bad(f"{EXACT_IDS_FIELD!r} is a {type(value).__name__}, not an object")
+    turns = value.get("turns")
+    if not isinstance(turns, list) or not turns:
+        return bad("'turns' is not a non-empty list of answers")
+    for number, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return bad(f"turn {number} is a {type(turn).__name__}, not an object")
+        position = turn.get("message")
+        if not _is_int(position) or not 0 <= position < len(messages):
+            return bad(f"turn {number}'s 'message' {position!r} is not an index of the row's messages")
+        if messages[position].get("role") != "assistant":
+            return bad(
+                f"turn {number} names message {position}, a {messages[position].get('role')!r} message"
+            )
+        if not isinstance(turn.get("finish_reason"), str):
+            return bad(f"turn {number} has no 'finish_reason' string")
+        problem = _id_list_problem(turn.get("completion_token_ids"))
+        if problem:
+            return bad(f"turn {number}'s 'completion_token_ids' {problem}")
+    prompt_ids = value.get("prompt_token_ids")
+    problem = _id_list_problem(prompt_ids)
+    if problem:
+        return bad(f"'prompt_token_ids' {problem}")
+    kwargs = value.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return bad(f"'chat_template_kwargs' is a {type(kwargs).__name__}, not an object")
+    return ExactIds(turns, prompt_ids, dict(kwargs or {}))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _id_list_problem(ids: Any) -> str | None:
+    """What is wrong with a list of token ids (None: nothing, or no list, which a record may lack)."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list):
+        return f"is a {type(ids).__name__}, not a list of token ids"
+    for position, token in enumerate(ids):
+        if not _is_int(token) or token < 0:
+            return f"holds {token!r} at position {position}, not a token id"
+    return None
 
 
 def as_conversation(row: Any, *, require_assistant: bool = True) -> Conversation | Dropped:

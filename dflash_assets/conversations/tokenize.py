@@ -5,6 +5,7 @@ of every row left out and why. The mask itself is `loss_mask.py`'s; the file a r
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from dflash_assets.conversations.datasets import (
     row_location,
 )
 from dflash_assets.conversations.drops import SHOWN, BadRow, dropped_line
-from dflash_assets.conversations.layouts import Conversation, Dropped, Messages, as_conversation
+from dflash_assets.conversations.layouts import Conversation, Dropped, ExactIds, Messages, as_conversation
 from dflash_assets.conversations.loss_mask import (
     Rendered,
     TemplateLayout,
@@ -123,7 +124,7 @@ def tokenize_conversation(
     chat template; Dropped says why it cannot be used."""
     check_tokenizer(tokenizer)
     _check_overlong(overlong, max_length)
-    return _tokenize_batch(tokenizer, [(sample_index, messages)], max_length, overlong)[0][0]
+    return _tokenize_batch(tokenizer, [(sample_index, messages)], max_length, overlong)[0].sample
 
 
 def tokenize_rows(
@@ -137,7 +138,8 @@ def tokenize_rows(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> TokenizeResult:
     """Tokenize `(index, Conversation or Dropped)` rows of `dataset` (e.g. `iter_rows`, or a sample of
-    rows from `iter_rows_at`), in batches the Rust tokenizer encodes together."""
+    rows from `iter_rows_at`), in batches the Rust tokenizer encodes together. A row with the target's
+    exact ids (an exported row) is tokenized as the target's stored record is (`_tokenize_batch`)."""
     check_tokenizer(tokenizer)
     _check_overlong(overlong, max_length)
     dataset = resolve_dataset(dataset)
@@ -156,14 +158,16 @@ def tokenize_rows(
 
     def run_batch() -> None:
         outcomes = _tokenize_batch(tokenizer, batch, max_length, overlong)
-        for (index, _), (outcome, truncated) in zip(batch, outcomes, strict=True):
-            if isinstance(outcome, Dropped):
-                record_drop(index, outcome)
+        for (index, _), outcome in zip(batch, outcomes, strict=True):
+            sample = outcome.sample
+            if isinstance(sample, Dropped):
+                record_drop(index, sample)
                 continue
-            result.samples.append(outcome)
-            result.tokens += outcome.num_tokens
-            result.loss_tokens += sum(outcome.loss_mask)
-            result.truncated += truncated
+            result.samples.append(sample)
+            result.tokens += sample.num_tokens
+            result.loss_tokens += sum(sample.loss_mask)
+            result.truncated += outcome.truncated
+            result.exact_ids += outcome.exact
         batch.clear()
         if on_progress is not None:
             on_progress(result.rows, len(result.samples))
@@ -307,6 +311,31 @@ class AnswerTokenizer:
         )
         return AnsweredSample(sample, truncated, exact=completion_token_ids is not None)
 
+    def last_answer(
+        self,
+        messages: Messages,
+        turns: Sequence[Mapping[str, Any]],
+        *,
+        prompt_token_ids: Sequence[int] | None,
+        tools: list[dict[str, Any]] | None,
+        sample_index: int,
+    ) -> AnsweredSample:
+        """A regenerated conversation as a sample: its last answer (`turns[-1]`, as `target_completions`
+        records each answer) after the history before it. The one way such a conversation is tokenized,
+        read from the store's record (`generation/tokenized.py`) or from an exported row carrying it
+        (`_tokenize_batch`), so both give the same ids and mask."""
+        turn = turns[-1]
+        position = int(turn["message"])
+        return self(
+            messages[:position],
+            messages[position],
+            stopped=turn["finish_reason"] == "stop",
+            completion_token_ids=turn.get("completion_token_ids"),
+            prompt_token_ids=prompt_token_ids,
+            sample_index=sample_index,
+            tools=tools,
+        )
+
     def _prompt_only(self, history: Messages, tools: list[dict[str, Any]] | None) -> Rendered | Dropped:
         try:
             text = self.tokenizer.apply_chat_template(
@@ -370,11 +399,17 @@ def _tokenize_batch(
     rows: Sequence[tuple[int, Conversation | Messages | Dropped]],
     max_length: int,
     overlong: str,
-) -> list[tuple[TokenizedSample | Dropped, bool]]:
-    """Render and locate assistant spans per row in Python, then encode all texts in one Rust call."""
+) -> list[AnsweredSample]:
+    """Render and locate assistant spans per row in Python, then encode all texts in one Rust call. A
+    row carrying the target's exact ids goes through `AnswerTokenizer.last_answer` instead, as its stored
+    record does in `generation/tokenized.py`: its answers are never re-tokenised."""
     layout = template_layout(tokenizer)
-    prepared: list[Rendered | Dropped] = []
+    prepared: list[Rendered | Dropped | tuple[Conversation, ExactIds]] = []
+    answerers: dict[str, AnswerTokenizer] = {}  # per chat-template arguments, as a range's record has one
     for _, row in rows:
+        if isinstance(row, Conversation) and row.exact_ids is not None:
+            prepared.append((row, row.exact_ids))
+            continue
         conversation = as_conversation(row)
         if isinstance(conversation, Dropped):
             prepared.append(conversation)
@@ -387,10 +422,28 @@ def _tokenize_batch(
         else None
     )
 
-    outcomes: list[tuple[TokenizedSample | Dropped, bool]] = []
+    outcomes: list[AnsweredSample] = []
     for (index, _), item in zip(rows, prepared, strict=True):
         if isinstance(item, Dropped):
-            outcomes.append((item, False))
+            outcomes.append(AnsweredSample(item))
+            continue
+        if isinstance(item, tuple):
+            conversation, exact = item
+            kwargs = exact.chat_template_kwargs
+            key = json.dumps(kwargs, sort_keys=True, default=str)
+            if key not in answerers:
+                answerers[key] = AnswerTokenizer(
+                    tokenizer, chat_template_kwargs=kwargs, max_length=max_length, overlong=overlong
+                )
+            outcomes.append(
+                answerers[key].last_answer(
+                    conversation.messages,
+                    exact.turns,
+                    prompt_token_ids=exact.prompt_token_ids,
+                    tools=conversation.tools,
+                    sample_index=index,
+                )
+            )
             continue
         if item.input_ids is not None and item.loss_mask is not None:
             input_ids, loss_mask = item.input_ids, item.loss_mask
@@ -401,9 +454,11 @@ def _tokenize_batch(
                 item.spans, encoding.offsets, encoding.ids, layout.end_token_ids, item.text
             )
         if not any(loss_mask):
-            outcomes.append((Dropped("assistant_not_located", "no token overlaps an assistant reply"), False))
+            outcomes.append(
+                AnsweredSample(Dropped("assistant_not_located", "no token overlaps an assistant reply"))
+            )
             continue
-        outcomes.append(_fit_length(index, input_ids, loss_mask, max_length, overlong))
+        outcomes.append(AnsweredSample(*_fit_length(index, input_ids, loss_mask, max_length, overlong)))
     return outcomes
 
 

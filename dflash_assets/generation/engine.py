@@ -65,6 +65,9 @@ class EngineStats:
     retries: int = 0
     server_errors: int = 0  # 408/429/5xx answers and dropped connections
     in_flight: int = 0
+    # New tokens of turns not answered yet (an engine that sees them as they come: the in-process one);
+    # a progress line says them while no conversation finishes.
+    tokens_in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,7 @@ class Engine(ABC):
 
     name: str
     stats: EngineStats
+    counts_tokens_live = False  # whether `stats.tokens_in_flight` follows tokens as they are made
 
     @abstractmethod
     def run(self, scheduler: TurnScheduler, tick: Callable[[], None]) -> None:

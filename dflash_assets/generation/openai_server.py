@@ -143,6 +143,7 @@ class OpenAIEngine(Engine):
         self._lock = threading.Lock()
         self._prompt_mismatch_warned = False
         self.prompt_token_mismatches = 0
+        self.answered_tokens = 0  # new tokens of every answer returned so far
 
     # -- before the first request
 
@@ -394,6 +395,8 @@ class OpenAIEngine(Engine):
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
         )
+        with self._lock:
+            self.answered_tokens += answer.num_tokens()
         self._check_prompt_tokens(server, request, answer)
         uncounted = answer.prompt_token_ids is None and answer.prompt_tokens is None
         if uncounted and self._prompt_tokens is not None:

@@ -63,8 +63,8 @@ from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.fingerprint import claim_prefix
 from dflash_assets.storage.range_progress import RangeCounters, RangeProgress, eta_text
-from dflash_assets.storage.staging import PartitionBusy, StagingDirectory, staging_lock
-from dflash_assets.storage.store import ObjectStore, StoreError
+from dflash_assets.storage.staging import FINGERPRINT_NAME, PartitionBusy, StagingDirectory, staging_lock
+from dflash_assets.storage.store import ObjectNotFound, ObjectStore, StoreError
 from dflash_assets.storage.units import human_duration
 from dflash_assets.storage.uploader import Uploader
 
@@ -72,6 +72,28 @@ __all__ = ["PartitionBusy", "RegenerationProgress", "RegenerationResult", "regen
 
 JOURNAL_NAME = "journal.jsonl"
 TRUNCATED_POLICIES = ("keep", "drop")
+
+
+class OtherEngineAnswers(ValueError):
+    """The range's stored answers were made by another engine or dtype: continuing would mix the two."""
+
+
+def refuse_other_engine(stored: dict[str, Any] | None, fingerprint: dict[str, Any], where: str) -> None:
+    """Answers are the most expensive thing the platform makes: a range whose stored answers differ from
+    this run's only by the engine (or its dtype) is neither mixed with nor replaced by this run's."""
+    if not isinstance(stored, dict) or "engine" not in stored or "engine" not in fingerprint:
+        return
+    theirs = {k: v for k, v in stored["engine"].items() if k != "version"}
+    ours = {k: v for k, v in fingerprint["engine"].items() if k != "version"}
+    rest = {k: v for k, v in stored.items() if k != "engine"}
+    if theirs == ours or rest != {k: v for k, v in fingerprint.items() if k != "engine"}:
+        return  # the same engine, or another fingerprint altogether (claim_prefix's to handle)
+    raise OtherEngineAnswers(
+        f"{where} holds answers made by {_engine_text(stored['engine'])}; this run answers with "
+        f"{_engine_text(fingerprint['engine'])}, and the two are never mixed. Continue it with "
+        "DFLASH_GENERATE_ENGINE (and DFLASH_GENERATE_DTYPE) as it was made, or delete that prefix to "
+        "regenerate the range with this engine"
+    )
 
 
 class RegenerationIncomplete(StoreError):
@@ -84,9 +106,12 @@ def completions_fingerprint(
     truncated: str = "keep",
     *,
     dataset: dict[str, str] | None = None,
+    engine: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """What must be equal for two answers to belong to the same range: the target, the generation
-    settings, and what the answers were made from (`dataset`: see `dataset_identity`)."""
+    settings, what the answers were made from (`dataset`: see `dataset_identity`) and the engine that made
+    them (`engine`: its name and dtype, e.g. `{"name": "vllm", "version": "0.32.0", "dtype": "float32"}`;
+    the version is recorded, never compared)."""
     fingerprint: dict[str, Any] = {
         "format": COMPLETIONS_FORMAT,
         "target_model": target_model,
@@ -95,6 +120,8 @@ def completions_fingerprint(
     }
     if dataset is not None:
         fingerprint["dataset"] = dict(dataset)
+    if engine is not None:
+        fingerprint["engine"] = dict(engine)
     return fingerprint
 
 
@@ -132,7 +159,19 @@ def _same_answers(fingerprint: dict[str, Any]) -> Callable[[dict[str, Any]], boo
 
     ours_bound = (fingerprint.get("generation") or {}).get("max_conversation_tokens")
 
+    def comparable(value: dict[str, Any], stored_names_engine: bool) -> dict[str, Any]:
+        """An engine's version is provenance (a vLLM upgrade makes the same answers), never compared.
+        Answers stored before engines were recorded name none: they are kept whatever engine asks now."""
+        if not stored_names_engine:
+            return {k: v for k, v in value.items() if k != "engine"}
+        engine = {k: v for k, v in (value.get("engine") or {}).items() if k != "version"}
+        return {**value, "engine": engine}
+
     def same(stored: dict[str, Any]) -> bool:
+        named = "engine" in stored
+        return _same(comparable(stored, named), comparable(fingerprint, named))
+
+    def _same(stored: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
         ours = fingerprint
         # Answered before conversations were bounded, or to a longer bound: every turn asked now is there.
         bound = (stored.get("generation") or {}).get("max_conversation_tokens")
@@ -159,6 +198,7 @@ class RegenerationProgress(RangeProgress):
     retries: int
     server_errors: int
     in_flight: int
+    tokens_in_flight: int = 0  # new tokens of turns under way, where the engine sees them
 
     @property
     def done_this_run(self) -> int:
@@ -224,6 +264,7 @@ class RegenerationResult:
             "server_errors": self.server_errors,
             "prompt_token_mismatches": self.prompt_token_mismatches,
             "engine": self.engine or "none (every row was already answered)",
+            "answered_by": _engine_text(self.fingerprint.get("engine")),
             "duration": human_duration(self.duration_s),
             "generation": self.fingerprint.get("generation", {}),
         }
@@ -235,6 +276,7 @@ class RegenerationResult:
             "dropped": {str(index): reason for index, reason in sorted(self.dropped.items())},
             "target_model": self.fingerprint.get("target_model"),
             "generation": self.fingerprint.get("generation"),
+            "engine": self.fingerprint.get("engine"),
             "truncated_policy": self.fingerprint.get("truncated"),
             "conversations": self.records,
             "truncated": self.truncated,
@@ -254,6 +296,31 @@ class RegenerationResult:
                 else ""
             )
         )
+
+
+def _stored_fingerprint(store: ObjectStore, base: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(store.get_bytes(base + FINGERPRINT_NAME))
+    except (ObjectNotFound, ValueError):
+        return None
+
+
+def _staged_fingerprint(staging_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((staging_dir / FINGERPRINT_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _engine_text(engine: dict[str, str] | None) -> str:
+    """`vllm 0.32.0 (cpu) float32`: the engine a range's answers are made by, as its metadata says it."""
+    if not engine:
+        return "not recorded"
+    build = f" ({engine['build']})" if engine.get("build") else ""
+    parts = [engine.get("name", "?") + (f" {engine['version']}" if engine.get("version") else "") + build]
+    if engine.get("dtype"):
+        parts.append(engine["dtype"])
+    return " ".join(parts)
 
 
 def regenerate_range(
@@ -314,6 +381,8 @@ def regenerate_range(
 
     with staging_lock(staging_dir):
         staging = StagingDirectory(staging_dir, fingerprint)
+        refuse_other_engine(_stored_fingerprint(store, base), fingerprint, where)
+        refuse_other_engine(_staged_fingerprint(staging_dir), fingerprint, f"staging {staging_dir}")
         listed = claim_prefix(store, base, fingerprint, warn, equivalent=_same_answers(fingerprint))
         staging.reconcile(warn)
         in_store = _indices_in_store(store, base, listed)
@@ -339,9 +408,13 @@ def regenerate_range(
         counters = _Counters(len(planned), uploader, log, progress_every_s, on_progress)
         counters.start(len(missing))
         engine_name, stats, mismatches = "", None, 0
+        answering_started = time.monotonic()
         try:
             if missing:
                 with open_engine() as engine:
+                    # Rates count from the first request: a server's start or a model's load is not answering.
+                    counters.start(len(missing))
+                    answering_started = time.monotonic()
                     engine_name, counters.engine = engine.name, engine
                     described = getattr(engine, "description", engine.name)
                     log(f"{where}: generating {len(missing)} conversations with {described}")
@@ -365,7 +438,7 @@ def regenerate_range(
             journal.close()
         journal.seal(force=True)
         counters.wait_for_uploads()
-        generate_seconds = time.monotonic() - started
+        generate_seconds = time.monotonic() - answering_started
 
         final = staging_dir / COMPLETIONS_NAME
         summary = _assemble(store, base, final, unreadable, all_rows, staging_dir)
@@ -753,13 +826,27 @@ class _Counters(RangeCounters[RegenerationProgress]):
             retries=stats.retries if stats else 0,
             server_errors=stats.server_errors if stats else 0,
             in_flight=stats.in_flight if stats else 0,
+            tokens_in_flight=stats.tokens_in_flight if stats else 0,
         )
 
     def line(self, p: RegenerationProgress) -> str:
+        if p.generated_this_run == 0 and p.samples_done < p.samples_total and self.engine is not None:
+            # Nothing finished yet (a batch of long prompts answers all at once): a heartbeat, not silence.
+            elapsed = time.monotonic() - self._started
+            live = getattr(self.engine, "counts_tokens_live", False)
+            return (
+                f"generation: working, no conversation finished yet ({elapsed:.0f} s): "
+                + (f"{p.tokens_in_flight:,} tokens generated so far, " if live else "")
+                + f"{p.in_flight} rows in flight, "
+                f"{p.requests} requests sent, engine {self.engine.name} | uploads in flight "
+                f"{p.uploads_in_flight}"
+            )
+        under_way = f", {p.tokens_in_flight:,} tokens of answers under way" if p.tokens_in_flight else ""
         return (
             f"generation: {p.samples_done}/{p.samples_total} conversations "
             f"({p.generated_this_run} this run) | "
-            f"{p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:.2f} conversations/s | ETA {eta_text(p)} | "
+            f"{p.tokens_per_s:,.0f} tokens/s, {p.samples_per_s:.2f} conversations/s{under_way} | "
+            f"ETA {eta_text(p)} | "
             f"{p.requests} requests, {p.in_flight} in flight, {p.retries} retries, {p.server_errors} server "
             f"errors | uploads in flight {p.uploads_in_flight}"
         )

@@ -56,16 +56,14 @@ def tokenize_completions(
         drop(int(index), Dropped(reason, "dropped by target_completions"))
     for record in iter_records(completions):
         result.rows += 1
-        turn = record.turns[-1]
-        position = int(turn["message"])
-        answered = encode(
-            record.messages[:position],
-            record.messages[position],
-            stopped=turn["finish_reason"] == "stop",
-            completion_token_ids=turn.get("completion_token_ids"),
+        # The one tokenization of a regenerated conversation: an exported row carrying this record is
+        # tokenized by the same call (conversations/tokenize.py `_tokenize_batch`), to the same ids.
+        answered = encode.last_answer(
+            record.messages,
+            record.turns,
             prompt_token_ids=record.prompt_token_ids,
-            sample_index=record.sample_index,
             tools=record.tools,
+            sample_index=record.sample_index,
         )
         if isinstance(answered.sample, Dropped):
             drop(record.sample_index, answered.sample)

@@ -275,12 +275,21 @@ class DeviceLeaseResource(ConfigurableResource):
             yield device
 
 
+def _own_dtype(devices: DeviceLeaseResource) -> str:
+    """The dtype the product loads the target at on the lease's devices (`target.model.load_target_model`)."""
+    candidates = devices.candidates()
+    return "bfloat16" if candidates and candidates[0].startswith("cuda") else "float32"
+
+
 class GenerationResource(ConfigurableResource):
     """How `target_completions` asks the target: OpenAI-compatible servers when `urls` is set, else the
     target in this process on a leased device. The API key never passes through here: the engine reads
     it from the environment when it sends a request."""
 
+    engine: str | None = Field(default=None, description=settings.GENERATE_ENGINE.field_description())
     urls: str | None = Field(default=None, description=settings.GENERATE_URL.field_description())
+    vllm_python: str | None = Field(default=None, description=settings.VLLM_PYTHON.field_description())
+    dtype: str | None = Field(default=None, description=settings.GENERATE_DTYPE.field_description())
     model: str | None = Field(default=None, description=settings.GENERATE_MODEL.field_description())
     concurrency: int | None = Field(
         default=None, description=settings.GENERATE_CONCURRENCY.field_description()
@@ -292,9 +301,52 @@ class GenerationResource(ConfigurableResource):
     def server_urls(self) -> str:
         return settings.given_or(self.urls, settings.GENERATE_URL.get)
 
+    def engine_kind(self) -> str:
+        """`in_process`, `vllm` or `url` (`DFLASH_GENERATE_ENGINE`; empty: `url` when servers are named)."""
+        if self.engine:
+            with settings.environment({settings.GENERATE_ENGINE.name: self.engine}):
+                return settings.generate_engine()
+        if self.urls:
+            return "url"
+        kind = settings.generate_engine()
+        if kind == "url" and not self.server_urls().strip():
+            raise settings.SettingError(
+                f"{settings.GENERATE_ENGINE.name}=url needs servers: set {settings.GENERATE_URL.name}"
+            )
+        return kind
+
     @property
     def uses_servers(self) -> bool:
-        return bool(self.server_urls().strip())
+        """The target answers through OpenAI-compatible servers (the user's or one this run starts)."""
+        return self.engine_kind() in ("url", "vllm")
+
+    def vllm_install(self) -> Any:
+        from dflash_assets.generation.vllm_server import VllmInstall
+
+        named = self.vllm_python or None
+        return VllmInstall.find(Path(named).expanduser() if named else settings.vllm_python())
+
+    def engine_dtype(self, devices: DeviceLeaseResource) -> str:
+        """The dtype vLLM's server runs at: the setting, else the product's own on the lease's devices."""
+        chosen = settings.given_or(self.dtype, settings.GENERATE_DTYPE.get)
+        return chosen if chosen and chosen != "auto" else _own_dtype(devices)
+
+    def engine_identity(self, devices: DeviceLeaseResource) -> dict[str, str]:
+        """Which engine makes the answers, part of the range's fingerprint: its name and dtype decide
+        whether stored answers are this range's; its version is recorded beside them."""
+        kind = self.engine_kind()
+        if kind == "vllm":
+            return self.vllm_install().identity(self.engine_dtype(devices))
+        if kind == "url":
+            chosen = settings.given_or(self.dtype, settings.GENERATE_DTYPE.get)
+            return {"name": "url", **({"dtype": chosen} if chosen else {})}
+        import transformers
+
+        return {
+            "name": "in_process",
+            "version": transformers.__version__,
+            "dtype": _own_dtype(devices),  # load_target_model's
+        }
 
     def engine_opener(
         self,
@@ -337,6 +389,41 @@ class GenerationResource(ConfigurableResource):
             )
             engine.check()
             yield engine
+
+        @contextlib.contextmanager
+        def vllm() -> Iterator[Any]:
+            import shlex
+
+            from dflash_assets.generation.in_process import prompt_token_ids
+            from dflash_assets.generation.vllm_server import vllm_engine
+            from dflash_assets.target.model import context_length_of
+
+            install = self.vllm_install()
+            with contextlib.ExitStack() as leases:
+                # One device, or the devices a tensor-parallel server spans.
+                leased = [
+                    leases.enter_context(devices.lease(holder=holder, log=log)) for _ in range(target_tp)
+                ]
+                with vllm_engine(
+                    install,
+                    target_model.model_dir(),
+                    dtype=self.engine_dtype(devices),
+                    devices=leased,
+                    extra_args=shlex.split(settings.VLLM_ARGS.get()),
+                    start_timeout_s=settings.VLLM_START_TIMEOUT_S.get_float(),
+                    log=log,
+                    settings=generation,
+                    prompt_tokens=lambda messages, tools=None: len(
+                        prompt_token_ids(tokenizer, messages, generation, tools)
+                    ),
+                    concurrency=settings.given_or(self.concurrency, settings.GENERATE_CONCURRENCY.get_int),
+                    timeout_s=self.timeout_s,
+                    max_attempts=self.max_attempts,
+                    backoff_s=self.backoff_s,
+                    warn=warn,
+                    context_tokens=context_length_of(target_model.load_config()),
+                ) as engine:
+                    yield engine
 
         @contextlib.contextmanager
         def in_process() -> Iterator[Any]:
@@ -392,6 +479,9 @@ class GenerationResource(ConfigurableResource):
                     max_batch_size=max_batch_size,
                 )
 
-        if self.uses_servers:
+        kind = self.engine_kind()
+        if kind == "url":
             return servers
+        if kind == "vllm":
+            return vllm
         return split if target_tp > 1 else in_process

@@ -60,6 +60,7 @@ _NUMBERS: dict[Setting, tuple[float, bool]] = {
     settings.TRAIN_RDZV_TIMEOUT_S: (0.0, False),
     settings.TRAIN_COLLECTIVE_TIMEOUT_S: (0.0, False),
     settings.TRAIN_EVAL_TIMEOUT_S: (0.0, False),
+    settings.VLLM_START_TIMEOUT_S: (0.0, False),
 }
 
 
@@ -76,6 +77,8 @@ def _choices() -> dict[Setting, tuple[str, ...]]:
         settings.DRAFTER_ARCH: DRAFTER_ARCHS,
         settings.DRAFTER_LOSS: DRAFTER_LOSSES,
         settings.EXECUTOR: EXECUTORS,
+        settings.GENERATE_ENGINE: ("",) + settings.GENERATE_ENGINES,
+        settings.GENERATE_DTYPE: ("", "auto", "float32", "bfloat16", "float16"),
     }
 
 
