@@ -310,6 +310,15 @@ TRAIN_MAX_STEPS = Setting(
     "Exactly this many optimiser steps, over as many epochs as it takes. Empty: the recipe's epochs decide "
     "(with the bundled dataset: 240 steps).",
 )
+TRAIN_UNTIL_FLAT = Setting(
+    "DFLASH_TRAIN_UNTIL_FLAT",
+    "0",
+    "`1`: end training once the held-out tau curve is flat (with 4 or more evaluations after the baseline, "
+    "the last third of the steps raised the best tau by under 3 %), `DFLASH_TRAIN_MAX_STEPS` (else the "
+    "recipe's epochs) being the cap, and export the best checkpoint (highest held-out tau) rather than the "
+    "last. Without `DFLASH_CHECKPOINT_EVERY_STEPS` set, it evaluates (and checkpoints) every twelfth of "
+    "the cap.",
+)
 TRAIN_GLOBAL_BATCH_SIZE = Setting(
     "DFLASH_TRAIN_GLOBAL_BATCH_SIZE",
     "32",
@@ -689,10 +698,10 @@ def samples_per_partition() -> int:
 # a run sets for them travels with the run (`orchestration/execution/executor.py`), so a step on another
 # node (Celery) trains as the run was launched, with the node's own devices, directories and credentials.
 RUN_SETTINGS = (
-    TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_GLOBAL_BATCH_SIZE, TRAIN_NPROC_PER_NODE, TRAIN_NNODES, TRAIN_RDZV_PORT,
-    TRAIN_RDZV_TIMEOUT_S, TRAIN_COLLECTIVE_TIMEOUT_S, TRAIN_EVAL_TIMEOUT_S, TRAIN_MAX_RESTARTS, RUN_NAME,
-    CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES, MASK_TOKEN_ID, DRAFTER_SHAPE, TARGET_TP,
-    DRAFTER_ARCH, DRAFTER_LOSS, DPACE_ALPHA, BLOCK_SIZE, DRAFTER_INIT,
+    TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_UNTIL_FLAT, TRAIN_GLOBAL_BATCH_SIZE, TRAIN_NPROC_PER_NODE,
+    TRAIN_NNODES, TRAIN_RDZV_PORT, TRAIN_RDZV_TIMEOUT_S, TRAIN_COLLECTIVE_TIMEOUT_S, TRAIN_EVAL_TIMEOUT_S,
+    TRAIN_MAX_RESTARTS, RUN_NAME, CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES, MASK_TOKEN_ID,
+    DRAFTER_SHAPE, TARGET_TP, DRAFTER_ARCH, DRAFTER_LOSS, DPACE_ALPHA, BLOCK_SIZE, DRAFTER_INIT,
 )  # fmt: skip
 
 

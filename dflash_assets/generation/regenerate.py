@@ -817,6 +817,11 @@ class _Counters(RangeCounters[RegenerationProgress]):
     def snapshot(self, reason: str | None = None) -> RegenerationProgress:
         figures = self.range_figures(reason)
         stats = self.engine.stats if self.engine is not None else None
+        if stats is not None and stats.tokens_in_flight and figures["tokens_per_s"] is not None:
+            # The engine's rate, answers under way included: long answers finish all at once, and a rate
+            # of finished conversations alone reads near zero until they do.
+            elapsed = max(time.monotonic() - self._started, 1e-9)
+            figures["tokens_per_s"] += stats.tokens_in_flight / elapsed
         return RegenerationProgress(
             **figures,
             engine=self.engine.name if self.engine is not None else "",

@@ -40,6 +40,11 @@ class TrainConfig(Config):
         description="Exactly this many optimiser steps (DFLASH_TRAIN_MAX_STEPS; 0: the epochs decide).",
     )
     epochs: int | None = Field(default=None, description="Passes over the data (the recipe: 6).")
+    until_flat: bool | None = Field(
+        default=None,
+        description="Stop once the held-out tau curve is flat, max_steps (or the epochs) the cap, and export "
+        "the best checkpoint (DFLASH_TRAIN_UNTIL_FLAT).",
+    )
     global_batch_size: int | None = Field(
         default=None,
         description="Sequences per optimiser step, over all ranks (DFLASH_TRAIN_GLOBAL_BATCH_SIZE).",
@@ -119,7 +124,14 @@ class TrainConfig(Config):
 
         chosen = settings.given_or
         max_steps = chosen(self.max_steps, settings.train_max_steps)
+        until_flat = chosen(self.until_flat, settings.TRAIN_UNTIL_FLAT.get_bool)
         every_steps = chosen(self.checkpoint_every_steps, settings.CHECKPOINT_EVERY_STEPS.get_int)
+        if (
+            until_flat
+            and self.checkpoint_every_steps is None
+            and not settings.CHECKPOINT_EVERY_STEPS.is_set()
+        ):
+            every_steps = 0  # the setting's default interval yields to the trainer's cadence for the curve
         every_minutes = chosen(self.checkpoint_every_minutes, settings.CHECKPOINT_EVERY_MINUTES.get_float)
         values = {
             "mode": chosen(self.mode, settings.TRAIN_MODE.get),
@@ -134,6 +146,7 @@ class TrainConfig(Config):
             "distill_weight": chosen(self.distill_weight, settings.DISTILL_WEIGHT.get_float),
             "block_size": self.block(),
             "drafter_init": chosen(self.drafter_init, settings.DRAFTER_INIT.get),
+            "until_flat": until_flat,
         }
         recipe = ("epochs", "lr", "gamma", "seed", "log_every_steps", "eval_samples",
                   "spec_eval_prompts", "spec_eval_max_new_tokens")  # fmt: skip
@@ -483,6 +496,11 @@ def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
         "trained_partitions": MetadataValue.json(outcome["partitions"]),
         "training_data": MetadataValue.json(job.data_source),
         "checkpoints_written": len(outcome["checkpoints"]),
+        # Why training ended (the flat curve's line, the cap) and whose weights the export holds: with
+        # until_flat the best checkpoint's, whose figures the eval_ and spec_ entries are.
+        "until_flat": bool(job.settings.get("until_flat")),
+        "stop_reason": outcome.get("stop_reason") or "",
+        "exported_step": int(outcome.get("exported_step") or outcome["steps"]),
         # Steps whose loss or summed gradient was not finite: skipped on every rank, over the whole run.
         "skipped_nonfinite_steps": int(outcome.get("skipped_nonfinite_steps") or 0),
         "spec_matches_target_greedy": bool(speculative.get("matches_target_greedy", False)),
@@ -534,6 +552,10 @@ def manifest_fields(outcome: dict[str, Any], job) -> dict[str, Any]:
         "acceptance_length_tau": outcome["acceptance_length_tau"],
         "baseline_acceptance_length_tau": outcome["metrics"].get("baseline_acceptance_length_tau"),
         # τ at each evaluation, by step (`{step, tau, teacher_forced_tau, ce}`; step 0: the fresh weights),
-        # beside the final τ: whether it was still rising. A resumed run's holds its last process's points.
+        # beside the final τ: whether it was still rising. A resumed run's continues its checkpoint's.
         "curve": outcome.get("evaluations") or [],
+        # Why it ended, and the step whose weights (and τ above) the export holds: with until_flat, the best.
+        "until_flat": bool(job.settings.get("until_flat")),
+        "stop_reason": outcome.get("stop_reason") or "",
+        "exported_step": outcome.get("exported_step", outcome["steps"]),
     }

@@ -236,6 +236,7 @@ def _special() -> dict[Setting, Callable[[str], None]]:
         settings.DPACE_ALPHA: _between_0_and_1(settings.DPACE_ALPHA),
         settings.DISTILL_WEIGHT: _between_0_and_1(settings.DISTILL_WEIGHT),
         settings.CAPTURE_FINAL_STATE: _flag(settings.CAPTURE_FINAL_STATE),
+        settings.TRAIN_UNTIL_FLAT: _flag(settings.TRAIN_UNTIL_FLAT),
         settings.DRAFTER_INIT: _local_directory(settings.DRAFTER_INIT),
         settings.EVAL_SETS: _eval_sets,
     }

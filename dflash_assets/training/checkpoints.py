@@ -247,6 +247,27 @@ def load_checkpoint(store: ObjectStore, ref: CheckpointRef, local_dir: str | Pat
     return read_checkpoint(ref, directory, store.uri(ref.prefix))
 
 
+def load_checkpoint_weights(
+    store: ObjectStore, run: str, step: int, local_dir: str | Path
+) -> dict[str, torch.Tensor]:
+    """The drafter weights of `run`'s committed checkpoint at `step`, its model file alone (the best
+    checkpoint of a run trained until flat, exported in place of the last)."""
+    for ref in complete_checkpoints(store, run):
+        if ref.step == step:
+            path = checkpoint_dir(local_dir, ref) / MODEL_FILE
+            try:
+                store.download(ref.key(MODEL_FILE), path, size=ref.files.get(MODEL_FILE))
+                return load_file(str(path))
+            except Exception as error:
+                raise CheckpointError(
+                    f"the weights of checkpoint {store.uri(ref.prefix)} cannot be loaded: {error}"
+                ) from error
+    raise CheckpointError(
+        f"run {run} has no committed checkpoint at step {step} in {store.uri(run_prefix(run))}: its "
+        "weights cannot be exported (was the checkpoint deleted?)"
+    )
+
+
 def restore_latest(store: ObjectStore, run: str, local_dir: str | Path) -> Checkpoint | None:
     """The newest checkpoint of `run` that loads; a corrupt newer one is skipped with a warning."""
     for ref in complete_checkpoints(store, run):

@@ -48,6 +48,8 @@ def export_trained_drafter(
     provenance = {
         "run": run,
         "steps": result.steps,
+        "exported_step": result.exported_step,  # until flat: the best checkpoint's, else the last step
+        "stop_reason": result.stop_reason,
         "trained_sample_ranges": result.trained_sample_ranges,
         "trained_partitions": result.partitions,
         "data_source": data_source or {"completions": "dataset"},

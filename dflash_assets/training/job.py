@@ -315,8 +315,10 @@ def outcome(job: TrainingJob, result, metrics: dict[str, Any], store: ObjectStor
         "tokens_per_second": result.tokens_per_second,
         "rank_step_seconds": result.rank_step_seconds,
         "evaluation_seconds": result.evaluation_seconds,
-        # The curve: each held-out evaluation of this process, in order (`train.evaluation_point`).
+        # The curve: each held-out evaluation of the run, in order (`train.evaluation_point`).
         "evaluations": result.evaluations,
+        "stop_reason": result.stop_reason,  # why training ended: the flat curve, or the cap
+        "exported_step": result.exported_step,  # the step whose weights were exported (until flat: the best)
         "world": result.world,
         "world_sizes": result.world_sizes,
         "checkpoints": result.checkpoints,

@@ -57,6 +57,9 @@ class TrainSettings:
     seed: int = 0
     checkpoint_every_steps: int | None = None
     checkpoint_every_minutes: float | None = 30.0
+    # Stop once the held-out tau curve is flat (`until_flat.py`), the steps above being the cap, and export
+    # the best checkpoint. Not a trajectory setting: it changes where a run ends, not its steps.
+    until_flat: bool = False
     log_every_steps: int = 10
     eval_samples: int = 16  # held out from training, evaluated at every checkpoint
     spec_eval_prompts: int = 8  # held-out prompts decoded speculatively with the target (0: off)
@@ -98,6 +101,11 @@ class TrainSettings:
             )
         if self.spec_eval_prompts < 0 or self.spec_eval_max_new_tokens <= 0:
             raise ValueError("spec_eval_prompts must be >= 0 and spec_eval_max_new_tokens positive")
+        if self.until_flat and self.eval_samples <= 0:
+            raise ValueError(
+                "until_flat (DFLASH_TRAIN_UNTIL_FLAT) judges the held-out tau curve, and eval_samples is 0: "
+                "hold samples out (eval_samples > 0) or turn until_flat off"
+            )
         # Raises early on bad checkpoint intervals rather than at the first checkpoint.
         CheckpointPolicy(self.checkpoint_every_steps, self.checkpoint_every_minutes)
 

@@ -9,6 +9,8 @@ sample's anchors of (seed, epoch, sample index); each rank trains its share of e
 steps as one process, up to float reduction order. With model, optimiser, scheduler and RNG restored
 from a checkpoint, a resumed run continues exactly where the interrupted one stopped, at any world size.
 Rank 0 alone writes checkpoints, curves and reports; every rank evaluates its share of the held-out set.
+With `until_flat` a run ends once its held-out tau curve is flat (`until_flat.py`) and exports its best
+checkpoint's weights instead of the last.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from dflash_assets.training.checkpoints import (
     DataPosition,
     checkpoint_dir,
     download_checkpoint,
+    load_checkpoint_weights,
     read_checkpoint,
     restore_rng_state,
     run_prefix,
@@ -72,6 +75,7 @@ from dflash_assets.training.plan import (
 from dflash_assets.training.reporting import QuietReporter, RunReporter
 from dflash_assets.training.schedule import build_optimizer, lr_factor
 from dflash_assets.training.settings import TRAJECTORY_SETTINGS, TrainSettings
+from dflash_assets.training.until_flat import MIN_RISE, best_point, evaluation_cadence, flat_reason
 
 
 @dataclass
@@ -99,8 +103,15 @@ class TrainResult:
     objective: dict[str, Any]  # loss, gamma, dpace_alpha, drafter_init: how the weights were trained
     model: DFlashDrafter = field(repr=False)
     evaluation_seconds: float = 0.0  # this process's time in held-out evaluations (the rest: steps, I/O)
-    # This process's evaluations in order, the curve: step, measured tau, teacher-forced tau, held-out CE.
+    # The run's evaluations in order, the curve: step, measured tau, teacher-forced tau, held-out CE (a
+    # resumed run's continue those its checkpoint carried).
     evaluations: list[dict[str, Any]] = field(default_factory=list)
+    # Why training ended: the flat curve's one line (`until_flat.flat_reason`), `max_steps reached (cap N)`
+    # or `epochs done`.
+    stop_reason: str = ""
+    # The step whose weights `model` holds and the figures above describe: the best checkpoint's with
+    # `until_flat`, else the last step's. (Ranks other than 0, which export nothing, keep their last.)
+    exported_step: int | None = None
 
 
 def device_seconds(world_sizes: Sequence[dict[str, Any]]) -> tuple[float, float]:
@@ -237,12 +248,18 @@ class DrafterTrainer:
             self.device, weights_bytes
         )
 
+        # Trained until flat, the run needs a curve to judge: an evaluation (at a checkpoint) about every
+        # twelfth of its steps when no interval in steps is given.
+        self.until_flat = settings.until_flat
+        self.checkpoint_every_steps = settings.checkpoint_every_steps
+        if self.until_flat and self.checkpoint_every_steps is None:
+            self.checkpoint_every_steps = evaluation_cadence(self.total_steps)
         self.checkpoints = (
             CheckpointManager(
                 store,
                 run,
                 self.checkpoint_dir,
-                policy=CheckpointPolicy(settings.checkpoint_every_steps, settings.checkpoint_every_minutes),
+                policy=CheckpointPolicy(self.checkpoint_every_steps, settings.checkpoint_every_minutes),
                 uploader=uploader,
             )
             if self.rank0
@@ -275,6 +292,12 @@ class DrafterTrainer:
         self.evaluation_seconds = 0.0  # spent in `evaluate` by this process
         self.started = time.monotonic()  # the wall clock of this process's training, less evaluations
         self.evaluations: list[dict[str, Any]] = []  # each `evaluate`'s headline figures, by step
+        # Until flat: why the run ended early (None while it goes on), the best checkpoint so far
+        # ({"step", "evaluation"}; the same on every rank) and, on rank 0 alone (it alone exports), a CPU
+        # copy of its weights, (step, state_dict): rank 0's host holds one drafter more, not every rank's.
+        self.stop_reason: str | None = None
+        self.best: dict[str, Any] | None = None
+        self._best_weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self.skipped_nonfinite = self._consecutive_nonfinite = 0
         self._gradients: Any = None  # see `gradients`
         self._in_reduction = False  # this rank's reducing micro-batch has begun (`_accumulate`)
@@ -306,6 +329,12 @@ class DrafterTrainer:
             f"{self.total_steps} steps in total; {self.model.attention_backend} attention on {self.device}"
             f"{ranks}"
         )
+        if self.until_flat:
+            self.log(
+                f"until flat: evaluating every {self.checkpoint_every_steps} steps; training stops once the "
+                f"last third of the held-out tau curve adds under {MIN_RISE * 100:g} %, at step "
+                f"{self.total_steps} at the latest, and exports the best checkpoint's weights"
+            )
 
     def _rank_log(self, log: Callable[[str], None]) -> Callable[[str], None]:
         """Rank 0 says everything; the others only their warnings, naming themselves."""
@@ -373,6 +402,7 @@ class DrafterTrainer:
         self.baseline = restored.extra.get("baseline")
         self.world_sizes = list(restored.extra.get("world_sizes") or [])
         self.skipped_nonfinite = int(restored.extra.get("skipped_nonfinite_steps") or 0)
+        self.evaluations = list(restored.extra.get("curve") or [])
         if self.checkpoints is not None:
             self.checkpoints.start_from(self.step)
         earlier = ", ".join(str(w["world_size"]) for w in self.world_sizes) or "unknown"
@@ -381,6 +411,25 @@ class DrafterTrainer:
             f"epoch {self.position.epoch + 1}, batch {self.position.batch_index}; trained so far at world "
             f"size {earlier}, now {self.world['world_size']}"
         )
+        self._resume_until_flat(restored.extra.get("until_flat") or {}, restored.model_state)
+
+    def _resume_until_flat(self, saved: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+        """Continue the judgement the checkpoint carries (`extra["until_flat"]`, the same on every rank): a
+        run that stopped stays stopped, so a rerun trains no further, and the best checkpoint before the
+        resume stays the one to beat (its weights: these, or read from the store at the end)."""
+        if not self.until_flat:
+            if saved.get("stop_reason"):
+                self.log(
+                    f"this run had stopped at step {self.step} ({saved['stop_reason']}); until_flat is off "
+                    f"now, so it trains on to step {self.total_steps}"
+                )
+            return
+        self.best = saved.get("best")
+        if self.best is not None and self.best["step"] == self.step and self.rank0:
+            self._best_weights = (self.step, weights)  # already a CPU copy, and the model's now
+        self.stop_reason = saved.get("stop_reason")
+        if self.stop_reason:
+            self.log(f"this run stopped at step {self.step} ({self.stop_reason}): nothing more to train")
 
     # -- before the first step: every rank ready, and the same
 
@@ -658,15 +707,62 @@ class DrafterTrainer:
     # -- evaluation and checkpoints
 
     def evaluate(self) -> dict[str, Any] | None:
-        """Every rank evaluates its share of the held-out samples and prompts; every rank gets the sums."""
+        """Every rank evaluates its share of the held-out samples and prompts; every rank gets the sums.
+        A step evaluated again (a finished run materialised again) replaces its point of the curve."""
         self.source.settle()  # the target's work started ahead ends before the evaluation uses it
         started = time.monotonic()
         result = self.evaluator.evaluate(self.model, self.optimizer)
         self.evaluation_seconds += time.monotonic() - started
         self._evaluated = True
         self.reporter.evaluation(self.step, result)
+        self.evaluations = [p for p in self.evaluations if p["step"] != self.step]
         self.evaluations.append(evaluation_point(self.step, result))
         return result
+
+    def judge(self) -> None:
+        """After a checkpoint's evaluation, until flat: keep its weights if it is the best checkpoint so far,
+        and stop if the curve is flat (before the cap: there the cap is why the run ends). Every rank holds
+        the same curve, the sums of the same evaluation, so every rank decides alike and none waits for a
+        step the others skip."""
+        best = best_point(self.evaluations)
+        if best is not None and best["step"] == self.step and (self.best or {}).get("step") != self.step:
+            self.best = {"step": self.step, "evaluation": self.last_eval}
+            if self.rank0:
+                state = self.model.state_dict()
+                self._best_weights = (
+                    self.step,
+                    {name: t.detach().to("cpu", copy=True) for name, t in state.items()},
+                )
+        if self.stop_reason is None and self.step < self.total_steps:
+            self.stop_reason = flat_reason(self.evaluations)
+            if self.stop_reason:
+                self.log(
+                    f"{self.stop_reason}: training stops at step {self.step} of {self.total_steps}; the best "
+                    f"checkpoint is step {(self.best or {}).get('step', self.step)}"
+                )
+
+    def _cap_reason(self) -> str:
+        if self.settings.max_steps:
+            return f"max_steps reached (cap {self.settings.max_steps})"
+        return "epochs done"
+
+    def export_best(self) -> None:
+        """Until flat: make the best checkpoint's weights and figures the run's result, in place of the last
+        step's. Its weights are rank 0's CPU copy or, when it predates this process, its checkpoint's in the
+        store (committed: a later checkpoint was saved after it)."""
+        held, self._best_weights = self._best_weights, None
+        if not self.until_flat or self.best is None:
+            return
+        step, self.last_eval = self.best["step"], self.best["evaluation"]
+        if step == self.step:  # the last checkpoint is the best: the model holds its weights
+            return
+        if self.rank0:
+            if held is not None and held[0] == step:
+                weights = held[1]
+            else:
+                weights = load_checkpoint_weights(self.store, self.run, step, self.checkpoint_dir)
+            self.model.load_state_dict(weights)
+        self.log(f"exporting step {step}'s weights, the best held-out tau, not the last step's ({self.step})")
 
     def _world_sizes(self) -> list[dict[str, Any]]:
         """The world sizes the weights were trained at so far, this process's included."""
@@ -678,6 +774,12 @@ class DrafterTrainer:
         return [*self.world_sizes, here] if self.step >= start else list(self.world_sizes)
 
     def save_checkpoint(self) -> None:
+        if self.until_flat:
+            # Evaluated first, the checkpoint carries its own point of the curve and what it decided: a rerun
+            # of a run that stopped here stops too (an evaluation repeated on resume could fall on the other
+            # side of the line), at the cost of the upload no longer overlapping this evaluation.
+            self.last_eval = self.evaluate()
+            self.judge()
         ref = None
         if self.checkpoints is not None:
             ref = self.checkpoints.save(
@@ -693,9 +795,12 @@ class DrafterTrainer:
                     "baseline": self.baseline,
                     "world_sizes": self._world_sizes(),
                     "skipped_nonfinite_steps": self.skipped_nonfinite,
+                    "curve": self.evaluations,
+                    "until_flat": {"stop_reason": self.stop_reason, "best": self.best},
                 },
             )
-        self.last_eval = self.evaluate()  # overlaps the upload
+        if not self.until_flat:
+            self.last_eval = self.evaluate()  # overlaps the upload
         self.last_saved = self.step
         if ref is not None:
             self.reporter.checkpoint_written()
@@ -724,15 +829,17 @@ class DrafterTrainer:
                 self.last_eval = self.baseline = self.evaluate()
                 self.reporter.queue_checkpoint_report(0, None, 0, self.last_eval)
                 self.report_committed(block=True)
-            if self.step < self.total_steps:
+            if self.step < self.total_steps and self.stop_reason is None:
                 self._train_steps()
             if self.last_saved != self.step:
                 self.save_checkpoint()
-            elif not self._evaluated:
+            elif not self._evaluated and self.best is None:
                 # Resumed at its last checkpoint (a finished run materialised again): the figures the
                 # export, its card and the UI carry are measured again on the same weights, not blanked.
+                # (Until flat, they are the best checkpoint's, which the checkpoint carries.)
                 self.last_eval = self.evaluate()
             self.report_committed(block=True)
+            self.export_best()
             failed = False
         finally:
             try:
@@ -785,6 +892,8 @@ class DrafterTrainer:
                         return
                     if stats.checkpoint_due:
                         self.save_checkpoint()
+                        if self.stop_reason is not None:
+                            return
                     self.report_committed(block=False)
             epoch, start = epoch + 1, 0
 
@@ -855,6 +964,8 @@ class DrafterTrainer:
             model=self.model,
             evaluation_seconds=self.evaluation_seconds,
             evaluations=list(self.evaluations),
+            stop_reason=self.stop_reason or self._cap_reason(),
+            exported_step=self.best["step"] if self.until_flat and self.best is not None else self.step,
         )
 
 

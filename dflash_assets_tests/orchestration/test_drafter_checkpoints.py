@@ -186,6 +186,14 @@ def test_offline_training_reads_every_materialised_range_and_exports_a_loadable_
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
         observations = instance.fetch_observations(AssetKey("drafter_checkpoints"), limit=20).records
     assert metadata["steps"] == TRAIN["max_steps"]
+    # Why it ended and whose weights it exported, in the UI and in the manifest beside the curve.
+    ended = {"until_flat": False, "stop_reason": f"max_steps reached (cap {TRAIN['max_steps']})"}
+    assert {**ended, "exported_step": TRAIN["max_steps"]} == {
+        k: metadata[k] for k in (*ended, "exported_step")
+    }
+    assert {**ended, "exported_step": TRAIN["max_steps"]} == {
+        k: manifest[k] for k in (*ended, "exported_step")
+    }
     # The figures the UI shows are the ones the export and the run's manifest carry.
     metrics = config["dflash_assets"]["metrics"]
     assert metadata["acceptance_length_tau"] == pytest.approx(metrics["acceptance_length_tau"])

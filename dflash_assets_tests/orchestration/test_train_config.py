@@ -40,3 +40,22 @@ def test_dflash2_trains_at_block_8_and_dflash_at_16_unless_the_setting_or_the_ru
     monkeypatch.setenv("DFLASH_BLOCK_SIZE", "12")
     assert TrainConfig().block() == 12 and TrainConfig(drafter_arch="dflash2").block() == 12
     assert TrainConfig(block_size=4).block() == 4
+
+
+def test_until_flat_comes_from_the_setting_or_the_run_config_and_leaves_the_cadence_to_the_trainer(
+    monkeypatch,
+):
+    """Until flat, the default checkpoint interval (100 steps) yields to the trainer's twelfth of the cap,
+    so a short run still has a curve; an interval the user gives stays theirs."""
+    monkeypatch.delenv("DFLASH_TRAIN_UNTIL_FLAT", raising=False)
+    monkeypatch.delenv("DFLASH_CHECKPOINT_EVERY_STEPS", raising=False)
+    plain = TrainConfig().train_settings()
+    assert not plain.until_flat and plain.checkpoint_every_steps == 100
+    flat = TrainConfig(until_flat=True).train_settings()
+    assert flat.until_flat and flat.checkpoint_every_steps is None
+    assert TrainConfig(until_flat=True, checkpoint_every_steps=7).train_settings().checkpoint_every_steps == 7
+    monkeypatch.setenv("DFLASH_TRAIN_UNTIL_FLAT", "1")
+    assert TrainConfig().train_settings().until_flat
+    assert not TrainConfig(until_flat=False).train_settings().until_flat
+    monkeypatch.setenv("DFLASH_CHECKPOINT_EVERY_STEPS", "50")
+    assert TrainConfig().train_settings().checkpoint_every_steps == 50

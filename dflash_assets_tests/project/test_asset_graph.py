@@ -67,6 +67,11 @@ def test_the_snapshot_holds_what_each_setting_changes(current):
     served = current[
         "DFLASH_COMPLETIONS=target DFLASH_EXECUTOR=local DFLASH_GENERATE_URL=http://127.0.0.1:8000/v1"
     ]
+    # vLLM started by the range runs on the range's leased device, even where a URL is also set.
+    started = current[
+        "DFLASH_COMPLETIONS=target DFLASH_EXECUTOR=local DFLASH_GENERATE_URL=http://127.0.0.1:8000/v1 "
+        "DFLASH_GENERATE_ENGINE=vllm"
+    ]
     # The four assets either way; only with `target` answers does tokenized_completions read them.
     assert sorted(dataset["assets"]) == sorted(target["assets"])
     assert dataset["assets"]["tokenized_completions"]["deps"] == []
@@ -74,10 +79,8 @@ def test_the_snapshot_holds_what_each_setting_changes(current):
     assert (
         target["assets"]["target_completions"]["pool"],
         served["assets"]["target_completions"]["pool"],
-    ) == (
-        "gpu",
-        None,
-    )
+        started["assets"]["target_completions"]["pool"],
+    ) == ("gpu", None, "gpu")
     placed = next(
         graph
         for name, graph in current.items()
@@ -96,5 +99,5 @@ def test_the_snapshot_holds_what_each_setting_changes(current):
     sets = [graph["assets"]["drafter_evaluations"]["partitions"] for graph in current.values()]
     named = "StaticPartitionsDefinition:held_out,chat,code"
     assert set(sets) == {"StaticPartitionsDefinition:held_out", named}
-    # completions x executor x generation URL x evaluation sets x Kubernetes placement
-    assert len(current) == 2 * 3 * 2 * 2 * 2
+    # completions x executor x generation URL x generation engine x evaluation sets x Kubernetes placement
+    assert len(current) == 2 * 3 * 2 * 2 * 2 * 2
