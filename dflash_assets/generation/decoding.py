@@ -2,10 +2,11 @@
 `generate_rows` runs for a target whose every layer is plain attention (`decodes_in_place`).
 
 Why not `generate`: SmolLM2-135M (float32, 2 CPU cores) answered 44 ShareGPT first turns (33 to 1,368
-prompt tokens, 192 new ones) at PROFILE_BEFORE where vLLM's CPU build answers 223 tokens/s. The batch was
-padded to its longest prompt, so 42 prompts of 8.5 K tokens cost a prefill of 57 K positions, and every
-decoding step attended over 1,400+ positions a row where most rows hold 250; `DynamicCache` grows by
-`torch.cat`, copying every layer's keys and values at each step. So here:
+prompt tokens, 192 new ones) at 22 tokens/s where vLLM's CPU build answers 223. The batch of 42 was padded
+to its longest prompt: 57 K prefill positions for 10.6 K real ones, each a whole token's forward, and every
+decoding step attended over 1,400+ positions a row where most rows hold 250. `DynamicCache` grows by
+`torch.cat`, a fresh copy of every layer's keys and values at each step: 47 % of a step at 40 rows of 200
+positions, more as the cache grows. So here:
 
 - Prompts are grouped by length (`decoding_groups`): a group's rows decode together, at the width of its
   longest prompt. A second group costs a decoding step more (the weights read again, the Python of a
