@@ -365,27 +365,34 @@ class GenerationResource(ConfigurableResource):
         In-process with `target_tp` > 1, the target is split over that many devices, one rank each."""
         tokenizer = target_model.load_tokenizer()
 
+        def server_options() -> dict[str, Any]:
+            """What every OpenAI-compatible engine is given, the user's servers or the one a range starts."""
+            from dflash_assets.generation.in_process import prompt_token_ids
+            from dflash_assets.target.model import context_length_of
+
+            return {
+                "prompt_tokens": lambda messages, tools=None: len(
+                    prompt_token_ids(tokenizer, messages, generation, tools)
+                ),
+                "concurrency": settings.given_or(self.concurrency, settings.GENERATE_CONCURRENCY.get_int),
+                "timeout_s": self.timeout_s,
+                "max_attempts": self.max_attempts,
+                "backoff_s": self.backoff_s,
+                "warn": warn,
+                "context_tokens": context_length_of(target_model.load_config()),
+            }
+
         @contextlib.contextmanager
         def servers() -> Iterator[Any]:
-            from dflash_assets.generation.in_process import prompt_token_ids
             from dflash_assets.generation.openai_server import OpenAIEngine, parse_urls
-            from dflash_assets.target.model import context_length_of
 
             engine = OpenAIEngine(
                 parse_urls(self.server_urls()),
                 generation,
                 target_name=target_model.model_dir().name,
-                prompt_tokens=lambda messages, tools=None: len(
-                    prompt_token_ids(tokenizer, messages, generation, tools)
-                ),
                 model=settings.given_or(self.model, settings.GENERATE_MODEL.get) or None,
                 api_key=settings.generate_api_key(),
-                concurrency=settings.given_or(self.concurrency, settings.GENERATE_CONCURRENCY.get_int),
-                timeout_s=self.timeout_s,
-                max_attempts=self.max_attempts,
-                backoff_s=self.backoff_s,
-                warn=warn,
-                context_tokens=context_length_of(target_model.load_config()),
+                **server_options(),
             )
             engine.check()
             yield engine
@@ -394,9 +401,7 @@ class GenerationResource(ConfigurableResource):
         def vllm() -> Iterator[Any]:
             import shlex
 
-            from dflash_assets.generation.in_process import prompt_token_ids
             from dflash_assets.generation.vllm_server import vllm_engine
-            from dflash_assets.target.model import context_length_of
 
             install = self.vllm_install()
             with contextlib.ExitStack() as leases:
@@ -413,15 +418,7 @@ class GenerationResource(ConfigurableResource):
                     start_timeout_s=settings.VLLM_START_TIMEOUT_S.get_float(),
                     log=log,
                     settings=generation,
-                    prompt_tokens=lambda messages, tools=None: len(
-                        prompt_token_ids(tokenizer, messages, generation, tools)
-                    ),
-                    concurrency=settings.given_or(self.concurrency, settings.GENERATE_CONCURRENCY.get_int),
-                    timeout_s=self.timeout_s,
-                    max_attempts=self.max_attempts,
-                    backoff_s=self.backoff_s,
-                    warn=warn,
-                    context_tokens=context_length_of(target_model.load_config()),
+                    **server_options(),
                 ) as engine:
                     yield engine
 
