@@ -189,7 +189,7 @@ GENERATE_ENGINE = Setting(
     "",
     "Who answers for `target_completions`: `in_process` (the target in this process on a leased device; "
     "needs nothing installed), `vllm` (vLLM's OpenAI server started by the run on its leased device(s) "
-    "with `DFLASH_VLLM_PYTHON`, stopped when the range ends; about 10x the in-process rate on a CPU) or "
+    "with `DFLASH_VLLM_PYTHON`, stopped when the range ends; 2.6x the in-process rate on a CPU) or "
     "`url` (your own servers, `DFLASH_GENERATE_URL`). Empty: `url` when `DFLASH_GENERATE_URL` is set, "
     "else `in_process`. Read when the code location loads (it decides the asset's pool).",
 )
