@@ -61,10 +61,10 @@ from dflash_assets.generation.records import (
 )
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.storage.faults import fault_point
-from dflash_assets.storage.fingerprint import claim_prefix
+from dflash_assets.storage.fingerprint import claim_prefix, read_fingerprint
 from dflash_assets.storage.range_progress import RangeCounters, RangeProgress, eta_text
 from dflash_assets.storage.staging import FINGERPRINT_NAME, PartitionBusy, StagingDirectory, staging_lock
-from dflash_assets.storage.store import ObjectNotFound, ObjectStore, StoreError
+from dflash_assets.storage.store import ObjectStore, StoreError
 from dflash_assets.storage.units import human_duration
 from dflash_assets.storage.uploader import Uploader
 
@@ -298,13 +298,6 @@ class RegenerationResult:
         )
 
 
-def _stored_fingerprint(store: ObjectStore, base: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(store.get_bytes(base + FINGERPRINT_NAME))
-    except (ObjectNotFound, ValueError):
-        return None
-
-
 def _staged_fingerprint(staging_dir: Path) -> dict[str, Any] | None:
     try:
         return json.loads((staging_dir / FINGERPRINT_NAME).read_text())
@@ -381,7 +374,7 @@ def regenerate_range(
 
     with staging_lock(staging_dir):
         staging = StagingDirectory(staging_dir, fingerprint)
-        refuse_other_engine(_stored_fingerprint(store, base), fingerprint, where)
+        refuse_other_engine(read_fingerprint(store, base), fingerprint, where)
         refuse_other_engine(_staged_fingerprint(staging_dir), fingerprint, f"staging {staging_dir}")
         listed = claim_prefix(store, base, fingerprint, warn, equivalent=_same_answers(fingerprint))
         staging.reconcile(warn)

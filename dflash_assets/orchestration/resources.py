@@ -295,6 +295,7 @@ class GenerationResource(ConfigurableResource):
         default=None, description=settings.GENERATE_CONCURRENCY.field_description()
     )
     timeout_s: float = 600.0  # per request
+    _vllm_install: Any = PrivateAttr(default=None)
     max_attempts: int = 8  # per request, with exponential backoff, each retry on the next server
     backoff_s: float = 1.0
 
@@ -304,8 +305,11 @@ class GenerationResource(ConfigurableResource):
     def engine_kind(self) -> str:
         """`in_process`, `vllm` or `url` (`DFLASH_GENERATE_ENGINE`; empty: `url` when servers are named)."""
         if self.engine:
-            with settings.environment({settings.GENERATE_ENGINE.name: self.engine}):
-                return settings.generate_engine()
+            if self.engine not in settings.GENERATE_ENGINES:
+                raise settings.SettingError(
+                    f"generation engine {self.engine!r} is not one of {', '.join(settings.GENERATE_ENGINES)}"
+                )
+            return self.engine
         if self.urls:
             return "url"
         kind = settings.generate_engine()
@@ -315,16 +319,16 @@ class GenerationResource(ConfigurableResource):
             )
         return kind
 
-    @property
-    def uses_servers(self) -> bool:
-        """The target answers through OpenAI-compatible servers (the user's or one this run starts)."""
-        return self.engine_kind() in ("url", "vllm")
-
     def vllm_install(self) -> Any:
+        """The environment's vLLM, probed once a run (a range asks for its fingerprint, then its server)."""
         from dflash_assets.generation.vllm_server import VllmInstall
 
-        named = self.vllm_python or None
-        return VllmInstall.find(Path(named).expanduser() if named else settings.vllm_python())
+        if self._vllm_install is None:
+            named = self.vllm_python or None
+            self._vllm_install = VllmInstall.find(
+                Path(named).expanduser() if named else settings.vllm_python()
+            )
+        return self._vllm_install
 
     def engine_dtype(self, devices: DeviceLeaseResource) -> str:
         """The dtype vLLM's server runs at: the setting, else the product's own on the lease's devices."""

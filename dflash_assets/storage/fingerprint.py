@@ -12,12 +12,17 @@ from dflash_assets.storage.staging import FINGERPRINT_NAME
 from dflash_assets.storage.store import ObjectNotFound, ObjectStore
 
 
-def read_fingerprint(store: ObjectStore, base: str, listed: dict[str, int]) -> dict[str, Any] | None:
-    if FINGERPRINT_NAME not in listed:
+def read_fingerprint(
+    store: ObjectStore, base: str, listed: dict[str, int] | None = None
+) -> dict[str, Any] | None:
+    """The prefix's fingerprint, None where it has none (`listed`: its listing, when already made)."""
+    if listed is not None and FINGERPRINT_NAME not in listed:
         return None
     try:
         return json.loads(store.get_bytes(base + FINGERPRINT_NAME))
-    except (ObjectNotFound, ValueError):
+    except ObjectNotFound:
+        return None
+    except ValueError:
         return {"unreadable": True}
 
 
