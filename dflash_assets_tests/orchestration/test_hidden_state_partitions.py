@@ -16,7 +16,7 @@ import torch
 from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter
 
 from dflash_assets.extraction.sample_format import read_sample
-from dflash_assets.storage.manifest import changed_since_commit, read_manifest
+from dflash_assets.storage.manifest import MANIFEST_NAME, changed_since_commit, read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import (
     TEST_SECRET_ACCESS_KEY,
@@ -218,8 +218,13 @@ def test_a_run_killed_at_any_point_is_finished_by_a_rerun_exactly_once(pipeline,
     )
     assert code == 0, output[-4000:]
     total = len(pipeline["reference"])
-    # + the manifest (the killed run's fingerprint is still good, so it is not written again)
-    assert counting.counters.by_method["PUT"] == total - len(stored_before) + 1
+    # Only the objects the store lacked, then the manifest (the killed run's fingerprint is still good, so
+    # it is not written again). Counted as keys, not requests: on a loaded machine a PUT the client timed
+    # out and retried reaches the proxy twice, which rewrites the same object and is not the product's
+    # doing (CI saw 20 PUTs for 19 keys once).
+    written = [path.rsplit("/", 1)[-1] for path in counting.forwarded_paths("PUT")]
+    expected = set(pipeline["reference"]) - stored_before | {MANIFEST_NAME}
+    assert set(written) == expected, (sorted(set(written) - expected), sorted(expected - set(written)))
     with open_instance(env["DAGSTER_HOME"]) as instance:
         metadata = instance.get_latest_materialization_event(
             AssetKey("hidden_state_partitions")
