@@ -235,7 +235,7 @@ def evaluation_sets(names: str) -> list[str]:
 
 def train_config(variant: Variant, args: argparse.Namespace) -> dict[str, Any]:
     flags = {"num_anchors": args.anchors, "global_batch_size": args.batch, "lr": args.lr,
-             "spec_eval_prompts": args.curve_prompts}  # fmt: skip
+             "spec_eval_prompts": args.curve_prompts, "eval_samples": args.held_out}  # fmt: skip
     return {
         **variant.train_config(),
         "max_steps": args.steps,
@@ -405,6 +405,10 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--curve-prompts", type=int, default=None,
         help="held-out prompts the trainer decodes at each checkpoint (spec_eval_prompts; the recipe's 8)",
+    )  # fmt: skip
+    train.add_argument(
+        "--held-out", type=int, default=None,
+        help="conversations held out of training, the held_out set's prompts (eval_samples; the recipe's 16)",
     )  # fmt: skip
     train.add_argument("--sets", default="held_out", help="prompt sets to measure, comma-separated")
     train.add_argument("--tag", default="", help="run names <variant>-<tag> (the same variant twice)")
