@@ -23,30 +23,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def _instance():
-    from dagster import DagsterInstance
-
-    if os.environ.get("DAGSTER_HOME"):
-        home = Path(os.environ["DAGSTER_HOME"])
-        home.mkdir(parents=True, exist_ok=True)
-        config = home / "dagster.yaml"
-        if not config.exists():
-            packaged = Path(__file__).resolve().parent.parent / "dagster.yaml"
-            if packaged.exists():
-                config.write_text(packaged.read_text())
-        return DagsterInstance.get()
-    print("DAGSTER_HOME is not set: runs go to a temporary instance the UI will not show", file=sys.stderr)
-    return DagsterInstance.ephemeral()
-
-
-# The demo's speculative evaluations (the fresh drafter's, one at each checkpoint, the trained one's):
-# the same 8 held-out prompts as a run's default, each decoded 32 tokens instead of 64. Still measured by
-# speculative decoding with the target, at half the cost on a 2-core machine (docs/testing.md); users'
-# runs keep the recipe's 64 (`spec_eval_max_new_tokens`).
+# The demo's speculative evaluations (the fresh drafter's, one at each checkpoint, the trained one's) and
+# its `drafter_evaluations` of the held-out set: 8 held-out prompts, each decoded 32 tokens, where users'
+# runs take DFLASH_EVAL_PROMPTS and DFLASH_EVAL_NEW_TOKENS (16 and 64) for both; half the cost on a 2-core
+# machine (docs/testing.md). The same prompts and budget in both, so the demo's drafter has one τ: the
+# trainer's last figure is the held_out evaluation's, beside prompt lookup.
 DEMO_SPECULATIVE_EVALUATION = {"spec_eval_prompts": 8, "spec_eval_max_new_tokens": 32}
-# The demo's `drafter_evaluations` of the held-out set: its 16 held-out prompts, 64 tokens each, beside
-# prompt lookup (the run's own defaults, `DFLASH_EVAL_PROMPTS` and `DFLASH_EVAL_NEW_TOKENS`, are the same).
-DEMO_EVALUATION = {"prompts": 16, "new_tokens": 64}
+DEMO_EVALUATION = {
+    "prompts": DEMO_SPECULATIVE_EVALUATION["spec_eval_prompts"],
+    "new_tokens": DEMO_SPECULATIVE_EVALUATION["spec_eval_max_new_tokens"],
+}
 
 
 class StageTimes:
@@ -85,14 +71,15 @@ def run_demo(steps: int | None = None) -> int:
 
     The demo trains on the target's own answers (`DFLASH_COMPLETIONS=target`) unless the variable says
     otherwise; the asset graph depends on it."""
-    from dagster import materialize
-
     from dflash_assets import settings
     from dflash_assets.definitions import build_definitions
-    from dflash_assets.orchestration.execution.recovery import RUN_WORKER_TAG, RunWorker
-    from dflash_assets.orchestration.partitions import dataset_range_keys, register_sample_ranges
+    from dflash_assets.orchestration.execution.in_process import (
+        InProcessRunner,
+        materialisation_metadata,
+        register_ranges,
+    )
 
-    defs = build_definitions(completions=None if settings.COMPLETIONS.is_set() else "target")
+    definitions = build_definitions(completions=None if settings.COMPLETIONS.is_set() else "target")
     # Training takes the settings a shell or the UI would (settings.train_max_steps: 240 steps of 4
     # sequences on the bundled data), so each continues the other's run; `--steps` is this command's own.
     # Its speculative evaluations are the demo's own (they never change what is trained).
@@ -101,71 +88,43 @@ def run_demo(steps: int | None = None) -> int:
         **({"max_steps": steps} if steps is not None else {}),
     }
     steps = steps or settings.train_max_steps()
-    quiet = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    instance = _instance()
-    assets = list(defs.assets or [])
-    resources = dict(defs.resources or {})
-    by_name = {a.key.to_user_string(): a for a in assets}
+    runner = InProcessRunner(definitions)
     partitioned = [
         name
         for name in ("target_completions", "tokenized_completions", "hidden_state_partitions")
-        if name in by_name
+        if name in runner.names
     ]
-    partition_keys = dataset_range_keys()
-    register_sample_ranges(instance, partition_keys)
-    # These runs execute in this process: it is their run worker, for the reaper to check on.
-    worker = {RUN_WORKER_TAG: RunWorker.current().tag}
+    partition_keys = register_ranges(runner.instance, check_rows=False).keys
 
-    store = resources["store"]
-    store_url = store.store_url()
+    store_url = runner.resources["store"].store_url()
     print(f"store: {store_url}")
     started = time.monotonic()
     stages = StageTimes()
     with stages.timing("the target (built on first use)"):
-        resources["target_model"].model_dir()
-
-    def step(name: str, label: str, partition: str | None = None, config: dict | None = None):
-        """Materialise one asset (one partition), print its line; the result, or None when it failed."""
-        t0 = time.monotonic()
-        ops = {"ops": {name: {"config": config}}} if config else {}
-        result = materialize(
-            assets,
-            selection=[name],
-            partition_key=partition,
-            resources=resources,
-            instance=instance,
-            raise_on_error=False,
-            run_config={**quiet, **ops},  # the ranges' settings are everyone's: a shell or the UI continues
-            tags=worker,
-        )
-        status = "ok" if result.success else "FAILED"
-        print(f"  {name:26s} {label:17s} {status}  {time.monotonic() - t0:6.1f}s  run {result.run_id}")
-        if not result.success:
-            _print_failure(result)
-            return None
-        return result
+        runner.resources["target_model"].model_dir()
 
     for key in partition_keys:
         for name in partitioned:
             with stages.timing(name):
-                if step(name, key, partition=key) is None:
+                if not runner.materialise(name, partition=key).success:
                     return 1
-    if "drafter_checkpoints" in by_name:
+    if "drafter_checkpoints" in runner.names:
         t0 = time.monotonic()
         length = f"{steps} steps" if steps else "the recipe's epochs"
         print(f"  training the drafter ({length}) ...", flush=True)
-        result = step("drafter_checkpoints", "(all ranges)", config=train_config)
-        if result is None:
+        result = runner.materialise("drafter_checkpoints", config=train_config, label="(all ranges)")
+        if not result.success:
             return 1
-        stages.add_training(time.monotonic() - t0, _training_metadata(result).get("evaluation_seconds"))
+        metadata = materialisation_metadata(result, "drafter_checkpoints")
+        stages.add_training(time.monotonic() - t0, metadata.get("evaluation_seconds"))
         _print_acceptance(result)
-    if "drafter_evaluations" in by_name:
+    if "drafter_evaluations" in runner.names:
         with stages.timing("drafter_evaluations (held_out)"):
-            result = step("drafter_evaluations", "held_out", partition="held_out", config=DEMO_EVALUATION)
-        if result is None:
+            result = runner.materialise("drafter_evaluations", partition="held_out", config=DEMO_EVALUATION)
+        if not result.success:
             return 1
         _print_evaluation(result)
     print(f"done in {time.monotonic() - started:.0f}s. Results under {store_url}:")
@@ -185,12 +144,6 @@ def run_demo(steps: int | None = None) -> int:
     stages.print()
     print(f"  {'the demo in all':42s} {time.monotonic() - started:7.1f} s")
     return 0
-
-
-def _training_metadata(result) -> dict:
-    for event in result.asset_materializations_for_node("drafter_checkpoints"):
-        return {k: v.value for k, v in event.metadata.items()}
-    return {}
 
 
 def _print_acceptance(result) -> None:
@@ -220,31 +173,6 @@ def _print_evaluation(result) -> None:
             f"{tau / floor:.2f}x, {verdict} the free floor; {metadata.get('lossless_prompts')}/"
             f"{metadata.get('prompts')} outputs equal the target's own ({metadata.get('evaluation_uri')})"
         )
-
-
-def _print_failure(result) -> None:
-    for event in result.all_events:
-        if event.is_step_failure:
-            error = event.event_specific_data.error
-            print(
-                f"    {event.step_key} failed: {_user_mistake(error) or error.message.strip()}",
-                file=sys.stderr,
-            )
-
-
-def _user_mistake(error) -> str | None:
-    """The one line of a user's mistake (a setting, a dataset, the store, a mask token) inside a step's
-    serialised error, whose outer layers are Dagster's wrappers; None for anything else (a bug keeps its
-    message and the run's traceback)."""
-    from dflash_assets.orchestration.user_errors import user_error_types
-
-    names = {kind.__name__ for kind in user_error_types()}
-    seen = 0
-    while error is not None and seen < 16:
-        if error.cls_name in names:
-            return " ".join(error.message.split(":", 1)[-1].split())
-        error, seen = error.cause or error.context, seen + 1
-    return None
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -526,6 +454,13 @@ def main(argv: list[str] | None = None) -> int:
     how = compare.add_mutually_exclusive_group()
     how.add_argument("--markdown", action="store_true", help="a markdown table")
     how.add_argument("--json", action="store_true", help="one JSON list of rows")
+    compare.add_argument(
+        "--by",
+        choices=("run", "conversations", "answer_tokens"),
+        default="run",
+        help="row order: by run name (default), or by the conversations or answer tokens each run trained "
+        "on, fewest first (τ against data size)",
+    )
     export = sub.add_parser(
         "export-completions",
         help="the target's stored answers (target_completions) as one JSONL dataset in the `messages` "
@@ -611,33 +546,33 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(sharegpt.summary(path.parent))
         return 0
     if args.command == "reap":
+        from dflash_assets.orchestration.execution.in_process import open_instance
         from dflash_assets.orchestration.execution.recovery import reap_dead_runs
 
-        reaped = reap_dead_runs(_instance())
+        reaped = reap_dead_runs(open_instance())
         print(f"{len(reaped)} dead run(s) marked failed")
         return 0
     if args.command == "ranges":
-        from dflash_assets.orchestration.partitions import (
-            check_dataset_rows,
-            dataset_range_keys,
-            register_sample_ranges,
-        )
+        from dflash_assets.orchestration.execution.in_process import register_ranges
 
-        for warning in check_dataset_rows():  # every sampled row dropped: one line, nothing registered
-            print(f"WARNING: {warning}", file=sys.stderr)
-        keys = dataset_range_keys()
-        new = register_sample_ranges(_instance(), keys)
-        print(f"{len(keys)} sample ranges cover the dataset ({keys[0]} .. {keys[-1]}); {len(new)} new")
+        ranges = register_ranges()  # every sampled row dropped: one line, nothing registered
+        keys = ranges.keys
+        print(f"{len(keys)} sample ranges cover the dataset ({keys[0]} .. {keys[-1]}); {len(ranges.new)} new")
         return 0
     if args.command == "plan":
         return run_plan(args)
     if args.command == "compare":
-        from dflash_assets.evaluation.compare import comparison_rows, format_comparison, stored_evaluations
+        from dflash_assets.evaluation.compare import (
+            comparison_rows,
+            format_comparison,
+            ordered,
+            stored_evaluations,
+        )
         from dflash_assets.evaluation.runs import run_manifest
         from dflash_assets.orchestration.resources import StoreResource
 
         store = StoreResource().check()
-        rows = comparison_rows(stored_evaluations(store, args.runs))
+        rows = ordered(comparison_rows(stored_evaluations(store, args.runs)), args.by)
         for run in args.runs:
             if not any(row["run"] == run for row in rows):
                 run_manifest(store, run)  # a run never trained: one line naming it and what to materialise

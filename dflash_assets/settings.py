@@ -395,10 +395,15 @@ EVAL_SETS = Setting(
     "`DFLASH_DATASET` may name. `held_out` (the run's own held-out rows) is always there.",
 )
 EVAL_PROMPTS = Setting(
-    "DFLASH_EVAL_PROMPTS", "16", "Prompts a set `drafter_evaluations` decodes (the first)."
+    "DFLASH_EVAL_PROMPTS",
+    "16",
+    "Prompts a set `drafter_evaluations` decodes (the first), and the held-out prompts the trainer decodes "
+    "at each checkpoint (run config `spec_eval_prompts`), so the curve's last point is the `held_out` τ.",
 )
 EVAL_NEW_TOKENS = Setting(
-    "DFLASH_EVAL_NEW_TOKENS", "64", "Tokens `drafter_evaluations` decodes after each prompt, at most."
+    "DFLASH_EVAL_NEW_TOKENS",
+    "64",
+    "Tokens `drafter_evaluations` and the trainer's checkpoint evaluation decode after each prompt, at most.",
 )
 TRAIN_NPROC_PER_NODE = Setting(
     "DFLASH_TRAIN_NPROC_PER_NODE",

@@ -78,6 +78,7 @@ def main() -> None:
         return
 
     from dflash_assets.bench.store import ObjectShape
+    from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX
     from dflash_assets.storage.moto_server import start_moto_server
     from dflash_assets.storage.open_store import open_store
     from dflash_assets.storage.units import human_bytes
@@ -105,7 +106,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as scratch:
                 source = Path(scratch) / "hs_00000000.safetensors"
                 size = shape.write(source)
-                key = f"hidden-states/00000000-00000000/{source.name}"
+                key = f"{HIDDEN_STATES_PREFIX}/00000000-00000000/{source.name}"
                 started = time.monotonic()
                 with Uploader(store, max_in_flight=2) as uploader:
                     uploader.submit(source, key, delete_after=False)

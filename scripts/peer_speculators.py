@@ -226,11 +226,13 @@ def final_norm_weight(model_dir: Path):
 
 
 def committed_ranges(store) -> list[str]:
+    from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX, MANIFEST_NAME
+
     return sorted(
         {
             info.key.split("/")[1]
-            for info in store.list("hidden-states/")
-            if info.key.endswith("/_manifest.json")
+            for info in store.list(f"{HIDDEN_STATES_PREFIX}/")
+            if info.key.endswith(f"/{MANIFEST_NAME}")
         }
     )
 
@@ -242,10 +244,11 @@ def prepare(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
     from dflash_assets import settings
     from dflash_assets.drafter.config import resolve_mask_token
-    from dflash_assets.drafter.speculative import held_out_prompts
+    from dflash_assets.evaluation.prompt_sets import held_out_prompt_set
     from dflash_assets.evaluation.runs import run_manifest
     from dflash_assets.extraction.sample_format import read_sample, sample_object_name
     from dflash_assets.orchestration.resources import TargetModelResource
+    from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX
     from dflash_assets.storage.manifest import changed_since_commit, read_manifest
     from dflash_assets.storage.open_store import open_store
 
@@ -274,7 +277,7 @@ def prepare(args: argparse.Namespace) -> None:
     layer_ids: list[int] | None = None
     started = time.monotonic()
     for key in ranges:
-        prefix = f"hidden-states/{key}"
+        prefix = f"{HIDDEN_STATES_PREFIX}/{key}"
         manifest = read_manifest(store, prefix)
         if manifest is None:
             raise SystemExit(
@@ -287,7 +290,7 @@ def prepare(args: argparse.Namespace) -> None:
         for index in manifest["sample_indices"]:
             sample = read_sample(store.get_bytes(f"{prefix}/{sample_object_name(int(index))}"))
             if index in held_out:
-                held_out_rows.append((sample.input_ids.tolist(), sample.loss_mask.tolist()))
+                held_out_rows.append((int(index), sample.input_ids.tolist(), sample.loss_mask.tolist()))
                 continue
             if layer_ids is None:
                 layer_ids = sample.target_layer_ids
@@ -332,9 +335,13 @@ def prepare(args: argparse.Namespace) -> None:
     (out / "rows.jsonl").write_text(
         "".join(json.dumps(r | {"row": i}) + "\n" for i, r in enumerate([*rows, rows[-1]]))
     )
-    prompts = held_out_prompts(
-        [r[0] for r in held_out_rows], [r[1] for r in held_out_rows], args.max_prompt_tokens
-    )
+    # The held-out rule the product's evaluations use: every held-out row, a prompt too long skipped, not cut.
+    prompts = [
+        prompt.token_ids
+        for prompt in held_out_prompt_set(
+            held_out_rows, count=len(held_out_rows), max_prompt_tokens=args.max_prompt_tokens
+        ).prompts
+    ]
     (out / PROMPTS_FILE).write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
     metadata = {
         "store": store_url,
@@ -608,7 +615,7 @@ def convert(args: argparse.Namespace) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    from dflash_assets_tests.support.zlab import load_zlab_drafter
+    from dflash_assets.bench.zlab import load_zlab_drafter
 
     model, info = load_zlab_drafter(out)
     problems = {key: sorted(map(str, names)) for key, names in info.items() if names}
@@ -635,11 +642,16 @@ def run_prompts(store_url: str, run: str, prompt_set: str, target_dir: Path) -> 
     (`evaluations/<run>/<set>/evaluation.json`): the same prompts, new-token count and order."""
     from dflash_assets import settings
     from dflash_assets.evaluation.loaders import load_prompt_set
-    from dflash_assets.evaluation.runs import EVALUATION_NAME, evaluation_prefix, run_manifest
+    from dflash_assets.evaluation.runs import read_evaluation, run_manifest
     from dflash_assets.storage.open_store import open_store
 
     store = open_store(store_url)
-    record = json.loads(bytes(store.get_bytes(f"{evaluation_prefix(run, prompt_set)}/{EVALUATION_NAME}")))
+    record = read_evaluation(store, run, prompt_set)
+    if record is None:
+        raise SystemExit(
+            f"{run}: no {prompt_set} evaluation is committed in {store_url}: materialise drafter_evaluations "
+            f"for it (partition {prompt_set}) first"
+        )
     found = load_prompt_set(
         prompt_set, settings.EVAL_SETS.get(), object_store=store, run_manifest=run_manifest(store, run),
         target_dir=target_dir, count=record["prompts"], new_tokens=record["max_new_tokens"],
@@ -658,15 +670,12 @@ def evaluate(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(REPO))
     from dflash_assets import settings
-    from dflash_assets.drafter.speculative import (
-        PromptLookup,
-        SpeculativeEvaluator,
-        TargetVerifier,
-        stop_token_ids_of,
-    )
+    from dflash_assets.bench.zlab import load_zlab_drafter, zlab_generate
+    from dflash_assets.drafter.speculative import PromptLookup, TargetVerifier, stop_token_ids_of
+    from dflash_assets.evaluation.measure import greedy_reference, measure
+    from dflash_assets.evaluation.prompt_sets import Prompt
     from dflash_assets.orchestration.resources import TargetModelResource
     from dflash_assets.target.model import load_target_model
-    from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate
 
     drafter, info = load_zlab_drafter(args.drafter)
     target_dir = Path(args.target) if args.target else TargetModelResource().model_dir()
@@ -682,14 +691,16 @@ def evaluate(args: argparse.Namespace) -> None:
     else:
         raise SystemExit("name the prompts: --prompts FILE.jsonl, or --run RUN (its evaluation's prompt set)")
     stop = stop_token_ids_of(str(target_dir))
-    evaluator = SpeculativeEvaluator(
-        TargetVerifier(target, drafter.target_layer_ids), prompts, max_new_tokens=args.new_tokens,
-        stop_token_ids=stop,
-    )  # fmt: skip
+    verifier = TargetVerifier(target, drafter.target_layer_ids)
     started = time.monotonic()
-    floor = evaluator.evaluate(PromptLookup(block_size=drafter.block_size))  # decodes the greedy outputs too
+    numbered = [Prompt(f"prompt {i}", prompt) for i, prompt in enumerate(prompts)]
+    greedy_outputs = greedy_reference(verifier, numbered, max_new_tokens=args.new_tokens, stop_token_ids=stop)
+    floor = measure(
+        PromptLookup(block_size=drafter.block_size), verifier, numbered, greedy_outputs,
+        max_new_tokens=args.new_tokens, stop_token_ids=stop, block_size=drafter.block_size,
+    )  # fmt: skip
     per_prompt, same = [], 0
-    for prompt, greedy in zip(prompts, evaluator._greedy, strict=True):
+    for prompt, greedy in zip(prompts, greedy_outputs, strict=True):
         tokens, rounds = zlab_generate(drafter, target, prompt, args.new_tokens, sorted(stop))
         same += tokens == greedy
         per_prompt.append({"prompt_tokens": len(prompt), "tokens": len(tokens), "rounds": rounds,
@@ -703,8 +714,8 @@ def evaluate(args: argparse.Namespace) -> None:
         "tau_zlab": sum(lengths) / len(lengths) if lengths else None,
         "rounds": len(lengths),
         "zlab_matches_greedy": same,
-        "prompt_lookup_tau": floor["acceptance_length_tau"],
-        "prompt_lookup_matches_greedy": floor["matches_target_greedy"],
+        "prompt_lookup_tau": floor.tau,
+        "prompt_lookup_matches_greedy": floor.lossless_prompts == floor.prompts,
         "zlab_loading": {key: sorted(map(str, names)) for key, names in info.items() if names},
         "product": product or None,
         "seconds": round(time.monotonic() - started, 1),
@@ -750,7 +761,12 @@ def parser() -> argparse.ArgumentParser:
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="of the written states"
     )
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the product's rule")
-    p.add_argument("--max-prompt-tokens", type=int, default=960, help="held-out prompts' last N tokens")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=960,
+        help="held-out prompts longer than this are skipped (the product's held-out rule)",
+    )
     p.add_argument("--limit", type=int, default=None, help="at most N training samples (a smoke test)")
 
     w = commands.add_parser("write-dataset", help="(prepare's last step, in the speculators venv)")

@@ -1,13 +1,26 @@
 """The drafter yardstick: drafters trained side by side on the configured target's data and measured on each
 prompt set beside the free floor (prompt lookup), through the product alone. A thin driver: it materialises
 the product's own assets (`definitions.build_definitions()`, in this process, against the user's Dagster
-instance and store, as `dflash-assets demo` does) and prints `dflash-assets compare`; every figure it shows
-is one the product stored, which the UI and `compare` read again later.
+instance and store, by `orchestration.execution.in_process` as `dflash-assets demo` does) and prints
+`dflash-assets compare`; every figure it shows is one the product stored, which the UI and `compare` read
+again later.
 
     python scripts/yardstick.py data       # every range of DFLASH_DATASET: target_completions (only with
                                            # DFLASH_COMPLETIONS=target), tokenized_completions, hidden states
     python scripts/yardstick.py train VARIANT [VARIANT ...] --steps N [--evals E] [--sets held_out,chat]
     python scripts/yardstick.py table [RUN ...]     # compare --markdown, and each run's curve
+    python scripts/yardstick.py reproduce           # the default recipe's row, from the kept data
+
+`reproduce` rebuilds the default recipe's row of the τ-against-data table (docs/drafter.md) from a fresh
+clone: the answers SmolLM2 gave ShareGPT's first turns [0:1000] through vLLM, kept in `yardstick-data/`
+with their provenance, are tokenized and captured, the product's default drafter (DFLASH_DRAFTER_ARCH,
+DFLASH_DRAFTER_LOSS, the block and DFLASH_DISTILL_WEIGHT as the settings say) trains until its held-out
+curve is flat (DFLASH_TRAIN_UNTIL_FLAT, `--steps` the cap), and `drafter_evaluations` measures it on 64
+held-out prompts and 64 prompts of ShareGPT's first turns past record 16,000 (`sharegpt_later`), 64 new
+tokens each, beside prompt lookup. It sets only what the user has not (printed first): DFLASH_HOME,
+DFLASH_STORE_URL and any DFLASH_* setting the user exported win, and the sets DFLASH_EVAL_SETS names are
+measured too, so `dflash-assets compare --json` lists them beside the table's own. A rerun continues
+what the store holds (the captured ranges, the run's checkpoints, the evaluations: each is done once).
 
 A variant is `<arch>-<loss>-<block>[-kl<w>]`: `dflash2-dpace-16`, `dflash-decay-16`, `dflash2-dpace-8-kl0.5`
 (distillation from the target's distribution at weight w: hidden states captured with the final state,
@@ -47,21 +60,34 @@ each on one thread (`--threads 1`) and each leasing a CPU "device" of its own:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `dflash_assets_tests.support.zlab`, for --zlab
+from dflash_assets.cli import UsageError
 
-from dflash_assets.cli import UsageError  # noqa: E402
+if TYPE_CHECKING:
+    from dflash_assets.orchestration.execution.in_process import InProcessRunner
 
 RANGE_ASSETS = ("target_completions", "tokenized_completions", "hidden_state_partitions")
-# The steps log to the instance; the terminal gets this script's lines and the product's status line.
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+REPO = Path(__file__).resolve().parents[1]
+# What `reproduce` runs on where the user has not said otherwise: the kept answers, the recipe's shape.
+KEPT_DATA = REPO / "yardstick-data" / "sharegpt-first-turn-0-1000.smollm2-vllm-fp32.jsonl.gz"
+REPRODUCE_SETTINGS = {
+    "DFLASH_TARGET_MODEL": "smollm2",
+    "DFLASH_DATASET": str(KEPT_DATA),
+    "DFLASH_COMPLETIONS": "dataset",
+    "DFLASH_MAX_LENGTH": "2048",
+    "DFLASH_SAMPLES_PER_PARTITION": "1000",
+    "DFLASH_TRAIN_UNTIL_FLAT": "1",
+    "DFLASH_EVAL_PROMPTS": "64",
+    "DFLASH_EVAL_NEW_TOKENS": "64",
+}
+REPRODUCE_SET = ("sharegpt_later", "sharegpt-first-turn[16000:]")  # past every training slice (< 15,000)
+REPRODUCE_RUN = "default-recipe"
 VARIANT_GRAMMAR = "<arch>-<loss>-<block>[-kl<w>] (e.g. dflash2-dpace-16, dflash2-dpace-8-kl0.5)"
 
 
@@ -121,61 +147,7 @@ def parse_variant(name: str) -> Variant:
 # ------------------------------------------------------------------------------------------ the product
 
 
-class Product:
-    """The product's assets and resources as `definitions.build_definitions()` makes them on the current
-    settings, materialised in this process against the user's Dagster instance (as `dflash-assets demo`)."""
-
-    def __init__(self) -> None:
-        from dflash_assets.cli import _instance
-        from dflash_assets.definitions import build_definitions
-        from dflash_assets.orchestration.execution.recovery import RUN_WORKER_TAG, RunWorker
-
-        defs = build_definitions()
-        self.assets = list(defs.assets or [])
-        self.resources = dict(defs.resources or {})
-        self.names = {key.to_user_string() for asset in self.assets for key in asset.keys}
-        self.instance = _instance()
-        self.tags = {RUN_WORKER_TAG: RunWorker.current().tag}  # this process runs them: the reaper's to check
-
-    def store(self) -> Any:
-        return self.resources["store"].check()
-
-    def materialise(
-        self, name: str, *, partition: str | None = None, config: dict | None = None, label: str = ""
-    ):
-        """One asset (one partition of it), its line printed: status, seconds, run id; a failure's cause."""
-        from dagster import materialize
-
-        from dflash_assets.cli import _print_failure
-
-        started = time.monotonic()
-        result = materialize(
-            self.assets,
-            selection=[name],
-            partition_key=partition,
-            resources=self.resources,
-            instance=self.instance,
-            raise_on_error=False,
-            run_config={**QUIET, **({"ops": {name: {"config": config}}} if config else {})},
-            tags=self.tags,
-        )
-        status = "ok" if result.success else "FAILED"
-        seconds = time.monotonic() - started
-        line = f"  {name:24s} {label or partition or '':18s} {status}  {seconds:7.1f} s  run {result.run_id}"
-        print(line, flush=True)
-        if not result.success:
-            _print_failure(result)
-        return result
-
-
-def metadata_of(result, name: str) -> dict[str, Any]:
-    """The plain values of the asset's materialisation metadata in `result`."""
-    for event in result.asset_materializations_for_node(name):
-        return {key: value.value for key, value in event.metadata.items()}
-    return {}
-
-
-def print_settings(product: Product) -> None:
+def print_settings(product: InProcessRunner) -> None:
     """What this run is made of: the user's settings, as the product reads them."""
     from dflash_assets import settings
 
@@ -188,21 +160,16 @@ def print_settings(product: Product) -> None:
 # ---------------------------------------------------------------------------------------------- commands
 
 
-def run_data(product: Product) -> int:
+def run_data(product: InProcessRunner) -> int:
     """Every range of DFLASH_DATASET through the range assets, registered first; done work is kept."""
     from dflash_assets import settings, terminal
-    from dflash_assets.orchestration.partitions import (
-        check_dataset_rows,
-        dataset_range_keys,
-        register_sample_ranges,
-    )
+    from dflash_assets.orchestration.execution.in_process import register_ranges
 
-    for warning in check_dataset_rows():
-        print(f"WARNING: {warning}", file=sys.stderr)
-    keys = dataset_range_keys()
-    new = register_sample_ranges(product.instance, keys)
+    ranges = register_ranges(product.instance)
+    keys = ranges.keys
     print(
-        f"{len(keys)} sample ranges cover {settings.DATASET.get()} ({keys[0]} .. {keys[-1]}); {len(new)} new"
+        f"{len(keys)} sample ranges cover {settings.DATASET.get()} ({keys[0]} .. {keys[-1]}); "
+        f"{len(ranges.new)} new"
     )
     regenerate = settings.completions_source() == "target"
     names = [n for n in RANGE_ASSETS if n in product.names and (n != "target_completions" or regenerate)]
@@ -253,17 +220,29 @@ def checked_train(args: argparse.Namespace) -> tuple[list[Variant], list[str]]:
     for flag, value in (("--steps", args.steps), ("--evals", args.evals)):
         if value < 1:
             raise UsageError(f"{flag} {value} must be 1 or more")
+    if args.zlab:  # before hours of training, not after
+        from dflash_assets.bench.zlab import ZlabMissing, require_zlab
+
+        try:
+            require_zlab()
+        except ZlabMissing as error:
+            raise UsageError(f"--zlab: {error}") from None
     return variants, sets
 
 
-def run_train(product: Product, args: argparse.Namespace) -> int:
-    """Each variant trained, then measured on each set; one after another."""
+def run_train(
+    product: InProcessRunner, args: argparse.Namespace, variants: list[Variant] | None = None
+) -> int:
+    """Each variant (`args.variants`, unless given) trained, then measured on each set; one after another."""
     from dflash_assets import terminal
-    from dflash_assets.evaluation.runs import CHECKPOINTS_PREFIX, run_manifest
+    from dflash_assets.evaluation.runs import run_manifest
+    from dflash_assets.orchestration.execution.in_process import materialisation_metadata
+    from dflash_assets.storage.layout import CHECKPOINTS_PREFIX
     from dflash_assets.storage.manifest import read_manifest
 
-    variants, sets = checked_train(args)
-    store = product.store()
+    named, sets = checked_train(args)
+    variants = variants or named
+    store = product.resources["store"].check()
     evaluation = {name: value for name, value in (("prompts", args.prompts), ("new_tokens", args.new_tokens))
                   if value is not None}  # fmt: skip
     for variant in variants:
@@ -288,12 +267,75 @@ def run_train(product: Product, args: argparse.Namespace) -> int:
                 measured = product.materialise("drafter_evaluations", partition=name, config=config)
             if not measured.success:
                 return 1
-            print(f"    {evaluation_text(metadata_of(measured, 'drafter_evaluations'))}", flush=True)
+            metadata = materialisation_metadata(measured, "drafter_evaluations")
+            print(f"    {evaluation_text(metadata)}", flush=True)
         if args.zlab:
             for name in sets:
                 zlab_cross_check(product, variant.name, name)
     print(f"the table: python scripts/yardstick.py table {' '.join(v.name for v in variants)}")
     return 0
+
+
+def reproduce_settings(environ: dict[str, str]) -> dict[str, str]:
+    """The settings `reproduce` adds to `environ`: its defaults where the user set nothing, and its later
+    ShareGPT set beside the user's own DFLASH_EVAL_SETS."""
+    added = {name: value for name, value in REPRODUCE_SETTINGS.items() if not environ.get(name)}
+    name, reference = REPRODUCE_SET
+    sets = [part for part in environ.get("DFLASH_EVAL_SETS", "").split(",") if part.strip()]
+    if not any(part.split("=", 1)[0].strip() == name for part in sets):
+        added["DFLASH_EVAL_SETS"] = ",".join([*sets, f"{name}={reference}"])
+    return added
+
+
+def reproduce_variant() -> Variant:
+    """The product's default drafter on the current settings, as the run `default-recipe`."""
+    from dflash_assets import settings
+
+    arch = settings.DRAFTER_ARCH.get()
+    return Variant(
+        REPRODUCE_RUN,
+        arch,
+        settings.DRAFTER_LOSS.get(),
+        settings.block_size_for(arch),
+        settings.DISTILL_WEIGHT.get_float(),
+    )
+
+
+def run_reproduce(args: argparse.Namespace) -> int:
+    """Data, training until flat and every set's evaluation of the default recipe; then the table."""
+    import os
+
+    from dflash_assets import settings
+    from dflash_assets.conversations import sharegpt
+    from dflash_assets.evaluation.prompt_sets import parse_eval_sets
+    from dflash_assets.orchestration.execution.in_process import InProcessRunner
+
+    if not KEPT_DATA.exists():
+        raise UsageError(f"the kept data {KEPT_DATA} is not in this checkout: reproduce reads it")
+    added = reproduce_settings(dict(os.environ))
+    os.environ.update(added)
+    print("reproduce sets: " + (", ".join(f"{k}={v!r}" for k, v in added.items()) or "nothing (all yours)"))
+    sharegpt.install_wheel()  # the later set's rows, built into the cache once
+    sharegpt.built_rows(settings.cache_dir(), log=lambda line: None)
+    product = InProcessRunner()
+    print_settings(product)
+    if run_data(product):
+        return 1
+    variant = reproduce_variant()
+    kl = f"-kl{variant.distill_weight:g}" if variant.distill_weight else ""
+    args.variants, args.tag, args.zlab = (
+        [f"{variant.arch}-{variant.loss}-{variant.block_size}{kl}"],
+        "",
+        False,
+    )
+    args.sets = ",".join(spec.name for spec in parse_eval_sets(settings.EVAL_SETS.get()))
+    print(
+        f"the default recipe: {variant.arch}, {variant.loss}, block {variant.block_size}, distillation "
+        f"weight {variant.distill_weight:g}; until the held-out curve is flat, at most {args.steps} steps"
+    )
+    if run_train(product, args, variants=[variant]):
+        return 1
+    return run_table([REPRODUCE_RUN])
 
 
 def evaluation_text(metadata: dict[str, Any]) -> str:
@@ -333,25 +375,22 @@ def run_table(runs: list[str]) -> int:
     return 0
 
 
-def zlab_cross_check(product: Product, run: str, set_name: str = "held_out") -> None:
+def zlab_cross_check(product: InProcessRunner, run: str, set_name: str = "held_out") -> None:
     """z-lab's `dflash_generate` on the export, on one set's evaluation's own prompts and token count,
     each output checked against the target's greedy one: printed beside the product's figures."""
     from dflash_assets import settings
+    from dflash_assets.bench.zlab import load_zlab_drafter, zlab_generate
     from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode, stop_token_ids_of
     from dflash_assets.evaluation.loaders import load_prompt_set
-    from dflash_assets.evaluation.runs import (
-        EVALUATION_NAME,
-        download_export,
-        evaluation_prefix,
-        run_manifest,
-    )
+    from dflash_assets.evaluation.runs import download_export, read_evaluation, run_manifest
     from dflash_assets.target.model import load_target_model
     from dflash_assets.target.threads import decoding_threads
-    from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate
 
-    store, target = product.store(), product.resources["target_model"]
+    store, target = product.resources["store"].check(), product.resources["target_model"]
     cache = product.resources["store"].read_cache_dir()
-    record = json.loads(bytes(store.get_bytes(f"{evaluation_prefix(run, set_name)}/{EVALUATION_NAME}")))
+    record = read_evaluation(store, run, set_name)
+    if record is None:
+        raise RuntimeError(f"{run}: no {set_name} evaluation is committed in {store.url} to cross-check")
     manifest, new_tokens = run_manifest(store, run), record["max_new_tokens"]
     prompts = load_prompt_set(
         set_name, settings.EVAL_SETS.get(), object_store=store, run_manifest=manifest,
@@ -419,9 +458,28 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--zlab", action="store_true", help="also decode each set with z-lab's dflash_generate"
     )
+    reproduce = commands.add_parser(
+        "reproduce", help="the default recipe's row from the kept data: capture, train until flat, measure"
+    )
+    reproduce.add_argument("--steps", type=int, default=1200, help="the cap on optimiser steps (max_steps)")
+    reproduce.add_argument("--evals", type=int, default=8, help="checkpoints, each evaluated: the curve")
+    reproduce.add_argument("--anchors", type=int, default=64, help="anchors a sequence (num_anchors)")
+    reproduce.add_argument("--batch", type=int, default=4, help="sequences a step (global_batch_size)")
+    reproduce.add_argument("--lr", type=float, default=None, help="peak learning rate (the recipe's)")
+    reproduce.add_argument(
+        "--curve-prompts",
+        type=int,
+        default=16,
+        help="held-out prompts the trainer decodes at each checkpoint",
+    )
+    reproduce.add_argument("--held-out", type=int, default=64, help="conversations held out of training")
+    reproduce.add_argument(
+        "--prompts", type=int, default=None, help="prompts a set (DFLASH_EVAL_PROMPTS: 64)"
+    )
+    reproduce.add_argument("--new-tokens", type=int, default=None, help="tokens a prompt (64)")
     table = commands.add_parser("table", help="dflash-assets compare --markdown, and each run's curve")
     table.add_argument("runs", nargs="*", metavar="RUN", help="training runs (default: every run evaluated)")
-    for command in (commands.choices["data"], train):
+    for command in (commands.choices["data"], train, reproduce):
         command.add_argument(
             "--threads", type=int, default=None, help="torch intra-op threads (default: all)"
         )
@@ -442,7 +500,11 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        product = Product()
+        if args.command == "reproduce":
+            return run_reproduce(args)
+        from dflash_assets.orchestration.execution.in_process import InProcessRunner
+
+        product = InProcessRunner()
         print_settings(product)
         return run_data(product) if args.command == "data" else run_train(product, args)
     except Exception as error:

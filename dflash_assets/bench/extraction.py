@@ -23,6 +23,7 @@ from dflash_assets import settings, terminal
 from dflash_assets.bench.capture_ways import run_anchors_way, run_capture
 from dflash_assets.bench.workload import TOKEN_BUDGET, demo_layer_ids, demo_samples
 from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX
 from dflash_assets.storage.moto_server import moto_available, start_moto_server
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.uploader import Uploader
@@ -63,7 +64,7 @@ def _extract_with_io(
             samples=samples,
             target_layer_ids=layer_ids,
             store=store,
-            prefix=f"hidden-states/bench-{time.monotonic_ns()}",
+            prefix=f"{HIDDEN_STATES_PREFIX}/bench-{time.monotonic_ns()}",
             staging_dir=staging,
             uploader=uploader,
             device=str(next(model.parameters()).device),

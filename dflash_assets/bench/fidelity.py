@@ -23,6 +23,7 @@ from dflash_assets.bench.workload import TOKEN_BUDGET, demo_layer_ids, demo_samp
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.extraction.fp8 import encode_states
+from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.batching import pad_batch, plan_batches
@@ -52,7 +53,7 @@ def per_layer_errors(model, samples: list[TokenizedSample], layer_ids: list[int]
 def _extract(model, samples, layer_ids, store, dtype: str, staging: Path) -> list[tuple[str, int]]:
     from dflash_assets.extraction.extract import extract_range
 
-    prefix = f"hidden-states/fidelity-{dtype}"
+    prefix = f"{HIDDEN_STATES_PREFIX}/fidelity-{dtype}"
     with Uploader(store, staging_budget_bytes=256 * 2**20) as uploader:
         extract_range(
             model=model,
@@ -120,14 +121,15 @@ def bench_fidelity(count: int, steps: int) -> dict[str, float]:
     baseline = results["bf16"].baseline or {}
     figures = {
         "fresh drafter: held-out loss": (baseline.get("teacher_forced") or {}).get("loss"),
-        "fresh drafter: tau measured": (baseline.get("speculative") or {}).get("acceptance_length_tau"),
+        "fresh drafter: tau measured": (baseline.get("speculative") or {}).get("tau"),
     }
     for dtype, result in results.items():
         figures[f"{dtype} drafter: held-out loss"] = (result.eval or {}).get("loss")
         figures[f"{dtype} drafter: tau measured"] = result.acceptance_length_tau
         figures[f"{dtype} drafter: tau teacher-forced"] = result.teacher_forced_tau
+        speculative = result.speculative or {}
         figures[f"{dtype} drafter: decodes as the target (1 = every prompt)"] = float(
-            bool((result.speculative or {}).get("matches_target_greedy"))
+            bool(speculative.get("prompts")) and not speculative.get("mismatched")
         )
     for slot, layer in enumerate(layer_ids):
         figures[f"layer {layer}: relative error of bf16 objects"] = errors["bf16"][slot]

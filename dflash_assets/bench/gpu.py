@@ -30,6 +30,7 @@ from torch import nn
 from dflash_assets import settings
 from dflash_assets.bench.capture_ways import ANCHOR_BATCH_SIZE, run_anchors_way, run_capture, synchronize
 from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.batching import padding_fraction, plan_batches
@@ -195,7 +196,7 @@ def run_extraction(
             samples=samples,
             target_layer_ids=layer_ids,
             store=store,
-            prefix="hidden-states/bench",
+            prefix=f"{HIDDEN_STATES_PREFIX}/bench",
             staging_dir=directory / "staging",
             uploader=uploader,
             device=str(next(model.parameters()).device),

@@ -452,6 +452,7 @@ def _figures(
     from dagster import AssetKey, DagsterInstance
 
     from dflash_assets.orchestration.resources import StoreResource
+    from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX
     from dflash_assets.storage.manifest import StoredPartition, read_manifest
     from dflash_assets.storage.units import human_bytes
 
@@ -460,7 +461,7 @@ def _figures(
         with DagsterInstance.get() as instance:
             event = instance.get_latest_materialization_event(AssetKey("drafter_checkpoints"))
             trained = {k: v.value for k, v in event.asset_materialization.metadata.items()}
-        prefix = f"hidden-states/{plan['per_range'][0]['partition']}"
+        prefix = f"{HIDDEN_STATES_PREFIX}/{plan['per_range'][0]['partition']}"
         objects = [
             (key, size)
             for key, size in StoredPartition(store, prefix, read_manifest(store, prefix)).object_keys()

@@ -30,9 +30,10 @@ import torch
 
 from dflash_assets import settings, terminal
 from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.storage.layout import CHECKPOINTS_PREFIX, DRAFTER_PREFIX, HIDDEN_STATES_PREFIX
 
 SCALING_FIGURE = "training samples/s, {n} ranks / 1 rank (same sequences per rank a step; ideal {n}.0)"
-PREFIX = "hidden-states/bench-scaling"
+PREFIX = f"{HIDDEN_STATES_PREFIX}/bench-scaling"
 
 
 @dataclass
@@ -116,7 +117,7 @@ def _remove_run(store_url: str, directory: Path) -> None:
     from dflash_assets.storage.open_store import open_store
 
     store = open_store(store_url)
-    for prefix in ("checkpoints", "drafter"):
+    for prefix in (CHECKPOINTS_PREFIX, DRAFTER_PREFIX):
         store.delete_prefix(f"{prefix}/scaling-")
     shutil.rmtree(directory, ignore_errors=True)
 

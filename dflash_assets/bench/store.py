@@ -29,6 +29,7 @@ import torch
 from dflash_assets.bench.latency_proxy import LatencyProxy
 from dflash_assets.extraction.sample_format import sample_object_name, write_sample
 from dflash_assets.planning.store_result import save_store_result
+from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX
 from dflash_assets.storage.moto_server import moto_available, start_moto_server
 from dflash_assets.storage.s3_store import S3Settings, S3Store
 from dflash_assets.storage.store import ObjectStore
@@ -161,7 +162,10 @@ def bench_store(
         source = Path(tmp) / sample_object_name(0)
         size = shape.write(source)
         count = object_count(size, total_bytes)
-        keys = [f"{run}/hidden-states/00000000-{count - 1:08d}/{sample_object_name(i)}" for i in range(count)]
+        keys = [
+            f"{run}/{HIDDEN_STATES_PREFIX}/00000000-{count - 1:08d}/{sample_object_name(i)}"
+            for i in range(count)
+        ]
         log(f"store bench: {count} objects of {human_bytes(size)} ({shape.how}), {store.description}")
 
         def requests() -> dict[str, int]:
@@ -232,7 +236,7 @@ def bench_training_thread(
         store = open_store(str(Path(tmp) / "store"))
         source_file = Path(tmp) / sample_object_name(0)
         size = shape.write(source_file)
-        keys = [f"hidden-states/00000000-00000099/{sample_object_name(i)}" for i in range(objects)]
+        keys = [f"{HIDDEN_STATES_PREFIX}/00000000-00000099/{sample_object_name(i)}" for i in range(objects)]
         for key in keys:
             store.put_file(key, source_file)
         config = DrafterConfig(  # only its shape checks the samples: no drafter is built
@@ -345,7 +349,10 @@ def bench_feed(
                 size = shape.write(source)
                 count = object_count(size, total_bytes)
                 body = source.read_bytes()
-            keys = [f"hidden-states/00000000-{count - 1:08d}/{sample_object_name(i)}" for i in range(count)]
+            keys = [
+                f"{HIDDEN_STATES_PREFIX}/00000000-{count - 1:08d}/{sample_object_name(i)}"
+                for i in range(count)
+            ]
             for key in keys:  # straight to the server: only the reads go through the proxy
                 direct.put_object(Bucket="feed", Key=key, Body=body)
             del body

@@ -13,6 +13,7 @@ import torch
 from dflash_assets import settings, terminal
 from dflash_assets.bench.workload import demo_layer_ids, demo_samples
 from dflash_assets.extraction.capture import HiddenStateCapture
+from dflash_assets.storage.layout import HIDDEN_STATES_PREFIX
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.demo_model import ensure_demo_model
@@ -70,13 +71,13 @@ def bench_training(count: int, steps: int, rounds: int) -> dict[str, float]:
                 samples=samples,
                 target_layer_ids=layer_ids,
                 store=store,
-                prefix="hidden-states/bench",
+                prefix=f"{HIDDEN_STATES_PREFIX}/bench",
                 staging_dir=Path(tmp) / "staging",
                 uploader=uploader,
                 device=train_settings["device"],
                 log=lambda message: None,
             )
-        objects = [(i.key, i.size) for i in store.list("hidden-states/bench/hs_")]
+        objects = [(i.key, i.size) for i in store.list(f"{HIDDEN_STATES_PREFIX}/bench/hs_")]
         in_memory = _InMemoryHiddenStates(
             samples, [read_sample(store.get_bytes(k)).hidden_states for k, _ in objects]
         )

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_assets.conversations.samples import TokenizedSample
+from dflash_assets.storage.layout import SHARD_NAME
 from dflash_assets.storage.manifest import StoredPartition
 
-SHARD_NAME = "shard.parquet"  # the object's name in a committed range
 SHARD_FORMAT = "dflash-assets.tokenized/1"
 SHARD_FORMAT_KEY = b"dflash_format"
 

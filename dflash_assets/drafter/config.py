@@ -17,11 +17,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dflash_assets.storage.layout import CONFIG_NAME, WEIGHTS_NAME
 from dflash_assets.target.layer_ids import resolve_target_layer_ids
 from dflash_assets.target.model import standard_names, text_config
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 DRAFTER_FORMAT = "dflash-assets.drafter/2"  # our provenance block inside the reference config
 ARCHITECTURE = "DFlashDraftModel"  # what SGLang, vLLM and z-lab/dflash dispatch on
 # DFLASH_DRAFTER_ARCH -> `architectures[0]`: DFlash2 is DFlash's backbone with a grouped dynamic

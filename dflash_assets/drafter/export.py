@@ -6,8 +6,10 @@ The directory also loads with `transformers.AutoModel.from_pretrained(dir, trust
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,17 +17,32 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from dflash_assets.drafter.config import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    DrafterConfig,
-    load_target_embeddings,
-)
+from dflash_assets.drafter.config import DrafterConfig, load_target_embeddings
 from dflash_assets.drafter.model import DFlashDrafter, drafter_class
 from dflash_assets.drafter.weights_file import save_weights
+from dflash_assets.storage.layout import CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME
 
-MODEL_CARD_NAME = "README.md"
 MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")  # torch + transformers only
+EXPORT_DTYPE = torch.bfloat16  # the weights' dtype in `model.safetensors`, as the published drafters ship
+
+
+@contextlib.contextmanager
+def weights_as_exported(model: DFlashDrafter) -> Iterator[DFlashDrafter]:
+    """`model` with its weights rounded to the export's dtype for the block, as `load_drafter` gives them
+    back from its export; restored exactly after (a host copy of the drafter's own weights: the shared
+    embedding and LM head are not exported and not touched). So a measurement made here during training
+    is the one made later on the export: on a CPU, where the export loads in float32, the same number."""
+    floating = {name: t for name, t in model.state_dict().items() if t.is_floating_point()}
+    saved = {name: t.detach().to("cpu", copy=True) for name, t in floating.items()}
+    with torch.no_grad():
+        for tensor in floating.values():
+            tensor.copy_(tensor.to(EXPORT_DTYPE))
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for name, tensor in floating.items():
+                tensor.copy_(saved[name])
 
 
 def auto_map(config: DrafterConfig) -> dict[str, str]:
@@ -37,7 +54,7 @@ def export_drafter(
     model: DFlashDrafter,
     directory: str | Path,
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype = EXPORT_DTYPE,
     provenance: dict[str, Any] | None = None,
     model_card: str | None = None,
 ) -> Path:

@@ -149,7 +149,7 @@ def context_length_rows(buckets: dict[str, Any] | None) -> list[tuple[str, str]]
     rows = []
     for name, entry in (buckets or {}).items():
         count = int(entry.get("prompts", 0))
-        text = f"{_number(entry.get('acceptance_length_tau'))} ({count} prompt{'s' if count != 1 else ''}"
+        text = f"{_number(entry.get('tau'))} ({count} prompt{'s' if count != 1 else ''}"
         if not entry.get("enough_prompts"):
             text += f": too few to mean anything, fewer than {MIN_PROMPTS_PER_BUCKET}"
         rows.append((f"tau measured on prompts of {bucket_label(name)}", text + ")"))

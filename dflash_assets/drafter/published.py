@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash_assets.drafter.config import CONFIG_NAME, WEIGHTS_NAME, DrafterConfig
+from dflash_assets.drafter.config import DrafterConfig
+from dflash_assets.storage.layout import CONFIG_NAME, WEIGHTS_NAME
 
 INIT_SETTING = "DFLASH_DRAFTER_INIT"
 INDEX_NAME = "model.safetensors.index.json"

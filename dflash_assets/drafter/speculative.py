@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -205,27 +204,10 @@ def context_bucket(prompt_tokens: int) -> str:
     raise ValueError(f"a prompt of {prompt_tokens} tokens is in no context bucket")
 
 
-def spread_over_lengths(prompts: Sequence[Sequence[int]], count: int) -> list[list[int]]:
-    """`count` of `prompts`, taken in turn from each context bucket that has any (each bucket's in their
-    order), so long prompts are measured too when most are short; in their original order. Deterministic:
-    every rank and every world size picks the same."""
-    queues: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        queues.setdefault(context_bucket(len(prompt)), []).append(i)
-    ordered = [queues[name] for name, _, _ in CONTEXT_BUCKETS if name in queues]
-    chosen: list[int] = []
-    while len(chosen) < count and any(ordered):
-        for queue in ordered:
-            if queue and len(chosen) < count:
-                chosen.append(queue.pop(0))
-    return [list(prompts[i]) for i in sorted(chosen)]
-
-
 def by_context_length(
     parts: Sequence[tuple[int, int, int]],  # (prompt tokens, rounds, accepted tokens) per prompt
 ) -> dict[str, dict[str, Any]]:
-    """`{bucket: {prompts, rounds, accepted, acceptance_length_tau, enough_prompts}}` for the buckets
-    with any prompt."""
+    """`{bucket: {prompts, rounds, accepted, tau, enough_prompts}}` for the buckets with any prompt."""
     buckets: dict[str, dict[str, Any]] = {}
     for tokens, rounds, accepted in parts:
         entry = buckets.setdefault(context_bucket(tokens), {"prompts": 0, "rounds": 0, "accepted": 0})
@@ -235,13 +217,24 @@ def by_context_length(
     return {name: _bucket_figures(buckets[name]) for name, _, _ in CONTEXT_BUCKETS if name in buckets}
 
 
+def combine_buckets(parts: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One `by_context_length` of several over disjoint prompts (each rank's share)."""
+    totals: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for name, entry in part.items():
+            total = totals.setdefault(name, {"prompts": 0, "rounds": 0, "accepted": 0})
+            for key in total:
+                total[key] += int(entry[key])
+    return {name: _bucket_figures(totals[name]) for name, _, _ in CONTEXT_BUCKETS if name in totals}
+
+
 def _bucket_figures(entry: dict[str, Any]) -> dict[str, Any]:
     rounds, accepted, prompts = int(entry["rounds"]), int(entry["accepted"]), int(entry["prompts"])
     return {
         "prompts": prompts,
         "rounds": rounds,
         "accepted": accepted,
-        "acceptance_length_tau": accepted / rounds if rounds else None,
+        "tau": accepted / rounds if rounds else None,
         "enough_prompts": prompts >= MIN_PROMPTS_PER_BUCKET,
     }
 
@@ -259,7 +252,7 @@ def describe_by_context_length(speculative: dict[str, Any] | None) -> str:
     anything)`, or `not measured`."""
     parts = []
     for name, entry in ((speculative or {}).get("by_context_length") or {}).items():
-        tau = entry.get("acceptance_length_tau")
+        tau = entry.get("tau")
         count = int(entry["prompts"])
         text = (
             f"{bucket_label(name)}: tau {tau:.3f}" if tau is not None else f"{bucket_label(name)}: no rounds"
@@ -269,106 +262,6 @@ def describe_by_context_length(speculative: dict[str, Any] | None) -> str:
         )
         parts.append(f"{text} ({count} prompt{'s' if count != 1 else ''}{verdict})")
     return "; ".join(parts) or "not measured"
-
-
-@dataclass
-class SpeculativeEvaluator:
-    """Measured acceptance on fixed held-out prompts, comparable across checkpoints of one run.
-
-    The target's greedy outputs do not depend on the drafter, so they are decoded once and reused.
-    """
-
-    verifier: TargetVerifier | None  # None between evaluations, when the caller released the target
-    prompts: list[list[int]]
-    max_new_tokens: int = 64
-    stop_token_ids: set[int] = field(default_factory=set)
-    _greedy: list[list[int]] | None = field(default=None, init=False, repr=False)
-
-    def evaluate(self, drafter: DFlashDrafter | PromptLookup) -> dict[str, Any]:
-        """`{acceptance_length_tau, rounds, tokens, prompts, matches_target_greedy, mismatched_prompts,
-        seconds, by_context_length}`; tau is the mean acceptance length over every round of every prompt,
-        and `by_context_length` the same per bucket of the prompts' lengths (`by_context_length`)."""
-        started = time.monotonic()
-        if self.verifier is None:
-            raise ValueError("SpeculativeEvaluator.evaluate needs a verifier (the target was released)")
-        if self._greedy is None:
-            self._greedy = [
-                greedy_decode(self.verifier, prompt, self.max_new_tokens, self.stop_token_ids)
-                for prompt in self.prompts
-            ]
-        was_training = getattr(drafter, "training", False)
-        if was_training:
-            drafter.eval()
-        try:
-            results = [
-                speculative_decode(drafter, self.verifier, prompt, self.max_new_tokens, self.stop_token_ids)
-                for prompt in self.prompts
-            ]
-        finally:
-            if was_training:
-                drafter.train(True)
-        lengths = [n for result in results for n in result.acceptance_lengths]
-        mismatched = [i for i, (r, g) in enumerate(zip(results, self._greedy, strict=True)) if r.tokens != g]
-        return {
-            "acceptance_length_tau": sum(lengths) / len(lengths) if lengths else None,
-            "rounds": len(lengths),
-            "tokens": sum(len(result.tokens) for result in results),
-            "prompts": len(self.prompts),
-            "matches_target_greedy": not mismatched,
-            "mismatched_prompts": mismatched,
-            "seconds": time.monotonic() - started,
-            "by_context_length": by_context_length(
-                [
-                    (len(prompt), len(result.acceptance_lengths), sum(result.acceptance_lengths))
-                    for prompt, result in zip(self.prompts, results, strict=True)
-                ]
-            ),
-        }
-
-
-def combine_results(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """One `SpeculativeEvaluator.evaluate` result from several evaluators' over disjoint prompts (each
-    rank's share; None where a rank had none or skipped): tau is the mean over every round of every
-    prompt, as one evaluator would measure it. `mismatched_prompts` must already be in one numbering."""
-    parts = [part for part in parts if part and part.get("rounds")]
-    if not parts:
-        return None
-    rounds = sum(int(part["rounds"]) for part in parts)
-    mismatched = sorted(i for part in parts for i in part["mismatched_prompts"])
-    accepted = sum(part["acceptance_length_tau"] * part["rounds"] for part in parts)
-    buckets: dict[str, dict[str, int]] = {}
-    for part in parts:
-        for name, entry in (part.get("by_context_length") or {}).items():
-            total = buckets.setdefault(name, {"prompts": 0, "rounds": 0, "accepted": 0})
-            for key in total:
-                total[key] += int(entry[key])
-    return {
-        "acceptance_length_tau": accepted / rounds,
-        "rounds": rounds,
-        "tokens": sum(int(part["tokens"]) for part in parts),
-        "prompts": sum(int(part["prompts"]) for part in parts),
-        "matches_target_greedy": not mismatched,
-        "mismatched_prompts": mismatched,
-        "seconds": max(float(part["seconds"]) for part in parts),
-        "by_context_length": {
-            name: _bucket_figures(buckets[name]) for name, _, _ in CONTEXT_BUCKETS if name in buckets
-        },
-    }
-
-
-def held_out_prompts(
-    input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]], max_prompt_tokens: int
-) -> list[list[int]]:
-    """One prompt per conversation: every token before its last assistant turn (what the target would
-    have been asked), at most `max_prompt_tokens` from the end; conversations without one are skipped."""
-    prompts = []
-    for ids, mask in zip(input_ids, loss_masks, strict=True):
-        mask = [int(m) for m in mask]
-        starts = [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]
-        if not starts:
-            continue
-        prompts.append([int(t) for t in ids[: starts[-1]]][-max_prompt_tokens:])
-    return prompts
 
 
 def stop_token_ids_of(target_model: str) -> set[int]:

@@ -8,8 +8,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_assets.evaluation.runs import EVALUATION_NAME, EVALUATIONS_PREFIX, export_identity
-from dflash_assets.storage.manifest import read_manifest
+from dflash_assets.evaluation.runs import export_identity, read_evaluation
+from dflash_assets.storage.layout import EVALUATION_NAME, EVALUATIONS_PREFIX
 from dflash_assets.storage.store import ObjectStore
 
 COLUMNS = (
@@ -26,6 +26,8 @@ COLUMNS = (
     ("parameters", "parameters"),
     ("steps", "steps"),
     ("train_time", "training"),
+    ("conversations", "conversations"),
+    ("answer_tokens", "answer tokens"),
     ("note", "note"),
 )
 
@@ -42,9 +44,9 @@ def stored_evaluations(store: ObjectStore, runs: Sequence[str] = ()) -> list[dic
         run, prompt_set = parts[1], parts[2]
         if runs and run not in runs:
             continue
-        if read_manifest(store, f"{EVALUATIONS_PREFIX}/{run}/{prompt_set}") is None:
+        record = read_evaluation(store, run, prompt_set)
+        if record is None:
             continue  # written, not committed: a run that died before its manifest
-        record = json.loads(bytes(store.get_bytes(info.key)))
         if run not in current:
             current[run] = export_identity(store, run)
         record["stale"] = (
@@ -78,6 +80,9 @@ def comparison_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "block_size": training.get("block_size"),
                 "parameters": training.get("parameters"),
                 "steps": training.get("steps"),
+                # What the drafter trained on: τ against data size is read off these.
+                "training_conversations": training.get("training_conversations"),
+                "training_answer_tokens": training.get("training_answer_tokens"),
                 "train_seconds": training.get("train_seconds"),
                 "train_device_seconds": training.get("train_device_seconds"),
                 "measured_at": record.get("measured_at"),
@@ -102,6 +107,8 @@ def _cells(row: dict[str, Any]) -> dict[str, str]:
         "ratio": number(row["ratio"], 2),
         "lossless": f"{row['lossless_prompts']}/{row['prompts']}",
         "drafter_arch": row.get("drafter_arch") or "?",
+        "conversations": _count(row.get("training_conversations")),
+        "answer_tokens": _count(row.get("training_answer_tokens")),
         "objective": row["objective"],
         "block_size": str(row.get("block_size") or "?"),
         "parameters": f"{parameters / 1e6:.1f} M" if parameters else "?",
@@ -109,6 +116,25 @@ def _cells(row: dict[str, Any]) -> dict[str, str]:
         "train_time": _duration(seconds) if seconds else "?",
         "note": "stale: exported again since" if row["stale"] else "",
     }
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"
+
+
+# `compare --by`: the order of the rows (a run's sets stay together, held_out first).
+ORDERS = {
+    "run": lambda row: (row["run"],),
+    "conversations": lambda row: (row.get("training_conversations") or 0, row["run"]),
+    "answer_tokens": lambda row: (row.get("training_answer_tokens") or 0, row["run"]),
+}
+
+
+def ordered(rows: Sequence[dict[str, Any]], by: str = "run") -> list[dict[str, Any]]:
+    """The rows by run (their stored order), or by the conversations or answer tokens each run trained on,
+    fewest first: τ against data size, read down the table."""
+    key = ORDERS[by]
+    return sorted(rows, key=lambda row: (*key(row), row["prompt_set"] != "held_out", row["prompt_set"]))
 
 
 def _duration(seconds: float) -> str:
@@ -125,7 +151,11 @@ def format_comparison(rows: Sequence[dict[str, Any]], how: str = "text") -> str:
         return json.dumps(list(rows), indent=1)
     if not rows:
         return "no stored evaluation: materialise drafter_evaluations first"
-    columns = [(key, title) for key, title in COLUMNS if key != "note" or any(r["stale"] for r in rows)]
+    # Columns no row fills are left out: the note without a stale row, the data size of runs trained before
+    # drafter_checkpoints recorded it.
+    sized = any(row.get("training_conversations") is not None for row in rows)
+    shown = {"note": any(r["stale"] for r in rows), "conversations": sized, "answer_tokens": sized}
+    columns = [(key, title) for key, title in COLUMNS if shown.get(key, True)]
     cells = [_cells(row) for row in rows]
     if how == "markdown":
         lines = ["| " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * len(columns)]

@@ -57,7 +57,8 @@ def load_prompt_set(
     longest = max_prompt_tokens(target_dir, new_tokens)
     if name == HELD_OUT:
         samples = held_out_samples(object_store, run_manifest, cache_dir)
-        found = held_out_prompt_set(samples, count=count, max_prompt_tokens=longest)
+        rows = [(sample.sample_index, sample.input_ids, sample.loss_mask) for sample in samples]
+        found = held_out_prompt_set(rows, count=count, max_prompt_tokens=longest)
         if not found.prompts:
             raise PromptSetError(
                 f"{HELD_OUT}: run {run_manifest.get('run')!r} holds no held-out prompt "

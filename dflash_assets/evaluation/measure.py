@@ -1,12 +1,17 @@
-"""A drafter measured on one prompt set, beside the free floor: the target decodes every prompt greedily
-three times, alone (the reference), with the trained drafter and with prompt lookup (the training-free
-n-gram drafter vLLM and SGLang ship), both by the product's speculative loop (`drafter/speculative.py`,
-the target verifying every block). τ is the mean tokens a verification round produces, as the engines
-report it; the ratio to the floor's τ is what training bought.
+"""The one speculative measurement: a drafter decoding a prompt set with the target in the loop, beside the
+target's own greedy output. The trainer's curve (`training/checkpoint_evaluation.py`), `drafter_evaluations`,
+the demo's summary and the benchmark scripts all measure through `measure`, so a run's last curve point and
+its `held_out` evaluation at the same step, prompts and budget are the same number.
+
+τ is the mean tokens a verification round produces, as the engines report it (`drafter/speculative.py`
+decodes). `measure_beside_floor` adds prompt lookup (the training-free n-gram drafter vLLM and SGLang ship)
+on the same prompts and loop: the ratio of the drafter's τ to the floor's is what training bought.
 
 Every speculative output is compared with the target's own greedy output, token by token: an output that
 differs is named with the prompt and the first position where it differs, never averaged away (greedy
 speculative decoding is lossless: a difference is a tie in the target's logits or a verification bug).
+The greedy reference depends only on the target, the prompts and the budget: it is decoded once
+(`greedy_reference`) and passed to every measurement of the same prompts.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from dflash_assets.drafter.speculative import (
     PromptLookup,
     TargetVerifier,
     by_context_length,
+    combine_buckets,
     greedy_decode,
     speculative_decode,
 )
-from dflash_assets.evaluation.prompt_sets import PromptSet
+from dflash_assets.evaluation.prompt_sets import Prompt, PromptSet
 
 EVALUATION_FORMAT = "dflash-assets.evaluation/1"
 FLOOR = "prompt_lookup"
@@ -32,12 +38,13 @@ FLOOR = "prompt_lookup"
 
 @dataclass(frozen=True)
 class LoopFigures:
-    """One drafter's decoding of a set: τ over every round of every prompt, acceptance per draft
+    """One drafter's decoding of a set of prompts: τ over every round of every prompt, acceptance per draft
     position, τ by context length, and which outputs equal the target's greedy one."""
 
     tau: float | None
     rounds: int
     tokens: int
+    prompts: int
     acceptance_by_position: list[float | None]  # [p-1]: share of rounds that accepted at least p drafts
     by_context_length: dict[str, dict[str, Any]]
     lossless_prompts: int
@@ -49,6 +56,7 @@ class LoopFigures:
             "tau": self.tau,
             "rounds": self.rounds,
             "tokens": self.tokens,
+            "prompts": self.prompts,
             "acceptance_by_position": self.acceptance_by_position,
             "by_context_length": self.by_context_length,
             "lossless_prompts": self.lossless_prompts,
@@ -58,21 +66,16 @@ class LoopFigures:
 
 
 def loop_figures(
-    prompt_set: PromptSet,
+    prompts: Sequence[Prompt],
     results: Sequence[DecodeResult],
     greedy: Sequence[Sequence[int]],
     block_size: int,
     seconds: float,
 ) -> LoopFigures:
-    """The figures of `results` (one per prompt of `prompt_set`, in order) against the greedy outputs."""
+    """The figures of `results` (one per prompt, in order) against the greedy outputs."""
     lengths = [n for result in results for n in result.acceptance_lengths]
-    accepted_drafts = [n - 1 for n in lengths]
-    by_position = [
-        sum(1 for a in accepted_drafts if a >= p) / len(lengths) if lengths else None
-        for p in range(1, block_size)
-    ]
     mismatched = []
-    for prompt, result, reference in zip(prompt_set.prompts, results, greedy, strict=True):
+    for prompt, result, reference in zip(prompts, results, greedy, strict=True):
         if list(result.tokens) != list(reference):
             first = next(
                 (i for i, (a, b) in enumerate(zip(result.tokens, reference, strict=False)) if a != b),
@@ -83,11 +86,12 @@ def loop_figures(
         tau=sum(lengths) / len(lengths) if lengths else None,
         rounds=len(lengths),
         tokens=sum(len(result.tokens) for result in results),
-        acceptance_by_position=by_position,
+        prompts=len(results),
+        acceptance_by_position=_by_position([n - 1 for n in lengths], len(lengths), block_size),
         by_context_length=by_context_length(
             [
                 (len(prompt.token_ids), len(result.acceptance_lengths), sum(result.acceptance_lengths))
-                for prompt, result in zip(prompt_set.prompts, results, strict=True)
+                for prompt, result in zip(prompts, results, strict=True)
             ]
         ),
         lossless_prompts=len(results) - len(mismatched),
@@ -96,7 +100,75 @@ def loop_figures(
     )
 
 
-def measure_prompt_set(
+def _by_position(accepted_drafts: Sequence[int], rounds: int, block_size: int) -> list[float | None]:
+    return [
+        sum(1 for a in accepted_drafts if a >= p) / rounds if rounds else None for p in range(1, block_size)
+    ]
+
+
+def combine_figures(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One `LoopFigures.as_dict()` from several measurements over disjoint prompts (each rank's share; None
+    where a rank had none): τ over every round of every prompt, as one measurement of them all gives."""
+    parts = [part for part in parts if part and part.get("prompts")]
+    if not parts:
+        return None
+    rounds = sum(int(part["rounds"]) for part in parts)
+    accepted = sum((part["tau"] or 0.0) * part["rounds"] for part in parts)
+    positions = max(len(part["acceptance_by_position"]) for part in parts)
+    by_position = [
+        sum((part["acceptance_by_position"][p] or 0.0) * part["rounds"] for part in parts) / rounds
+        if rounds
+        else None
+        for p in range(positions)
+    ]
+    return {
+        "tau": accepted / rounds if rounds else None,
+        "rounds": rounds,
+        "tokens": sum(int(part["tokens"]) for part in parts),
+        "prompts": sum(int(part["prompts"]) for part in parts),
+        "acceptance_by_position": by_position,
+        "by_context_length": combine_buckets([part.get("by_context_length") or {} for part in parts]),
+        "lossless_prompts": sum(int(part["lossless_prompts"]) for part in parts),
+        "mismatched": [item for part in parts for item in part["mismatched"]],
+        "seconds": max(float(part["seconds"]) for part in parts),
+    }
+
+
+def greedy_reference(
+    verifier: TargetVerifier, prompts: Sequence[Prompt], *, max_new_tokens: int, stop_token_ids: set[int]
+) -> list[list[int]]:
+    """The target's own greedy output of each prompt: what every speculative output must equal."""
+    return [greedy_decode(verifier, prompt.token_ids, max_new_tokens, stop_token_ids) for prompt in prompts]
+
+
+def measure(
+    proposer: Any,  # a DFlashDrafter, or a PromptLookup
+    verifier: TargetVerifier,
+    prompts: Sequence[Prompt],
+    greedy: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: set[int],
+    block_size: int,
+) -> LoopFigures:
+    """`proposer` decoding every prompt speculatively with the target (a drafter in eval mode, restored
+    after), its figures against `greedy` (`greedy_reference` of the same prompts and budget)."""
+    started = time.monotonic()
+    was_training = getattr(proposer, "training", False)
+    if was_training:
+        proposer.eval()
+    try:
+        results = [
+            speculative_decode(proposer, verifier, prompt.token_ids, max_new_tokens, stop_token_ids)
+            for prompt in prompts
+        ]
+    finally:
+        if was_training:
+            proposer.train(True)
+    return loop_figures(prompts, results, greedy, block_size, time.monotonic() - started)
+
+
+def measure_beside_floor(
     verifier: TargetVerifier,
     drafter: Any,  # a DFlashDrafter (its block size is the floor's)
     prompt_set: PromptSet,
@@ -108,31 +180,31 @@ def measure_prompt_set(
     """`{"drafter": LoopFigures, "floor": LoopFigures, "ratio", "greedy_seconds"}` (figures as dicts) of
     `drafter` and prompt lookup at its block size on every prompt of `prompt_set`."""
     block_size = int(drafter.config.block_size)
-    prompts = [prompt.token_ids for prompt in prompt_set.prompts]
     started = time.monotonic()
     log(
-        f"{prompt_set.name}: the target's greedy output of {len(prompts)} prompts, {max_new_tokens} tokens "
-        "each"
+        f"{prompt_set.name}: the target's greedy output of {len(prompt_set.prompts)} prompts, "
+        f"{max_new_tokens} tokens each"
     )
-    greedy = [greedy_decode(verifier, prompt, max_new_tokens, stop_token_ids) for prompt in prompts]
+    greedy = greedy_reference(
+        verifier, prompt_set.prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
+    )
     greedy_seconds = time.monotonic() - started
-
-    def decode(who: str, proposer: Any) -> LoopFigures:
+    figures = {}
+    for who, proposer in (
+        ("the drafter", drafter),
+        (f"prompt lookup (block {block_size})", PromptLookup(block_size)),
+    ):
         log(f"{prompt_set.name}: decoding with {who}")
-        began = time.monotonic()
-        results = [
-            speculative_decode(proposer, verifier, prompt, max_new_tokens, stop_token_ids)
-            for prompt in prompts
-        ]
-        return loop_figures(prompt_set, results, greedy, block_size, time.monotonic() - began)
-
-    was_training = drafter.training
-    drafter.eval()
-    try:
-        trained = decode("the drafter", drafter)
-    finally:
-        drafter.train(was_training)
-    floor = decode(f"prompt lookup (block {block_size})", PromptLookup(block_size=block_size))
+        figures[who] = measure(
+            proposer,
+            verifier,
+            prompt_set.prompts,
+            greedy,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            block_size=block_size,
+        )
+    trained, floor = figures.values()
     ratio = trained.tau / floor.tau if trained.tau is not None and floor.tau else None
     return {
         "drafter": trained.as_dict(),

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_assets.conversations.layouts import Conversation, Dropped, Messages
-from dflash_assets.conversations.samples import TokenizedSample
 
 HELD_OUT = "held_out"
 SETTING = "DFLASH_EVAL_SETS"
@@ -153,24 +152,39 @@ def dataset_prompt_set(
 
 
 def held_out_prompt_set(
-    samples: Sequence[TokenizedSample], *, count: int, max_prompt_tokens: int
+    rows: Iterable[tuple[int, Sequence[int], Sequence[int]]], *, count: int, max_prompt_tokens: int
 ) -> PromptSet:
-    """The run's held-out samples (already tokenized, as training read them) as prompts: every token before
-    the last assistant turn of each, the first `count` by sample index."""
+    """The held-out rule, the one the trainer's curve and `drafter_evaluations`' `held_out` both use: each
+    held-out row (sample index, token ids, loss mask, as training read it) is a prompt of every token before
+    its last assistant turn; a row with none, or longer than `max_prompt_tokens` (the target's context less
+    the new tokens), is skipped and counted, never cut. `count` prompts are taken in turn from each context
+    bucket that has any, so long prompts are measured too when most are short (all short: the first
+    `count` by sample index), and kept in sample-index order. Deterministic: every rank picks the same."""
+    from dflash_assets.drafter.speculative import CONTEXT_BUCKETS, context_bucket
+
     found = PromptSet(HELD_OUT, "", [])
-    for sample in sorted(samples, key=lambda s: s.sample_index):
-        if len(found.prompts) >= count:
-            break
+    candidates: list[Prompt] = []
+    for sample_index, input_ids, loss_mask in sorted(rows, key=lambda row: row[0]):
         found.rows_read += 1
-        where = f"sample {sample.sample_index}"
-        mask = [int(m) for m in sample.loss_mask]
+        where = f"sample {sample_index}"
+        mask = [int(m) for m in loss_mask]
         starts = [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]
         if not starts:
             found.skip("no_prompt", where, "no assistant token after the first")
             continue
-        token_ids = [int(t) for t in sample.input_ids[: starts[-1]]]
+        token_ids = [int(t) for t in input_ids[: starts[-1]]]
         if len(token_ids) > max_prompt_tokens:
             found.skip("too_long", where, f"{len(token_ids)} tokens, at most {max_prompt_tokens}")
             continue
-        found.prompts.append(Prompt(where, token_ids))
+        candidates.append(Prompt(where, token_ids))
+    queues: dict[str, list[int]] = {}
+    for i, prompt in enumerate(candidates):
+        queues.setdefault(context_bucket(len(prompt.token_ids)), []).append(i)
+    ordered = [queues[name] for name, _, _ in CONTEXT_BUCKETS if name in queues]
+    chosen: list[int] = []
+    while len(chosen) < count and any(ordered):
+        for queue in ordered:
+            if queue and len(chosen) < count:
+                chosen.append(queue.pop(0))
+    found.prompts = [candidates[i] for i in sorted(chosen)]
     return found

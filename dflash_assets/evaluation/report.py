@@ -46,6 +46,8 @@ def build_record(
                 "train_seconds",
                 "train_device_seconds",
                 "mode",
+                "training_conversations",
+                "training_answer_tokens",
             )
         },  # fmt: skip
         "prompts": len(prompt_set.prompts),

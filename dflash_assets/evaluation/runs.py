@@ -1,23 +1,25 @@
-"""What the store holds of a training run that an evaluation reads: the run's manifest, its export, and
-its held-out samples (the tokenized rows training set aside)."""
+"""What the store holds of a training run that an evaluation reads: the run's manifest, its export, its
+held-out samples (the tokenized rows training set aside), and the evaluations committed of it."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.conversations.shard import load_shard
+from dflash_assets.storage.layout import (
+    CHECKPOINTS_PREFIX,
+    DRAFTER_PREFIX,
+    EVALUATION_NAME,
+    TOKENIZED_PREFIX,
+    WEIGHTS_NAME,
+    evaluation_prefix,
+)
 from dflash_assets.storage.manifest import StoredPartition, keep_only_version, read_manifest
 from dflash_assets.storage.store import ObjectStore
-
-CHECKPOINTS_PREFIX = "checkpoints"
-DRAFTER_PREFIX = "drafter"
-TOKENIZED_PREFIX = "tokenized-completions"
-EVALUATIONS_PREFIX = "evaluations"
-EVALUATION_NAME = "evaluation.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 class RunNotTrained(FileNotFoundError):
@@ -36,9 +38,14 @@ def run_manifest(store: ObjectStore, run: str) -> dict[str, Any]:
     return manifest
 
 
-def evaluation_prefix(run: str, prompt_set: str) -> str:
-    """`evaluations/<run>/<set>`: where one set's evaluation of the run's drafter is committed."""
-    return f"{EVALUATIONS_PREFIX}/{run}/{prompt_set}"
+def read_evaluation(store: ObjectStore, run: str, prompt_set: str) -> dict[str, Any] | None:
+    """The run's evaluation on one prompt set as `drafter_evaluations` committed it
+    (`evaluations/<run>/<set>/evaluation.json`), or None where none is committed: one written by a step
+    that died before its manifest is not read."""
+    prefix = evaluation_prefix(run, prompt_set)
+    if read_manifest(store, prefix) is None:
+        return None
+    return json.loads(bytes(store.get_bytes(f"{prefix}/{EVALUATION_NAME}")))
 
 
 def export_identity(store: ObjectStore, run: str) -> str | None:

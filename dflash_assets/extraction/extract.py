@@ -30,7 +30,7 @@ from dflash_assets.extraction.sample_format import (
     parse_sample_object_name,
 )
 from dflash_assets.extraction.writes import GapExtraction
-from dflash_assets.storage.staging import FINGERPRINT_NAME, PartitionBusy, StagingDirectory, staging_lock
+from dflash_assets.storage.staging import PartitionBusy, StagingDirectory, staging_lock
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.units import human_bytes, human_duration
 from dflash_assets.storage.uploader import Uploader
@@ -38,7 +38,6 @@ from dflash_assets.target.batching import padding_fraction, plan_batches
 from dflash_assets.target.kernels import report_kernel_paths
 
 __all__ = [
-    "FINGERPRINT_NAME",
     "ExtractionIncomplete",
     "ExtractionProgress",
     "ExtractionResult",

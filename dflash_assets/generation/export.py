@@ -36,17 +36,15 @@ from typing import IO, Any
 
 from dflash_assets.conversations.layouts import EXACT_IDS_FIELD
 from dflash_assets.conversations.sample_range import SampleRange
-from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, iter_records
+from dflash_assets.generation.records import CompletionRecord, iter_records
 from dflash_assets.redaction import redact, redact_value
+from dflash_assets.storage.layout import ASSET_PREFIXES, COMPLETIONS_NAME, FINGERPRINT_NAME, MANIFEST_NAME
 from dflash_assets.storage.manifest import (
-    ASSET_PREFIXES,
-    MANIFEST_NAME,
     ManifestError,
     changed_since_commit,
     partition_prefix,
     read_manifest,
 )
-from dflash_assets.storage.staging import FINGERPRINT_NAME
 from dflash_assets.storage.store import ObjectNotFound, ObjectStore, atomic_write
 
 EXPORT_FORMAT = "dflash-assets.exported-completion/1"
@@ -107,7 +105,7 @@ def export_completions(
     JSONL dataset, rows in sample order; atomically: `out` appears whole or not at all."""
     out = Path(out)
     if out.is_dir():
-        raise ExportError(f"{out} is a directory: name the file to write, e.g. {out / 'completions.jsonl'}")
+        raise ExportError(f"{out} is a directory: name the file to write, e.g. {out / COMPLETIONS_NAME}")
     stored, where = committed_ranges(store), store.uri(ASSET_PREFIXES[ASSET])
     chosen = sorted(dict.fromkeys(ranges or stored), key=_order)
     if not chosen:

@@ -34,8 +34,6 @@ from dflash_assets.conversations.layouts import Dropped
 from dflash_assets.generation.conversation import Regeneration
 
 COMPLETIONS_FORMAT = "dflash-assets.completions/1"
-COMPLETIONS_NAME = "completions.jsonl"
-CHUNKS_DIR = "chunks"
 
 
 @dataclass(frozen=True)

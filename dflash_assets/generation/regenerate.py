@@ -47,9 +47,7 @@ from dflash_assets.generation.conversation import (
 )
 from dflash_assets.generation.engine import Engine, TurnScheduler
 from dflash_assets.generation.records import (
-    CHUNKS_DIR,
     COMPLETIONS_FORMAT,
-    COMPLETIONS_NAME,
     CompletionRecord,
     DroppedRow,
     Line,
@@ -62,8 +60,9 @@ from dflash_assets.generation.records import (
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.storage.faults import fault_point
 from dflash_assets.storage.fingerprint import claim_prefix, read_fingerprint
+from dflash_assets.storage.layout import CHUNKS_DIR, COMPLETIONS_NAME, FINGERPRINT_NAME
 from dflash_assets.storage.range_progress import RangeCounters, RangeProgress, eta_text
-from dflash_assets.storage.staging import FINGERPRINT_NAME, PartitionBusy, StagingDirectory, staging_lock
+from dflash_assets.storage.staging import PartitionBusy, StagingDirectory, staging_lock
 from dflash_assets.storage.store import ObjectStore, StoreError
 from dflash_assets.storage.units import human_duration
 from dflash_assets.storage.uploader import Uploader

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import socket
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dagster import AssetExecutionContext, AssetObservation, Config, MetadataValue
@@ -147,9 +149,13 @@ class TrainConfig(Config):
             "block_size": self.block(),
             "drafter_init": chosen(self.drafter_init, settings.DRAFTER_INIT.get),
             "until_flat": until_flat,
+            # The curve's prompts and budget are drafter_evaluations': its last point is the held_out τ.
+            "spec_eval_prompts": chosen(self.spec_eval_prompts, settings.EVAL_PROMPTS.get_int),
+            "spec_eval_max_new_tokens": chosen(
+                self.spec_eval_max_new_tokens, settings.EVAL_NEW_TOKENS.get_int
+            ),
         }
-        recipe = ("epochs", "lr", "gamma", "seed", "log_every_steps", "eval_samples",
-                  "spec_eval_prompts", "spec_eval_max_new_tokens")  # fmt: skip
+        recipe = ("epochs", "lr", "gamma", "seed", "log_every_steps", "eval_samples")
         values.update({name: getattr(self, name) for name in recipe if getattr(self, name) is not None})
         anchors = chosen(self.num_anchors, settings.train_num_anchors)
         if anchors is not None:
@@ -396,15 +402,18 @@ def run_training(
 def _block_metadata(prefix: str, metrics: dict | None) -> dict[str, Any]:
     """Numbers only, so the UI plots them across checkpoints and runs."""
     out: dict[str, Any] = {}
-    for name in ("loss", "acceptance_length_tau", "teacher_forced_tau"):
+    # A measurement's `tau` (evaluation/measure.py) is shown under the name the run's figures always had.
+    names = (("loss", "loss"), ("acceptance_length_tau", "acceptance_length_tau"),
+             ("tau", "acceptance_length_tau"), ("teacher_forced_tau", "teacher_forced_tau"))  # fmt: skip
+    for name, shown in names:
         value = (metrics or {}).get(name)
         if isinstance(value, int | float) and math.isfinite(value):
-            out[f"{prefix}{name}"] = MetadataValue.float(float(value))
+            out[f"{prefix}{shown}"] = MetadataValue.float(float(value))
     for position, accuracy in enumerate((metrics or {}).get("per_position_accuracy") or [], start=1):
         if accuracy is not None:
             out[f"{prefix}accuracy_pos_{position:02d}"] = MetadataValue.float(float(accuracy))
     for bucket, entry in ((metrics or {}).get("by_context_length") or {}).items():
-        tau = entry.get("acceptance_length_tau")
+        tau = entry.get("tau")
         if isinstance(tau, int | float) and math.isfinite(tau):
             out[f"{prefix}tau_{bucket}"] = MetadataValue.float(float(tau))
     return out
@@ -448,6 +457,28 @@ class StepReports:
         metadata.update(_block_metadata("eval_", report.get("eval")))
         metadata.update(_block_metadata("spec_", report.get("speculative")))
         self.context.log_event(AssetObservation(asset_key=self.context.asset_key, metadata=metadata))
+
+
+def training_data_size(
+    tokenized: Sequence[StoredPartition],
+    trained_sample_ranges: Sequence[str],
+    max_length: int,
+    cache_dir: Path,
+) -> dict[str, int]:
+    """`{"training_conversations", "training_answer_tokens"}`: the samples the run trained on (its held-out
+    ones left out) and their labelled tokens within `max_length`, read from the tokenized ranges' shards
+    (small beside the hidden states). What τ against data size is plotted against."""
+    from dflash_assets.conversations.sample_range import SampleRange
+    from dflash_assets.conversations.shard import load_shard
+
+    spans = [SampleRange.parse(key) for key in trained_sample_ranges]
+    conversations = answer_tokens = 0
+    for partition in tokenized:
+        for sample in load_shard(partition, cache_dir):
+            if any(span.start <= sample.sample_index <= span.end for span in spans):
+                conversations += 1
+                answer_tokens += int(sum(int(m) for m in sample.loss_mask[:max_length]))
+    return {"training_conversations": conversations, "training_answer_tokens": answer_tokens}
 
 
 def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
@@ -503,7 +534,7 @@ def outcome_metadata(outcome: dict[str, Any], job, node: str) -> dict[str, Any]:
         "exported_step": int(outcome.get("exported_step") or outcome["steps"]),
         # Steps whose loss or summed gradient was not finite: skipped on every rank, over the whole run.
         "skipped_nonfinite_steps": int(outcome.get("skipped_nonfinite_steps") or 0),
-        "spec_matches_target_greedy": bool(speculative.get("matches_target_greedy", False)),
+        "spec_matches_target_greedy": bool(speculative.get("prompts")) and not speculative.get("mismatched"),
         # tau per bucket of held-out prompt lengths, each with its prompts and whether they are enough.
         "tau_by_context_length": MetadataValue.json(speculative.get("by_context_length") or {}),
         "tau_by_context_length_text": describe_by_context_length(speculative),

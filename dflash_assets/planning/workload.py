@@ -20,12 +20,12 @@ from typing import Any
 from dflash_assets.conversations.datasets import count_rows, dataset_notes, iter_rows_at, resolve_dataset
 from dflash_assets.conversations.sample_range import SampleRange, range_containing, sample_ranges
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.conversations.shard import SHARD_NAME, read_shard
+from dflash_assets.conversations.shard import read_shard
 from dflash_assets.conversations.tokenize import tokenize_rows
+from dflash_assets.storage.layout import SHARD_NAME, TOKENIZED_PREFIX
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.store import ObjectStore
 
-TOKENIZED_PREFIX = "tokenized-completions"
 Z_95 = 1.96
 
 

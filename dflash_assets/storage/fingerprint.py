@@ -7,8 +7,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dflash_assets.storage.layout import FINGERPRINT_NAME
 from dflash_assets.storage.manifest import delete_partition
-from dflash_assets.storage.staging import FINGERPRINT_NAME
 from dflash_assets.storage.store import ObjectNotFound, ObjectStore
 
 

@@ -17,18 +17,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from dflash_assets.storage.layout import ASSET_PREFIXES, MANIFEST_NAME
 from dflash_assets.storage.store import ObjectInfo, ObjectNotFound, ObjectStore
 
-MANIFEST_NAME = "_manifest.json"
 MANIFEST_FORMAT = "dflash-assets.manifest/1"
-
-# Asset name -> top-level prefix in the store (the layout in docs/store-layout.md).
-ASSET_PREFIXES = {
-    "target_completions": "target-completions",
-    "tokenized_completions": "tokenized-completions",
-    "hidden_state_partitions": "hidden-states",
-    "drafter_checkpoints": "checkpoints",
-}
 
 
 class ManifestError(RuntimeError):

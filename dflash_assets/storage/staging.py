@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-FINGERPRINT_NAME = "_fingerprint.json"
+from dflash_assets.storage.layout import FINGERPRINT_NAME
+
 BOOT_MARKER_NAME = "_boot_id"
 LOCK_NAME = ".extract.lock"
 # Files in a staging directory that are bookkeeping, not samples.

@@ -27,18 +27,20 @@ from torch import nn
 
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.weights_file import save_weights
+from dflash_assets.storage.layout import (
+    CHECKPOINT_FILES,
+    CHECKPOINT_MARKER_NAME,
+    CHECKPOINTS_PREFIX,
+    CONFIG_NAME,
+    OPTIMIZER_NAME,
+    TRAIN_SETTINGS_NAME,
+    TRAINER_STATE_NAME,
+    WEIGHTS_NAME,
+)
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
 
 CHECKPOINT_FORMAT = "dflash-assets.checkpoint/2"  # 2: reference weight names and config
-CHECKPOINTS_PREFIX = "checkpoints"
-MARKER_NAME = "_complete.json"
-MODEL_FILE = "model.safetensors"  # trainable drafter weights (the target's embedding / LM head are not)
-OPTIMIZER_FILE = "optimizer.pt"
-TRAINER_STATE_FILE = "trainer_state.pt"  # step, data position, scheduler, RNG states
-CONFIG_FILE = "config.json"  # the drafter config
-SETTINGS_FILE = "train_settings.json"
-CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_STATE_FILE, CONFIG_FILE, SETTINGS_FILE)
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -165,11 +167,11 @@ def complete_checkpoints(store: ObjectStore, run: str) -> Iterator[CheckpointRef
     for step, listed in sorted(_listed_steps(store, run).items(), reverse=True):
         prefix = checkpoint_prefix(run, step)
         where = f"checkpoint {store.uri(prefix)}"
-        if MARKER_NAME not in listed:
+        if CHECKPOINT_MARKER_NAME not in listed:
             _fallback(f"{where} has no completion marker (upload interrupted?); using an older checkpoint")
             continue
         try:
-            marker = json.loads(store.get_bytes(f"{prefix}/{MARKER_NAME}"))
+            marker = json.loads(store.get_bytes(f"{prefix}/{CHECKPOINT_MARKER_NAME}"))
             files = {str(name): int(size) for name, size in marker["files"].items()}
         except Exception as error:  # any unreadable marker means "not committed"
             _fallback(f"{where} has an unreadable completion marker ({error}); using an older checkpoint")
@@ -220,7 +222,7 @@ def read_checkpoint(ref: CheckpointRef, directory: str | Path, where: str = "") 
                     f"{path} is {'missing' if not path.is_file() else f'{path.stat().st_size} bytes'}, the "
                     f"marker says {size} bytes"
                 )
-        trainer_state = torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
+        trainer_state = torch.load(directory / TRAINER_STATE_NAME, map_location="cpu", weights_only=True)
         if trainer_state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(
                 f"trainer state format {trainer_state.get('format')!r}, expected {CHECKPOINT_FORMAT!r}"
@@ -229,12 +231,12 @@ def read_checkpoint(ref: CheckpointRef, directory: str | Path, where: str = "") 
             ref=ref,
             step=int(trainer_state["step"]),
             data_position=DataPosition(*trainer_state["data_position"]),
-            model_state=load_file(str(directory / MODEL_FILE)),
-            optimizer_state=torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
+            model_state=load_file(str(directory / WEIGHTS_NAME)),
+            optimizer_state=torch.load(directory / OPTIMIZER_NAME, map_location="cpu", weights_only=True),
             scheduler_state=trainer_state["scheduler"],
             rng_state=trainer_state["rng"],
-            config=DrafterConfig.from_json((directory / CONFIG_FILE).read_text()),
-            settings=json.loads((directory / SETTINGS_FILE).read_text()),
+            config=DrafterConfig.from_json((directory / CONFIG_NAME).read_text()),
+            settings=json.loads((directory / TRAIN_SETTINGS_NAME).read_text()),
             extra=json.loads(trainer_state.get("extra_json", "{}")),
         )
     except Exception as error:
@@ -254,9 +256,9 @@ def load_checkpoint_weights(
     checkpoint of a run trained until flat, exported in place of the last)."""
     for ref in complete_checkpoints(store, run):
         if ref.step == step:
-            path = checkpoint_dir(local_dir, ref) / MODEL_FILE
+            path = checkpoint_dir(local_dir, ref) / WEIGHTS_NAME
             try:
-                store.download(ref.key(MODEL_FILE), path, size=ref.files.get(MODEL_FILE))
+                store.download(ref.key(WEIGHTS_NAME), path, size=ref.files.get(WEIGHTS_NAME))
                 return load_file(str(path))
             except Exception as error:
                 raise CheckpointError(
@@ -384,8 +386,8 @@ class CheckpointManager:
         temp = self.local_dir / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         temp.mkdir()
         try:
-            save_weights(model.state_dict(), temp / MODEL_FILE)  # one tensor on the host at a time
-            torch.save(optimizer.state_dict(), temp / OPTIMIZER_FILE)
+            save_weights(model.state_dict(), temp / WEIGHTS_NAME)  # one tensor on the host at a time
+            torch.save(optimizer.state_dict(), temp / OPTIMIZER_NAME)
             trainer_state = {
                 "format": CHECKPOINT_FORMAT,
                 "step": step,
@@ -394,9 +396,9 @@ class CheckpointManager:
                 "rng": capture_rng_state(),
                 "extra_json": json.dumps(extra or {}),
             }
-            torch.save(trainer_state, temp / TRAINER_STATE_FILE)
-            (temp / CONFIG_FILE).write_text(config.to_json() + "\n")
-            (temp / SETTINGS_FILE).write_text(json.dumps(settings, indent=2, default=str) + "\n")
+            torch.save(trainer_state, temp / TRAINER_STATE_NAME)
+            (temp / CONFIG_NAME).write_text(config.to_json() + "\n")
+            (temp / TRAIN_SETTINGS_NAME).write_text(json.dumps(settings, indent=2, default=str) + "\n")
             if final.exists():
                 shutil.rmtree(final)
             temp.rename(final)
@@ -427,7 +429,7 @@ class CheckpointManager:
             self.uploader.upload_then_commit(
                 {name: directory / name for name in ref.files},
                 ref.prefix,
-                lambda sizes: self.store.put_bytes(ref.key(MARKER_NAME), body),
+                lambda sizes: self.store.put_bytes(ref.key(CHECKPOINT_MARKER_NAME), body),
                 delete_after=False,
             )
             self.written.append(ref)

@@ -44,7 +44,6 @@ from typing import Any
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
 
-TENSORBOARD_DIR = "tensorboard"
 EVENT_FILE_PREFIX = "events.out.tfevents."  # TensorBoard reads the files whose names contain "tfevents"
 
 # --------------------------------------------------------------------------------------------------

@@ -26,9 +26,7 @@ def export_trained_drafter(
     metrics = {
         **(result.eval or {}),
         "acceptance_length_tau": result.acceptance_length_tau,
-        "baseline_acceptance_length_tau": ((result.baseline or {}).get("speculative") or {}).get(
-            "acceptance_length_tau"
-        ),
+        "baseline_acceptance_length_tau": ((result.baseline or {}).get("speculative") or {}).get("tau"),
         "tau_by_context_length": (result.speculative or {}).get("by_context_length"),
         "teacher_forced_tau": result.teacher_forced_tau,
         "per_position_accuracy": result.per_position_accuracy,

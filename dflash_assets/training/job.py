@@ -19,14 +19,13 @@ from typing import Any, Protocol
 
 from dflash_assets import terminal
 from dflash_assets.drafter.config import DrafterConfig
+from dflash_assets.storage.layout import CONFIG_NAME, DRAFTER_PREFIX
 from dflash_assets.storage.manifest import StoredPartition, read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.s3_store import S3Settings
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.training.settings import TrainSettings
-
-EXPORT_PREFIX = "drafter"
 
 
 @dataclass
@@ -66,7 +65,7 @@ class TrainingJob:
 
     @property
     def export_prefix(self) -> str:
-        return f"{EXPORT_PREFIX}/{self.run}"
+        return f"{DRAFTER_PREFIX}/{self.run}"
 
 
 @dataclass
@@ -275,7 +274,6 @@ def replica_devices(devices: list[str], span: int) -> list[list[str]]:
 def export_and_upload(job: TrainingJob, result, config: DrafterConfig, directory: Path, uploader: Uploader):
     """The drafter exported (`drafter/<run>/`), `config.json` uploaded last: readers take a directory
     with a config as complete. Returns the metrics its card shows."""
-    from dflash_assets.drafter.config import CONFIG_NAME
     from dflash_assets.training.export import export_trained_drafter
 
     export_dir, metrics = export_trained_drafter(

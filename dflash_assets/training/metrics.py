@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from dflash_assets.drafter.evaluate import BlockMetrics
 from dflash_assets.drafter.objective import BlockLossOutput, DrafterBatch
+from dflash_assets.drafter.teacher_forced import BlockMetrics
 
 
 def _duration(seconds: float) -> str:

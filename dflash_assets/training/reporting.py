@@ -127,7 +127,7 @@ class RunReporter:
                     "loss": teacher_forced.get("loss"),
                     "ce": teacher_forced.get("ce"),
                     "tau_teacher_forced": teacher_forced.get("teacher_forced_tau"),
-                    "tau_measured": speculative.get("acceptance_length_tau"),
+                    "tau_measured": speculative.get("tau"),
                     **context_length_scalars(speculative),
                 },
             )
@@ -198,7 +198,7 @@ def context_length_scalars(speculative: dict[str, Any]) -> dict[str, float]:
     """`tau_measured_<bucket>` and `prompts_<bucket>` for each context-length bucket that had a prompt."""
     scalars: dict[str, float] = {}
     for name, entry in (speculative.get("by_context_length") or {}).items():
-        if entry.get("acceptance_length_tau") is not None:
-            scalars[f"tau_measured_{name}"] = float(entry["acceptance_length_tau"])
+        if entry.get("tau") is not None:
+            scalars[f"tau_measured_{name}"] = float(entry["tau"])
         scalars[f"prompts_{name}"] = float(entry["prompts"])
     return scalars

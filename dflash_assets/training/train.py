@@ -44,9 +44,11 @@ from dflash_assets.drafter.objective import (
 from dflash_assets.drafter.published import load_initial_weights
 from dflash_assets.drafter.speculative import TargetVerifier
 from dflash_assets.storage.faults import fault_point
+from dflash_assets.storage.layout import TENSORBOARD_DIR
 from dflash_assets.storage.store import ObjectStore
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets.target.devices import current_device
+from dflash_assets.training.checkpoint_evaluation import Evaluator
 from dflash_assets.training.checkpoints import (
     CheckpointManager,
     CheckpointPolicy,
@@ -58,10 +60,9 @@ from dflash_assets.training.checkpoints import (
     restore_rng_state,
     run_prefix,
 )
-from dflash_assets.training.curves import TENSORBOARD_DIR, TrainingCurves
+from dflash_assets.training.curves import TrainingCurves
 from dflash_assets.training.data import OfflineData, OfflineSource, OnlineData, OnlineSource
 from dflash_assets.training.distributed import SingleProcess
-from dflash_assets.training.evaluation import Evaluator
 from dflash_assets.training.memory import DeviceMemory
 from dflash_assets.training.metrics import StepStats
 from dflash_assets.training.plan import (
@@ -944,7 +945,7 @@ class DrafterTrainer:
             speculative=evaluation.get("speculative"),
             baseline=self.baseline,
             per_position_accuracy=teacher_forced.get("per_position_accuracy") or [],
-            acceptance_length_tau=speculative.get("acceptance_length_tau"),
+            acceptance_length_tau=speculative.get("tau"),
             teacher_forced_tau=teacher_forced.get("teacher_forced_tau"),
             tokens_per_second=metrics.tokens_per_second,
             rank_step_seconds=metrics.mean_rank_step_seconds,
@@ -975,33 +976,18 @@ def evaluation_point(step: int, result: dict[str, Any] | None) -> dict[str, Any]
     teacher_forced, speculative = result.get("teacher_forced") or {}, result.get("speculative") or {}
     return {
         "step": step,
-        "tau": speculative.get("acceptance_length_tau"),
+        "tau": speculative.get("tau"),
         "teacher_forced_tau": teacher_forced.get("teacher_forced_tau"),
         "ce": teacher_forced.get("ce"),
     }
 
 
 def train_drafter(
-    config: DrafterConfig,
-    settings: TrainSettings,
-    data: OfflineData | OnlineData,
-    *,
-    store: ObjectStore,
-    run: str,
-    work_dir: str | Path,
-    log: Callable[[str], None] | None = None,
-    on_checkpoint: Callable[[dict[str, Any]], None] | None = None,
-    uploader: Uploader | None = None,
-    target_verifier: Callable[[], TargetVerifier] | None = None,
-    device_memory: DeviceMemory | None = None,
-    spare_device: Callable[[], contextlib.AbstractContextManager[str | None]] | None = None,
-    on_progress: Callable[[terminal.ProgressSnapshot], None] | None = None,
-    collective: Any = None,
-    world: dict[str, Any] | None = None,
-    checkpoint_dir: str | Path | None = None,
+    config: DrafterConfig, settings: TrainSettings, data: OfflineData | OnlineData, **keywords: Any
 ) -> TrainResult:
     """Train a drafter, resuming from the newest complete checkpoint of `run` in `store` if any.
 
+    `keywords` are `DrafterTrainer`'s, typed there: `store`, `run` and `work_dir`, then those below.
     Checkpoints go to `checkpoints/<run>/`. `log` gets a progress line every `log_every_steps` steps;
     `on_checkpoint` gets a dict (step, checkpoint URI, training and held-out metrics, the world) once each
     checkpoint is committed; `on_progress` a `terminal.ProgressSnapshot` at every step and evaluation
@@ -1017,23 +1003,6 @@ def train_drafter(
     # The leased device is this thread's current one for the run: without it a lease of cuda:k would save
     # GPU 0's random state in checkpoints, and kernels launched without an explicit device run on GPU 0.
     with current_device(settings.device):
-        trainer = DrafterTrainer(
-            config,
-            settings,
-            data,
-            store=store,
-            run=run,
-            work_dir=work_dir,
-            log=log,
-            on_checkpoint=on_checkpoint,
-            uploader=uploader,
-            target_verifier=target_verifier,
-            device_memory=device_memory,
-            spare_device=spare_device,
-            on_progress=on_progress,
-            collective=collective,
-            world=world,
-            checkpoint_dir=checkpoint_dir,
-        )
+        trainer = DrafterTrainer(config, settings, data, **keywords)
         trainer.resume()
         return trainer.train()

@@ -182,3 +182,16 @@ def test_the_table_is_compare_markdown_with_each_runs_curve(measured):
     curve = next(line for line in lines if line.startswith(f"- {VARIANT}: "))
     three = r"[\d.]+ / [\d.]+ / [\d.]+"
     assert re.fullmatch(rf"- {VARIANT}: steps 0 / 1 / 2: τ {three}; teacher-forced τ {three}", curve), curve
+
+
+def test_reproduce_sets_only_what_the_user_left_unset_and_measures_the_users_sets_beside_its_own(yardstick):
+    added = yardstick.reproduce_settings(
+        {"DFLASH_MAX_LENGTH": "4096", "DFLASH_EVAL_SETS": "code=/data/code.jsonl", "DFLASH_HOME": "/h"}
+    )
+    assert "DFLASH_MAX_LENGTH" not in added and "DFLASH_HOME" not in added  # the user's win
+    assert added["DFLASH_DATASET"] == str(yardstick.KEPT_DATA) and yardstick.KEPT_DATA.exists()
+    assert added["DFLASH_COMPLETIONS"] == "dataset" and added["DFLASH_TRAIN_UNTIL_FLAT"] == "1"
+    assert added["DFLASH_EVAL_SETS"] == "code=/data/code.jsonl,sharegpt_later=sharegpt-first-turn[16000:]"
+    # A user who already names the later set keeps their reference for it.
+    mine = {"DFLASH_EVAL_SETS": "sharegpt_later=sharegpt-first-turn[15000:]"}
+    assert "DFLASH_EVAL_SETS" not in yardstick.reproduce_settings(mine)

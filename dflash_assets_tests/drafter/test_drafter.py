@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from dflash_assets.drafter.config import DrafterConfig, load_target_embeddings
-from dflash_assets.drafter.evaluate import evaluate_drafter
 from dflash_assets.drafter.model import DFlashDrafter, rotary_cos_sin, rotary_frequencies
 from dflash_assets.drafter.objective import (
     BlockAnchors,
@@ -22,6 +21,7 @@ from dflash_assets.drafter.objective import (
     dflash_loss,
     sample_anchors,
 )
+from dflash_assets.drafter.teacher_forced import evaluate_drafter
 from dflash_assets_tests.support.drafter_fixtures import (
     MASK_TOKEN_ID,
     TARGET_LAYER_IDS,

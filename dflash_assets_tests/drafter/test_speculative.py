@@ -14,16 +14,14 @@ from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.speculative import (
     MIN_PROMPTS_PER_BUCKET,
     PromptLookup,
-    SpeculativeEvaluator,
     TargetVerifier,
     by_context_length,
-    combine_results,
     context_bucket,
     greedy_decode,
-    held_out_prompts,
     speculative_decode,
-    spread_over_lengths,
 )
+from dflash_assets.evaluation.measure import combine_figures, greedy_reference, measure
+from dflash_assets.evaluation.prompt_sets import Prompt, held_out_prompt_set
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.training.data import OnlineData
 from dflash_assets.training.settings import TrainSettings
@@ -178,11 +176,31 @@ def test_prompt_lookup_decoding_is_the_targets_greedy_output_and_catches_what_re
     assert plain.tokens == greedy
 
 
-def test_held_out_prompts_end_where_the_last_assistant_turn_begins() -> None:
-    ids = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9]]
-    masks = [[0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 0]]
-    assert held_out_prompts(ids, masks, max_prompt_tokens=100) == [[1, 2, 3, 4, 5, 6]]
-    assert held_out_prompts(ids, masks, max_prompt_tokens=4) == [[3, 4, 5, 6]]
+def measured(verifier: TargetVerifier, proposer, token_lists, new_tokens: int, block_size: int = 8) -> dict:
+    """The one measurement (`evaluation/measure.py`) of `proposer` on `token_lists`, as a dict."""
+    prompts = [Prompt(f"prompt {i}", list(ids)) for i, ids in enumerate(token_lists)]
+    greedy = greedy_reference(verifier, prompts, max_new_tokens=new_tokens, stop_token_ids=set())
+    figures = measure(
+        proposer,
+        verifier,
+        prompts,
+        greedy,
+        max_new_tokens=new_tokens,
+        stop_token_ids=set(),
+        block_size=block_size,
+    )
+    return figures.as_dict()
+
+
+def test_held_out_prompts_end_where_the_last_assistant_turn_begins_and_a_long_one_is_skipped_not_cut() -> (
+    None
+):
+    rows = [(7, [1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 1, 1, 0, 0, 1, 1]), (3, [9, 9, 9], [0, 0, 0])]
+    found = held_out_prompt_set(rows, count=5, max_prompt_tokens=100)
+    assert [(p.location, p.token_ids) for p in found.prompts] == [("sample 7", [1, 2, 3, 4, 5, 6])]
+    assert dict(found.skipped) == {"no_prompt": 1}
+    short = held_out_prompt_set(rows, count=5, max_prompt_tokens=4)
+    assert short.prompts == [] and dict(short.skipped) == {"no_prompt": 1, "too_long": 1}
 
 
 @pytest.mark.slow  # a drafter trained until tau moves, decoded with the target
@@ -220,27 +238,32 @@ def test_training_on_the_targets_own_completions_raises_measured_acceptance(
         target_verifier=lambda: verifier,
     )
     baseline = result.baseline["speculative"]
-    assert baseline["matches_target_greedy"] and result.speculative["matches_target_greedy"]
-    assert result.acceptance_length_tau > baseline["acceptance_length_tau"] + 0.5, (
-        baseline["acceptance_length_tau"],
+    assert baseline["mismatched"] == [] and result.speculative["mismatched"] == []
+    assert result.acceptance_length_tau > baseline["tau"] + 0.5, (
+        baseline["tau"],
         result.acceptance_length_tau,
     )
-    # Measured on the same prompts as the evaluator reports them.
-    held_out = [
-        s.input_ids[: s.loss_mask.index(1)] for s in samples if s.sample_index in result.eval_sample_indices
+    # Measured again on the held-out rule's prompts, by the one measurement, with the weights as exported.
+    from dflash_assets.drafter.export import weights_as_exported
+
+    rows = [
+        (s.sample_index, s.input_ids, s.loss_mask)
+        for s in samples
+        if s.sample_index in result.eval_sample_indices
     ]
-    evaluator = SpeculativeEvaluator(verifier, held_out, 24)
-    again = evaluator.evaluate(result.model)
-    assert again["acceptance_length_tau"] == pytest.approx(result.acceptance_length_tau)
+    held_out = held_out_prompt_set(rows, count=6, max_prompt_tokens=10_000).prompts
+    with weights_as_exported(result.model):
+        again = measured(verifier, result.model, [p.token_ids for p in held_out], 24, config.block_size)
+    assert again["tau"] == result.acceptance_length_tau
 
 
 @pytest.mark.slow  # several seconds of CPU: the full suite's, not the quick loop's
 def test_a_fresh_drafter_is_rarely_accepted(verifier: TargetVerifier, config: DrafterConfig) -> None:
     torch.manual_seed(0)
     drafter = DFlashDrafter.from_target(config)
-    result = SpeculativeEvaluator(verifier, prompts(3, seed=9), 20).evaluate(drafter)
-    assert result["matches_target_greedy"] and result["rounds"] > 0
-    assert 1.0 <= result["acceptance_length_tau"] < 1.5
+    result = measured(verifier, drafter, prompts(3, seed=9), 20, config.block_size)
+    assert result["lossless_prompts"] == result["prompts"] == 3 and result["rounds"] > 0
+    assert 1.0 <= result["tau"] < 1.5
 
 
 def test_a_prompt_falls_in_the_bucket_of_its_length_in_tokens() -> None:
@@ -255,8 +278,8 @@ def test_tau_per_bucket_weighs_rounds_as_the_whole_does_and_says_when_prompts_ar
     assert list(figures) == ["under_2k", "2k_8k"]
     short, long = figures["under_2k"], figures["2k_8k"]
     assert (short["prompts"], short["rounds"], short["accepted"]) == (4, 30, 60)
-    assert short["acceptance_length_tau"] == 2.0 and short["enough_prompts"]
-    assert long["acceptance_length_tau"] == 1.5 and long["prompts"] < MIN_PROMPTS_PER_BUCKET
+    assert short["tau"] == 2.0 and short["enough_prompts"]
+    assert long["tau"] == 1.5 and long["prompts"] < MIN_PROMPTS_PER_BUCKET
     assert not long["enough_prompts"]
 
 
@@ -264,10 +287,16 @@ def test_the_evaluated_prompts_take_each_length_in_turn_so_a_few_long_ones_are_m
     short = [[1] * n for n in (10, 11, 12, 13, 14, 15)]
     long = [[2] * 2100, [3] * 9000]
     prompts = [*short[:3], long[0], *short[3:], long[1]]
-    chosen = spread_over_lengths(prompts, 4)
-    assert [len(p) for p in chosen] == [10, 11, 2100, 9000]  # one of each bucket, then the next short
-    assert spread_over_lengths(prompts, 100) == prompts
-    assert spread_over_lengths(short, 3) == short[:3]  # all short: the first ones, as before
+
+    def chosen(token_lists, count):  # each row a prompt and then its answer
+        rows = [(i, [*ids, 5], [0] * len(ids) + [1]) for i, ids in enumerate(token_lists)]
+        return [
+            p.token_ids for p in held_out_prompt_set(rows, count=count, max_prompt_tokens=100_000).prompts
+        ]
+
+    assert [len(p) for p in chosen(prompts, 4)] == [10, 11, 2100, 9000]  # one of each bucket, then the next
+    assert chosen(prompts, 100) == prompts
+    assert chosen(short, 3) == short[:3]  # all short: the first ones by sample index
 
 
 def test_tau_by_prompt_length_is_measured_on_a_long_prompt_and_combines_over_ranks_as_one_process(
@@ -277,19 +306,21 @@ def test_tau_by_prompt_length_is_measured_on_a_long_prompt_and_combines_over_ran
     long_prompt = [rng.randrange(1, 250) for _ in range(2100)]
     all_prompts = [*prompts(4, seed=4), long_prompt]
     lookup = PromptLookup(block_size=8)
-    whole = SpeculativeEvaluator(verifier, all_prompts, 12).evaluate(lookup)
+    whole = measured(verifier, lookup, all_prompts, 12)
     buckets = whole["by_context_length"]
     assert {name: entry["prompts"] for name, entry in buckets.items()} == {"under_2k": 4, "2k_8k": 1}
     assert buckets["under_2k"]["enough_prompts"] and not buckets["2k_8k"]["enough_prompts"]
     assert sum(entry["rounds"] for entry in buckets.values()) == whole["rounds"]
     assert sum(entry["accepted"] for entry in buckets.values()) / whole["rounds"] == pytest.approx(
-        whole["acceptance_length_tau"]
+        whole["tau"]
     )
     # Two ranks, prompt i on rank i mod 2, add up to the one process's figures, bucket by bucket.
-    ranks = [SpeculativeEvaluator(verifier, all_prompts[r::2], 12).evaluate(lookup) for r in (0, 1)]
-    combined = combine_results(ranks)
+    ranks = [measured(verifier, lookup, all_prompts[r::2], 12) for r in (0, 1)]
+    combined = combine_figures(ranks)
     assert combined["by_context_length"] == buckets
-    assert combined["acceptance_length_tau"] == pytest.approx(whole["acceptance_length_tau"])
+    assert combined["tau"] == pytest.approx(whole["tau"])
+    assert combined["acceptance_by_position"] == pytest.approx(whole["acceptance_by_position"])
+    assert (combined["rounds"], combined["prompts"], combined["lossless_prompts"]) == (whole["rounds"], 5, 5)
 
 
 def test_a_long_prefill_runs_a_chunk_at_a_time_and_gives_the_same_token_states_and_decoding(

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from dflash_assets.bench.zlab import load_zlab_drafter, zlab_generate
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.export import export_drafter, load_drafter
 from dflash_assets.drafter.model import DFlashDrafter
@@ -29,7 +30,6 @@ from dflash_assets_tests.drafter.test_export_remote_code import (
     trained_like,
 )
 from dflash_assets_tests.support.drafter_fixtures import load_capture, tiny_drafter_config
-from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate
 
 ARCHS = ["dflash", "dflash2"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_assets.evaluation.compare import comparison_rows, format_comparison, stored_evaluations
+from dflash_assets.evaluation.compare import comparison_rows, format_comparison, ordered, stored_evaluations
 from dflash_assets.storage.manifest import new_manifest, write_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.support.evaluation_records import evaluation
@@ -100,3 +100,23 @@ def test_stored_evaluations_are_read_by_run_held_out_first_committed_only_and_st
     assert found == {("r1", "held_out"): False, ("r1", "code"): False, ("r1", "zeta"): False,
                      ("r2", "chat"): True}  # fmt: skip
     assert stored_evaluations(store, ["nobody"]) == []
+
+
+def test_runs_are_ordered_by_the_data_they_trained_on_and_say_it_in_two_columns():
+    small = evaluation(1.2, 1.3, name="held_out", run="z-small")
+    small["training"].update(training_conversations=250, training_answer_tokens=50_000)
+    large = evaluation(1.6, 1.3, name="held_out", run="a-large")
+    large["training"].update(training_conversations=4_000, training_answer_tokens=800_000)
+    later = evaluation(1.5, 1.2, name="later", run="a-large")
+    later["training"].update(training_conversations=4_000, training_answer_tokens=800_000)
+    rows = comparison_rows([later, large, small])
+    assert [(r["run"], r["prompt_set"]) for r in ordered(rows)] == [
+        ("a-large", "held_out"), ("a-large", "later"), ("z-small", "held_out")]  # fmt: skip
+    by_data = ordered(rows, "conversations")
+    assert [(r["run"], r["prompt_set"]) for r in by_data] == [
+        ("z-small", "held_out"), ("a-large", "held_out"), ("a-large", "later")]  # fmt: skip
+    assert [r["run"] for r in ordered(rows, "answer_tokens")] == ["z-small", "a-large", "a-large"]
+    lines = format_comparison(by_data, "markdown").splitlines()
+    assert "| conversations | answer tokens |" in lines[0]
+    assert "| 250 | 50,000 |" in lines[2] and "| 4,000 | 800,000 |" in lines[3]
+    assert "conversations" not in format_comparison(_rows(), "markdown")  # runs that recorded no size

@@ -8,13 +8,13 @@ import pytest
 
 from dflash_assets.drafter.speculative import DecodeResult
 from dflash_assets.evaluation.measure import loop_figures
-from dflash_assets.evaluation.prompt_sets import Prompt, PromptSet
+from dflash_assets.evaluation.prompt_sets import Prompt
 
 SHORT, LONG = Prompt("line 1", [1, 2, 3]), Prompt("line 9", [7] * 3000)
 
 
 def test_tau_acceptance_per_position_and_by_context_length_are_the_rounds_counted_by_hand():
-    prompts = PromptSet("chat", "chats.jsonl", [SHORT, LONG])
+    prompts = [SHORT, LONG]
     results = [
         # The prefill gives the first token; then rounds of 3, 1 and 2 tokens (2, 0 and 1 drafts accepted).
         DecodeResult(tokens=[10, 11, 12, 13, 14, 15, 16], acceptance_lengths=[3, 1, 2]),
@@ -24,13 +24,13 @@ def test_tau_acceptance_per_position_and_by_context_length_are_the_rounds_counte
     figures = loop_figures(prompts, results, greedy, block_size=4, seconds=1.234)
 
     assert figures.tau == pytest.approx((3 + 1 + 2 + 4) / 4)
-    assert (figures.rounds, figures.tokens) == (4, 12)
+    assert (figures.rounds, figures.tokens, figures.prompts) == (4, 12, 2)
     # Drafts accepted per round: 2, 0, 1, 3. Position p: the share of rounds accepting p drafts or more.
     assert figures.acceptance_by_position == pytest.approx([3 / 4, 2 / 4, 1 / 4])
     assert figures.by_context_length == {
-        "under_2k": {"prompts": 1, "rounds": 3, "accepted": 6, "acceptance_length_tau": 2.0,
+        "under_2k": {"prompts": 1, "rounds": 3, "accepted": 6, "tau": 2.0,
                      "enough_prompts": False},
-        "2k_8k": {"prompts": 1, "rounds": 1, "accepted": 4, "acceptance_length_tau": 4.0,
+        "2k_8k": {"prompts": 1, "rounds": 1, "accepted": 4, "tau": 4.0,
                   "enough_prompts": False},
     }  # fmt: skip
     assert (figures.lossless_prompts, figures.mismatched) == (2, [])
@@ -39,7 +39,7 @@ def test_tau_acceptance_per_position_and_by_context_length_are_the_rounds_counte
 
 def test_an_output_unequal_to_the_targets_greedy_one_is_named_with_its_first_differing_position():
     third = Prompt("line 12", [4, 5])
-    prompts = PromptSet("chat", "chats.jsonl", [SHORT, LONG, third])
+    prompts = [SHORT, LONG, third]
     results = [
         DecodeResult(tokens=[10, 11, 12, 13], acceptance_lengths=[3]),
         DecodeResult(tokens=[20, 21, 99, 23, 24], acceptance_lengths=[2, 2]),
@@ -56,7 +56,7 @@ def test_an_output_unequal_to_the_targets_greedy_one_is_named_with_its_first_dif
 
 
 def test_prompts_that_stop_at_once_leave_tau_unmeasured_not_zero():
-    prompts = PromptSet("chat", "chats.jsonl", [SHORT])
+    prompts = [SHORT]
     figures = loop_figures(prompts, [DecodeResult(tokens=[2], acceptance_lengths=[])], [[2]], 4, 0.0)
     assert figures.tau is None and figures.rounds == 0
     assert figures.acceptance_by_position == [None, None, None]

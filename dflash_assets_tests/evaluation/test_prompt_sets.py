@@ -203,11 +203,12 @@ def test_held_out_samples_are_prompts_of_every_token_before_their_last_assistant
         _sample(3, [([5], True), ([6], False)]),  # assistant from the first token: nothing before it
         _sample(50, [([1], False), ([2], True)]),  # past the count
     ]
-    found = held_out_prompt_set(samples, count=2, max_prompt_tokens=8)
+    rows = [(s.sample_index, s.input_ids, s.loss_mask) for s in samples]
+    found = held_out_prompt_set(rows, count=2, max_prompt_tokens=8)
     assert (found.name, found.reference) == (HELD_OUT, "")
     # By sample index, whatever order the shards held them in.
     assert found.prompts == [Prompt("sample 7", [1, 2]), Prompt("sample 41", [1, 2, 3, 4, 5, 6, 7])]
-    assert found.rows_read == 5  # sample 50 was never read
+    assert found.rows_read == 6  # every held-out row is read: the rule spreads the count over lengths
     assert dict(found.skipped) == {"no_prompt": 2, "too_long": 1}
     assert found.skipped_details == [
         "sample 3: no_prompt: no assistant token after the first",

@@ -1,22 +1,25 @@
 """What an evaluation reads of a training run, from a real (local) store: its manifest (a run never trained
-is one line naming it), its export (fetched again when the run is exported again) and its held-out
-samples from the tokenized ranges it trained on."""
+is one line naming it), its export (fetched again when the run is exported again), its held-out
+samples from the tokenized ranges it trained on, and its evaluations, committed ones only."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from dflash_assets.conversations.samples import TokenizedSample
-from dflash_assets.conversations.shard import SHARD_NAME, write_shard
+from dflash_assets.conversations.shard import write_shard
 from dflash_assets.evaluation.runs import (
     RunNotTrained,
     download_export,
     export_identity,
     held_out_samples,
+    read_evaluation,
     run_manifest,
 )
+from dflash_assets.storage.layout import SHARD_NAME
 from dflash_assets.storage.manifest import new_manifest, write_manifest
 from dflash_assets.storage.open_store import open_store
 
@@ -57,6 +60,17 @@ def test_the_export_is_fetched_once_and_again_when_the_run_is_exported_again(sto
     again = download_export(store, "r1", tmp_path / "exports")
     assert (again / "model.safetensors").read_bytes() == b"B" * 64
     assert [p.name for p in (tmp_path / "exports").iterdir()] == [again.name]  # the older copy is gone
+
+
+def test_an_evaluation_is_read_once_committed_and_one_written_but_never_committed_reads_as_none(store):
+    record = {"run": "r1", "prompt_set": "held_out", "tau": 2.5}
+    body = json.dumps(record).encode()
+    store.put_bytes("evaluations/r1/held_out/evaluation.json", body)  # a step that died before its manifest
+    assert read_evaluation(store, "r1", "held_out") is None
+    manifest = new_manifest("drafter_evaluations", "held_out", {"evaluation.json": len(body)})
+    write_manifest(store, "evaluations/r1/held_out", manifest)
+    assert read_evaluation(store, "r1", "held_out") == record
+    assert read_evaluation(store, "r1", "code") is None and read_evaluation(store, "r2", "held_out") is None
 
 
 def test_held_out_samples_are_read_from_the_ranges_the_run_trained_on(store, tmp_path):

@@ -12,7 +12,6 @@ import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.extraction.extract import (
-    FINGERPRINT_NAME,
     PartitionBusy,
     extraction_fingerprint,
 )
@@ -22,8 +21,8 @@ from dflash_assets.extraction.sample_format import (
     read_sample,
     sample_object_name,
 )
+from dflash_assets.storage.layout import FINGERPRINT_NAME, MANIFEST_NAME
 from dflash_assets.storage.local_store import LocalStore
-from dflash_assets.storage.manifest import MANIFEST_NAME
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.store import StoreError
 from dflash_assets.storage.uploader import UploadError

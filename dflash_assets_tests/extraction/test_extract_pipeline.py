@@ -12,10 +12,10 @@ import torch
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.extraction.host_transfer import HostTransfer
 from dflash_assets.extraction.sample_format import estimate_sample_nbytes, read_sample, sample_object_name
+from dflash_assets.storage.layout import FINGERPRINT_NAME
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.staging import (
     BOOT_MARKER_NAME,
-    FINGERPRINT_NAME,
     StagingDirectory,
     current_boot_id,
 )

@@ -9,8 +9,9 @@ import pytest
 
 from dflash_assets.extraction.sample_format import sample_object_name
 from dflash_assets.extraction.verify import verify_hidden_state_partition
+from dflash_assets.storage.layout import MANIFEST_NAME
 from dflash_assets.storage.local_store import LocalStore
-from dflash_assets.storage.manifest import MANIFEST_NAME, new_manifest, read_manifest, write_manifest
+from dflash_assets.storage.manifest import new_manifest, read_manifest, write_manifest
 from dflash_assets_tests.support.extraction import DEFAULT_LAYERS, PREFIX, Extraction, make_samples
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.generation.in_process import InProcessEngine, prompt_token_ids
-from dflash_assets.generation.records import COMPLETIONS_NAME, iter_records
+from dflash_assets.generation.records import iter_records
 from dflash_assets.generation.settings import GenerationSettings
 from dflash_assets.generation.tokenized import tokenize_completions
+from dflash_assets.storage.layout import COMPLETIONS_NAME
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.target.model import load_target_model
 from dflash_assets_tests.generation.test_regenerate_tool_calls import PREFIX, WEATHER, regenerate, rows_of

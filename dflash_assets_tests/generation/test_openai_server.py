@@ -16,9 +16,10 @@ from dflash_assets import settings
 from dflash_assets.generation.engine import EngineUnavailable
 from dflash_assets.generation.in_process import InProcessEngine, prompt_token_ids
 from dflash_assets.generation.openai_server import OpenAIEngine
-from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, iter_records
+from dflash_assets.generation.records import CompletionRecord, iter_records
 from dflash_assets.generation.regenerate import completions_fingerprint, regenerate_range
 from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.storage.layout import COMPLETIONS_NAME
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.moto_server import LOOPBACK, free_port
 from dflash_assets.storage.uploader import Uploader

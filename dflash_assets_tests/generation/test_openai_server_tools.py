@@ -16,8 +16,9 @@ from dflash_assets.generation.conversation import Answer, Regeneration
 from dflash_assets.generation.engine import TurnRequest
 from dflash_assets.generation.in_process import InProcessEngine, prompt_token_ids
 from dflash_assets.generation.openai_server import OpenAIEngine
-from dflash_assets.generation.records import COMPLETIONS_NAME, iter_records
+from dflash_assets.generation.records import iter_records
 from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.storage.layout import COMPLETIONS_NAME
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.moto_server import LOOPBACK
 from dflash_assets.target.model import load_target_model

@@ -17,7 +17,7 @@ import pytest
 from dflash_assets.conversations.datasets import Dropped
 from dflash_assets.conversations.tokenize import TooManyBadRows
 from dflash_assets.generation.engine import EngineUnavailable
-from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, DroppedRow, parse_line
+from dflash_assets.generation.records import CompletionRecord, DroppedRow, parse_line
 from dflash_assets.generation.regenerate import (
     _same_answers,
     completions_fingerprint,
@@ -25,6 +25,7 @@ from dflash_assets.generation.regenerate import (
     regenerate_range,
 )
 from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.storage.layout import COMPLETIONS_NAME
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.manifest import new_manifest, write_manifest
 from dflash_assets.storage.open_store import open_store

@@ -12,9 +12,10 @@ import textwrap
 from pathlib import Path
 
 from dflash_assets.conversations.layouts import Conversation
-from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, parse_line
+from dflash_assets.generation.records import CompletionRecord, parse_line
 from dflash_assets.generation.regenerate import completions_fingerprint, dataset_identity, regenerate_range
 from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.storage.layout import COMPLETIONS_NAME
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.uploader import Uploader
 from dflash_assets_tests.support.engines import ScriptedEngine

@@ -14,10 +14,11 @@ import torch
 from dagster import AssetKey
 from safetensors.torch import load_file
 
+from dflash_assets.bench.zlab import load_zlab_drafter
 from dflash_assets.drafter.export import load_drafter
+from dflash_assets.storage.layout import CHECKPOINT_FILES
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
-from dflash_assets.training.checkpoints import CHECKPOINT_FILES
 from dflash_assets_tests.conftest import (
     aws_env,
     aws_env_set,
@@ -29,7 +30,6 @@ from dflash_assets_tests.support.cli import dagster, materialize_args
 from dflash_assets_tests.support.in_process import materialize_here
 from dflash_assets_tests.support.s3_server import FaultyProxy
 from dflash_assets_tests.support.secrets import SECRET_ENV, assert_no_secret
-from dflash_assets_tests.support.zlab import load_zlab_drafter
 
 RANGES = ["00000000-00000023", "00000024-00000047"]
 TRAIN = {
@@ -754,9 +754,9 @@ def test_a_node_joins_with_train_join_and_the_two_nodes_make_one_process_s_steps
 def test_a_dflash2_drafter_trained_by_the_asset_decodes_losslessly_in_z_labs_loop(ranges, tmp_path):
     """`DFLASH_DRAFTER_ARCH=dflash2` from the shell's settings to the export in the store, which z-lab's own
     `DFlash2DraftModel` loads whole and `dflash_generate` decodes into the target's greedy output."""
+    from dflash_assets.bench.zlab import load_zlab_drafter, zlab_generate
     from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode
     from dflash_assets.target.model import load_target_model
-    from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate
 
     done, env = _train(ranges, tmp_path, "dflash2", "dflash2-run", train=SHORT, DFLASH_DRAFTER_ARCH="dflash2")
     assert done.returncode == 0, done.stderr[-4000:]

@@ -26,8 +26,8 @@ SETS = ("held_out", "chat_sharegpt", "chat_messages")
 COMPARED = ("held_out", "chat_messages", "chat_sharegpt")  # as `compare` lists a run's sets: held_out first
 PROMPTS, NEW_TOKENS = 4, 24
 # Two training steps: a drafter that barely learnt, which is what the floor beside it is for.
-TRAIN = {"max_steps": 2, "global_batch_size": 6, "num_anchors": 16, "eval_samples": 4, "spec_eval_prompts": 0,
-         "max_length": 256}  # fmt: skip
+# The trainer's checkpoint evaluation takes its prompts and budget from DFLASH_EVAL_PROMPTS/_NEW_TOKENS.
+TRAIN = {"max_steps": 2, "global_batch_size": 6, "num_anchors": 16, "eval_samples": 4, "max_length": 256}
 UNSEEN_ROWS = range(400, 406)  # the bundled data's rows past both trained ranges (0-47)
 SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
 
@@ -76,7 +76,8 @@ def evaluated(tmp_path_factory, demo_ranges, demo_model_dir):
     runs = {name: materialize_here("drafter_evaluations", name, env) for name in SETS}
     for name, run in runs.items():
         assert run.success, f"{name}: {run.output[-4000:]}"
-    return {"env": env, "store": open_store(store_url), "runs": runs, "model_dir": demo_model_dir}
+    return {"env": env, "store": open_store(store_url), "runs": runs, "model_dir": demo_model_dir,
+            "trained": trained}  # fmt: skip
 
 
 def _record(evaluated: dict, name: str) -> dict:
@@ -111,6 +112,17 @@ def test_each_set_reports_tau_beside_the_floor_and_every_output_is_the_targets_o
     )
 
 
+def test_the_trainers_final_figure_is_the_held_out_evaluations_tau_exactly(evaluated):
+    """One measurement, one held-out rule, the export's weights: the run's last curve point and its metadata's
+    τ are what `drafter_evaluations` measures on `held_out` at the same prompts and budget, to the bit."""
+    trained, measured = evaluated["trained"].metadata, evaluated["runs"]["held_out"].metadata
+    manifest = read_manifest(evaluated["store"], f"checkpoints/{RUN}")
+    record = _record(evaluated, "held_out")
+    assert trained["acceptance_length_tau"] == measured["tau"] == record["tau"]
+    assert manifest["curve"][-1]["tau"] == manifest["acceptance_length_tau"] == record["tau"]
+    assert trained["spec_matches_target_greedy"] is True and measured["lossless_prompts"] == PROMPTS
+
+
 def test_the_check_warns_when_the_drafter_is_below_the_floor_and_names_the_set_and_both_figures(evaluated):
     key = AssetCheckKey(AssetKey("drafter_evaluations"), "tau_at_least_floor")
     with open_instance(evaluated["env"]["DAGSTER_HOME"]) as instance:
@@ -129,11 +141,11 @@ def test_the_check_warns_when_the_drafter_is_below_the_floor_and_names_the_set_a
 
 def test_tau_is_what_z_labs_dflash_generate_measures_on_the_same_prompts(evaluated, tmp_path):
     """The product's loop against z-lab's own `dflash_generate` on the export: the same tokens per round."""
+    from dflash_assets.bench.zlab import load_zlab_drafter, zlab_generate
     from dflash_assets.drafter.speculative import stop_token_ids_of
     from dflash_assets.evaluation.loaders import load_prompt_set
     from dflash_assets.evaluation.runs import download_export, run_manifest
     from dflash_assets.target.model import load_target_model
-    from dflash_assets_tests.support.zlab import load_zlab_drafter, zlab_generate
 
     store, model_dir, env = evaluated["store"], evaluated["model_dir"], evaluated["env"]
     export = download_export(store, RUN, tmp_path / "export")
@@ -185,6 +197,12 @@ def test_compare_lists_the_run_with_every_set_as_text_markdown_and_json(evaluate
         assert (row["run"], row["tau"], row["floor_tau"]) == (RUN, record["tau"], record["floor_tau"])
         assert row["lossless_prompts"] == PROMPTS and row["stale"] is False
         assert row["steps"] == TRAIN["max_steps"] and row["parameters"] > 0
+        # What it trained on: the two ranges' 48 conversations less the 4 held out, and their answer tokens.
+        manifest = read_manifest(evaluated["store"], f"checkpoints/{RUN}")
+        assert (
+            row["training_conversations"] == manifest["training_conversations"] == 48 - TRAIN["eval_samples"]
+        )
+        assert row["training_answer_tokens"] == manifest["training_answer_tokens"] > 0
 
 
 def test_compare_of_a_run_never_trained_is_one_line_naming_it(evaluated):

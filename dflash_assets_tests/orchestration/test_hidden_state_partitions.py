@@ -16,7 +16,8 @@ import torch
 from dagster import AssetCheckKey, AssetKey, AssetRecordsFilter
 
 from dflash_assets.extraction.sample_format import read_sample
-from dflash_assets.storage.manifest import MANIFEST_NAME, changed_since_commit, read_manifest
+from dflash_assets.storage.layout import MANIFEST_NAME
+from dflash_assets.storage.manifest import changed_since_commit, read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import (
     TEST_SECRET_ACCESS_KEY,

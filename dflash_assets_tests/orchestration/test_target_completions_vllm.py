@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, parse_line
+from dflash_assets.generation.records import CompletionRecord, parse_line
+from dflash_assets.storage.layout import COMPLETIONS_NAME
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import make_dagster_home

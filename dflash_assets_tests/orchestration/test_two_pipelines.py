@@ -15,7 +15,8 @@ from dagster import AssetKey
 from transformers import AutoTokenizer
 
 from dflash_assets.conversations.shard import read_shard
-from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, parse_line
+from dflash_assets.generation.records import CompletionRecord, parse_line
+from dflash_assets.storage.layout import COMPLETIONS_NAME
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import aws_env, aws_env_set, create_bucket, make_dagster_home, open_instance
 from dflash_assets_tests.support.cli import IN_PROCESS, dagster, run_cli

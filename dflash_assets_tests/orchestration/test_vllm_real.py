@@ -15,8 +15,9 @@ import pytest
 from dflash_assets import settings
 from dflash_assets.generation.conversation import Regeneration, plan_regeneration
 from dflash_assets.generation.engine import TurnScheduler
-from dflash_assets.generation.records import COMPLETIONS_NAME, CompletionRecord, parse_line
+from dflash_assets.generation.records import CompletionRecord, parse_line
 from dflash_assets.generation.settings import GenerationSettings
+from dflash_assets.storage.layout import COMPLETIONS_NAME
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import make_dagster_home

@@ -6,23 +6,9 @@ import ast
 from pathlib import Path
 
 import dflash_assets
+from dflash_assets_tests.support.imports import imported_modules
 
 TEST_PACKAGE = "dflash_assets_tests"
-
-
-def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            # importlib.import_module("...") / __import__("...") with a literal name
-            name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
-            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-                found.append((node.lineno, node.args[0].value))
-    return found
 
 
 def test_no_product_module_imports_the_test_package():
@@ -32,7 +18,7 @@ def test_no_product_module_imports_the_test_package():
     offenders = [
         f"{path.relative_to(package_dir.parent)}:{line} imports {module}"
         for path in sources
-        for line, module in _imported_modules(ast.parse(path.read_text(), str(path)))
+        for line, module in imported_modules(ast.parse(path.read_text(), str(path)))
         if module == TEST_PACKAGE or module.startswith(TEST_PACKAGE + ".")
     ]
     assert offenders == []
@@ -41,4 +27,4 @@ def test_no_product_module_imports_the_test_package():
 def test_the_scan_sees_lazy_imports_inside_functions():
     # The old offence was an import inside a function body; the scan must not miss that shape.
     source = "def f():\n    from dflash_assets_tests.support.s3_server import start_moto_server\n"
-    assert (2, "dflash_assets_tests.support.s3_server") in _imported_modules(ast.parse(source))
+    assert (2, "dflash_assets_tests.support.s3_server") in imported_modules(ast.parse(source))

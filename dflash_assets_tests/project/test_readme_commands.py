@@ -136,6 +136,9 @@ def test_the_demo_ends_with_its_drafter_beside_the_free_floor_on_the_held_out_pr
     assert stored == after_up["store"] / "evaluations" / "drafter" / "held_out" / "evaluation.json"
     record = json.loads(stored.read_text())
     assert (f"{record['tau']:.3f}", f"{record['floor_tau']:.3f}") == (line.group(1), line.group(2))
+    # One τ for the demo's drafter: the trainer's last held-out figure is the evaluation's.
+    trained = re.search(r"acceptance length τ (\d+\.\d{3}) \(the fresh drafter", output)
+    assert trained and trained.group(1) == line.group(1), output[-3000:]
 
 
 def test_dg_the_dagster_cli_and_the_ui_load_one_code_location_with_one_asset_graph(tmp_path: Path):

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from dflash_assets.storage.layout import MANIFEST_NAME
 from dflash_assets.storage.manifest import (
-    MANIFEST_NAME,
     ManifestError,
     StoredPartition,
     changed_since_commit,

@@ -8,9 +8,9 @@ import threading
 import time
 from pathlib import Path
 
+from dflash_assets.storage.layout import MANIFEST_NAME
 from dflash_assets.storage.local_state import store_namespace
 from dflash_assets.storage.local_store import LocalStore
-from dflash_assets.storage.manifest import MANIFEST_NAME
 from dflash_assets.storage.open_store import open_store
 
 

@@ -10,13 +10,11 @@ import torch
 
 from dflash_assets.drafter.config import DrafterConfig
 from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.storage.layout import CHECKPOINT_MARKER_NAME, TRAINER_STATE_NAME, WEIGHTS_NAME
 from dflash_assets.storage.local_store import LocalStore
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.storage.store import ObjectInfo, ObjectStore
 from dflash_assets.training.checkpoints import (
-    MARKER_NAME,
-    MODEL_FILE,
-    TRAINER_STATE_FILE,
     CheckpointError,
     CheckpointFallbackWarning,
     CheckpointManager,
@@ -136,14 +134,14 @@ def test_the_completion_marker_is_written_after_every_file_of_the_checkpoint(tmp
     store = RecordingStore(tmp_path / "store")
     write_checkpoints(store, tmp_path / "work", [5])
     prefix = f"checkpoints/{RUN}/step_00000005/"
-    assert store.written[-1] == prefix + MARKER_NAME
-    assert {key.removeprefix(prefix) for key in store.written[:-1]} >= {MODEL_FILE, TRAINER_STATE_FILE}
+    assert store.written[-1] == prefix + CHECKPOINT_MARKER_NAME
+    assert {key.removeprefix(prefix) for key in store.written[:-1]} >= {WEIGHTS_NAME, TRAINER_STATE_NAME}
 
 
 def test_a_checkpoint_without_its_marker_is_ignored_with_a_warning(tmp_path: Path) -> None:
     store = open_store(str(tmp_path / "store"))
     write_checkpoints(store, tmp_path / "work", [2, 4])
-    store.delete(f"checkpoints/{RUN}/step_00000004/{MARKER_NAME}")  # as if killed mid-upload
+    store.delete(f"checkpoints/{RUN}/step_00000004/{CHECKPOINT_MARKER_NAME}")  # as if killed mid-upload
 
     with pytest.warns(CheckpointFallbackWarning, match="step_00000004 has no completion marker"):
         found = latest(store, RUN)
@@ -155,7 +153,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
 ) -> None:
     store = open_store(s3_store_url)
     write_checkpoints(store, tmp_path / "work", [3, 6])
-    key = f"checkpoints/{RUN}/step_00000006/{MODEL_FILE}"
+    key = f"checkpoints/{RUN}/step_00000006/{WEIGHTS_NAME}"
     store.put_bytes(key, b"\0" * len(store.get_bytes(key)))  # right size, garbage content
 
     with pytest.warns(CheckpointFallbackWarning, match="step_00000006 cannot be loaded"):

@@ -63,7 +63,9 @@ def test_after_the_warm_up_no_training_step_or_evaluation_compiles_anything(
         checkpoint_every_minutes=None,
         log_every_steps=1,
     )
-    monkeypatch.setattr("dflash_assets.training.evaluation.stop_token_ids_of", lambda target: set())
+    monkeypatch.setattr(
+        "dflash_assets.training.checkpoint_evaluation.stop_token_ids_of", lambda target: set()
+    )
     with flex_compiled_on_cpu(monkeypatch):
         trainer = DrafterTrainer(
             config,

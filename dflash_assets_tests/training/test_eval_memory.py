@@ -165,7 +165,7 @@ class SpareLease:
 
 def _train(config, capture, samples, tmp_path, monkeypatch, memory, spare=None, load_error=None):
     """Four steps with a checkpoint at step 2: three speculative evaluations (baseline, 2, 4)."""
-    import dflash_assets.training.evaluation as evaluation_module
+    import dflash_assets.training.checkpoint_evaluation as evaluation_module
     import dflash_assets.training.train as train_module
 
     loads: list[str] = []
@@ -227,7 +227,7 @@ def test_when_the_drafters_device_is_full_the_target_is_loaded_on_a_spare_leased
     spare = SpareLease("cpu:1")
     result, reports, loads, lines = _train(config, capture, samples, tmp_path, monkeypatch, memory, spare)
     assert loads == ["cpu:1"] * 3 and spare.entered == spare.released == 3
-    assert all(r["speculative"] and r["speculative"]["matches_target_greedy"] for r in reports)
+    assert all(r["speculative"] and r["speculative"]["mismatched"] == [] for r in reports)
     assert result.acceptance_length_tau is not None
     assert any("evaluating on the leased cpu:1" in line for line in lines)
 
@@ -259,7 +259,7 @@ class WatchedRelease:
     target, or a tensor a failed evaluation allocated, was still referenced."""
 
     def __init__(self, monkeypatch, fail_evaluation: bool = False):
-        import dflash_assets.training.evaluation as evaluation_module
+        import dflash_assets.training.checkpoint_evaluation as evaluation_module
         import dflash_assets.training.memory as memory_module
 
         self.loaded: list = []
@@ -310,14 +310,14 @@ def test_the_evaluations_target_is_no_longer_referenced_when_its_memory_is_relea
         assert len(watch.failed) == 3 and result.speculative is None
         assert sum("the speculative evaluation ran out of memory" in line for line in lines) == 3
     else:
-        assert all(r["speculative"] and r["speculative"]["matches_target_greedy"] for r in reports)
+        assert all(r["speculative"] and r["speculative"]["mismatched"] == [] for r in reports)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU the host is the device")
 def test_on_cuda_the_optimiser_state_waits_in_host_memory_while_the_target_is_loaded(
     config, capture, samples, tmp_path, monkeypatch
 ):
-    import dflash_assets.training.evaluation as evaluation_module
+    import dflash_assets.training.checkpoint_evaluation as evaluation_module
     import dflash_assets.training.train as train_module
 
     seen: list[set[str]] = []

@@ -13,7 +13,7 @@ from dflash_assets.training.settings import TrainSettings
 def test_the_speculative_evaluation_runs_a_small_target_on_one_thread_and_gives_training_its_threads_back(
     config, capture, samples, tmp_path, monkeypatch
 ):
-    import dflash_assets.training.evaluation as evaluation_module
+    import dflash_assets.training.checkpoint_evaluation as evaluation_module
     from dflash_assets.training.train import train_drafter
 
     in_evaluation: list[int] = []  # threads at each forward of the evaluation's target

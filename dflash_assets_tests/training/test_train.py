@@ -10,9 +10,9 @@ import torch
 
 from dflash_assets.conversations.samples import TokenizedSample
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.drafter.evaluate import evaluate_drafter
 from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.objective import estimate_step_bytes
+from dflash_assets.drafter.teacher_forced import evaluate_drafter
 from dflash_assets.extraction.capture import HiddenStateCapture
 from dflash_assets.storage.open_store import open_store
 from dflash_assets.training.data import OfflineData, OnlineData, collate_tokenized_samples
@@ -382,7 +382,7 @@ def test_the_target_is_loaded_for_each_speculative_evaluation_and_released_after
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import dflash_assets.training.evaluation as evaluation_module
+    import dflash_assets.training.checkpoint_evaluation as evaluation_module
     import dflash_assets.training.train as train_module
 
     loads = []
@@ -409,7 +409,7 @@ def test_the_target_is_loaded_for_each_speculative_evaluation_and_released_after
     trainer.train()
     # The baseline, step 2 and step 4: three evaluations, three loads, nothing held in between.
     assert [r["step"] for r in reports] == [0, 2, 4] and all(r["speculative"] for r in reports)
-    assert len(loads) == 3 and trainer.evaluator._speculative.verifier is None
+    assert len(loads) == 3 and trainer.evaluator.verifier is None
 
 
 def test_a_finished_run_materialised_again_reports_the_same_measured_acceptance(
@@ -419,7 +419,7 @@ def test_a_finished_run_materialised_again_reports_the_same_measured_acceptance(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import dflash_assets.training.evaluation as evaluation_module
+    import dflash_assets.training.checkpoint_evaluation as evaluation_module
 
     monkeypatch.setattr(evaluation_module, "stop_token_ids_of", lambda target: set())  # no tokenizer here
     settings = quick_settings(

@@ -18,8 +18,10 @@ from dflash_assets.orchestration.training import (
     manifest_fields,
     outcome_metadata,
     run_training,
+    training_data_size,
     training_job,
 )
+from dflash_assets.storage.layout import CHECKPOINTS_PREFIX
 from dflash_assets.storage.manifest import StoredPartition
 
 
@@ -66,7 +68,13 @@ def drafter_checkpoints_asset() -> AssetsDefinition:
         for warning in launch_warnings(train.global_batch_size, launch):
             context.log.warning(warning)
         outcome = run_training(job, launch, spec, StepReports(context), run_id=context.run.run_id)
-        context.add_output_metadata(outcome_metadata(outcome, job, node))
-        return PartitionOutput(prefix=f"checkpoints/{job.run}", manifest_fields=manifest_fields(outcome, job))
+        size = training_data_size(
+            tokenized, outcome["trained_sample_ranges"], job.settings["max_length"], store.read_cache_dir()
+        )
+        context.add_output_metadata({**outcome_metadata(outcome, job, node), **size})
+        return PartitionOutput(
+            prefix=f"{CHECKPOINTS_PREFIX}/{job.run}",
+            manifest_fields={**manifest_fields(outcome, job), **size},
+        )
 
     return drafter_checkpoints

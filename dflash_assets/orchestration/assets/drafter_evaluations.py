@@ -29,6 +29,7 @@ from dflash_assets.orchestration.resources import (
     StoreResource,
     TargetModelResource,
 )
+from dflash_assets.storage.layout import DRAFTER_PREFIX, EVALUATION_NAME, evaluation_prefix
 
 CHECK_NAME = "tau_at_least_floor"
 
@@ -103,7 +104,6 @@ def drafter_evaluations_asset() -> AssetsDefinition:
         devices: DeviceLeaseResource,
     ):
         from dflash_assets.evaluation.report import above_floor, check_description, summary_line
-        from dflash_assets.evaluation.runs import evaluation_prefix
 
         object_store = store.check()
         run, name = config.run, context.partition_key
@@ -111,13 +111,13 @@ def drafter_evaluations_asset() -> AssetsDefinition:
             context, config, object_store, store, target_model, devices, run=run, set_name=name
         )
         prefix = evaluation_prefix(run, name)
-        staged = store.staging_path(prefix) / "evaluation.json"
+        staged = store.staging_path(prefix) / EVALUATION_NAME
         staged.parent.mkdir(parents=True, exist_ok=True)
         staged.write_text(json.dumps(record, indent=1) + "\n")
         context.log.info(summary_line(record))
         yield Output(
             PartitionOutput(
-                staged_files={"evaluation.json": staged},
+                staged_files={EVALUATION_NAME: staged},
                 prefix=prefix,
                 manifest_fields={
                     "run": run,
@@ -126,7 +126,7 @@ def drafter_evaluations_asset() -> AssetsDefinition:
                     "floor_tau": record["floor_tau"],
                 },
             ),
-            metadata=evaluation_metadata(record, object_store.uri(f"{prefix}/evaluation.json")),
+            metadata=evaluation_metadata(record, object_store.uri(f"{prefix}/{EVALUATION_NAME}")),
         )
         yield AssetCheckResult(
             check_name=CHECK_NAME,
@@ -155,7 +155,7 @@ def evaluate_run_on_set(
 
     from dflash_assets.evaluation import runs
     from dflash_assets.evaluation.loaders import load_prompt_set, loaded_for_evaluation
-    from dflash_assets.evaluation.measure import measure_prompt_set
+    from dflash_assets.evaluation.measure import measure_beside_floor
     from dflash_assets.evaluation.report import build_record
 
     started = time.monotonic()
@@ -186,7 +186,7 @@ def evaluate_run_on_set(
         loaded_for_evaluation(target_model.model_dir(), export_dir, device) as loaded,
     ):
         verifier, drafter, stops = loaded
-        measured = measure_prompt_set(
+        measured = measure_beside_floor(
             verifier, drafter, prompt_set, max_new_tokens=new_tokens, stop_token_ids=stops, log=log
         )
     return build_record(
@@ -194,7 +194,7 @@ def evaluate_run_on_set(
         prompt_set=prompt_set,
         measured=measured,
         run_manifest=manifest,
-        drafter_uri=object_store.uri(f"{runs.DRAFTER_PREFIX}/{run}"),
+        drafter_uri=object_store.uri(f"{DRAFTER_PREFIX}/{run}"),
         export_identity=identity,
         target_model=target_model.name,
         max_new_tokens=new_tokens,

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from dflash_assets import settings
 from dflash_assets.conversations.sample_range import SampleRange
-from dflash_assets.conversations.shard import SHARD_NAME, write_shard
+from dflash_assets.conversations.shard import write_shard
 from dflash_assets.conversations.tokenize import TokenizeResult, tokenize_range
 from dflash_assets.orchestration.capacity_plan import range_plan_metadata
 from dflash_assets.orchestration.execution.k8s import cpu_step_tags
@@ -24,6 +24,7 @@ from dflash_assets.orchestration.partitions import SAMPLE_RANGES
 from dflash_assets.orchestration.redaction import redacted
 from dflash_assets.orchestration.resources import DatasetResource, StoreResource, TargetModelResource
 from dflash_assets.orchestration.training import announce_drafter
+from dflash_assets.storage.layout import COMPLETIONS_NAME, SHARD_NAME
 from dflash_assets.storage.manifest import StoredPartition, partition_prefix
 
 
@@ -60,7 +61,6 @@ def _tokenize(
             layout=dataset.layout(),
         )
         return result, {"completions": "dataset", "dataset": dataset.uri()}
-    from dflash_assets.generation.records import COMPLETIONS_NAME
     from dflash_assets.generation.tokenized import tokenize_completions
 
     generation = completions.manifest.get("generation", {})

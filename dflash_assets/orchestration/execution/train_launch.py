@@ -32,6 +32,7 @@ from dflash_assets.orchestration.execution.launched import (
     wait_for_free_devices,
 )
 from dflash_assets.orchestration.resources import DeviceLeaseResource, StoreResource, TargetModelResource
+from dflash_assets.storage.layout import LAUNCH_PREFIX
 
 if TYPE_CHECKING:  # the code location loads this module; torch comes only with a run
     from dflash_assets.training.job import TrainingJob
@@ -384,9 +385,6 @@ def node_spec(
 
 
 # ------------------------------------------------------------------------------------------ other nodes
-
-
-LAUNCH_PREFIX = "config/training-launch"
 
 
 def launch_key(run: str) -> str:

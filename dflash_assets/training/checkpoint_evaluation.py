@@ -1,5 +1,8 @@
 """The evaluations a run makes at each checkpoint (and of its untrained weights): the teacher-forced loss
-and acceptance on the held-out samples, and acceptance measured by speculative decoding with the target.
+and acceptance on the held-out samples, and acceptance measured by speculative decoding with the target
+through the one measurement (`evaluation/measure.py`), on the prompts of the one held-out rule
+(`evaluation/prompt_sets.held_out_prompt_set`) and with the weights rounded as the export stores them: so
+the curve's last point is what `drafter_evaluations` measures on `held_out` at the same prompts and budget.
 
 Every rank evaluates its share and the ranks add their sums (`distributed.py`'s object collectives,
 waiting with the long timeout): the held-out samples are split as a training batch is (balanced by
@@ -18,17 +21,14 @@ from typing import Any
 import torch
 
 from dflash_assets.drafter.config import DrafterConfig
-from dflash_assets.drafter.evaluate import BlockMetrics, block_metrics
+from dflash_assets.drafter.export import weights_as_exported
 from dflash_assets.drafter.model import DFlashDrafter
 from dflash_assets.drafter.objective import DrafterBatch
-from dflash_assets.drafter.speculative import (
-    SpeculativeEvaluator,
-    TargetVerifier,
-    combine_results,
-    held_out_prompts,
-    spread_over_lengths,
-    stop_token_ids_of,
-)
+from dflash_assets.drafter.speculative import TargetVerifier, stop_token_ids_of
+from dflash_assets.drafter.teacher_forced import BlockMetrics, block_metrics
+from dflash_assets.evaluation.loaders import max_prompt_tokens
+from dflash_assets.evaluation.measure import combine_figures, greedy_reference, measure
+from dflash_assets.evaluation.prompt_sets import Prompt, PromptSet, held_out_prompt_set
 from dflash_assets.target.model import load_target_model
 from dflash_assets.target.threads import decoding_threads
 from dflash_assets.training.distributed import SingleProcess
@@ -68,8 +68,9 @@ class Evaluator:
         self._target_verifier = target_verifier
         self._device_memory = device_memory or TorchDeviceMemory()
         self._spare_device = spare_device
-        self._prompts: list[list[int]] | None = None  # from the first evaluation's held-out rows
-        self._speculative: SpeculativeEvaluator | None = None
+        self.prompts: PromptSet | None = None  # from the first evaluation's held-out rows
+        self.verifier: TargetVerifier | None = None  # None between evaluations, where the target is released
+        self._greedy: list[list[int]] | None = None  # the target's own output of this rank's prompts
 
     def evaluate(self, model: DFlashDrafter, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """`{"teacher_forced": ..., "speculative": ...}` on the held-out samples (None without any), the
@@ -81,7 +82,7 @@ class Evaluator:
 
         def remember(stream: Iterator[DrafterBatch]) -> Iterator[DrafterBatch]:
             for batch in stream:
-                if self._prompts is None:  # the first evaluation: keep the tokens, not the states
+                if self.prompts is None:  # the first evaluation: keep the tokens, not the states
                     for row, length in enumerate(batch.lengths.tolist()):
                         ids, mask = batch.input_ids[row, :length], batch.loss_mask[row, :length]
                         rows.append((batch.sample_indices[row], ids.tolist(), mask.tolist()))
@@ -96,21 +97,25 @@ class Evaluator:
                 seed=self.settings.seed,
                 tokens_per_anchor=self.settings.tokens_per_anchor,
             )
-        first = self._prompts is None
+        first = self.prompts is None
         gathered = self.collective.all_gather_object((metrics.totals(), rows if first else []), long=True)
         teacher_forced = BlockMetrics.summed(model.config.block_size, [g[0] for g in gathered]).as_dict()
         if first:
-            every_row = sorted(row for g in gathered for row in g[1])  # by sample index: any world size
-            limit = max(1, self.settings.max_length - self.settings.spec_eval_max_new_tokens)
-            prompts = held_out_prompts([r[1] for r in every_row], [r[2] for r in every_row], limit)
-            self._prompts = spread_over_lengths(prompts, self.settings.spec_eval_prompts)
+            every_row = [row for g in gathered for row in g[1]]  # the rule orders them: any world size
+            self.prompts = held_out_prompt_set(
+                every_row,
+                count=self.settings.spec_eval_prompts,
+                max_prompt_tokens=max_prompt_tokens(
+                    self.config.target_model, self.settings.spec_eval_max_new_tokens
+                ),
+            )
         mine = self._speculative_decoding(model, optimizer)
-        speculative = combine_results(self.collective.all_gather_object(mine, long=True))
-        if speculative is not None and not speculative["matches_target_greedy"]:
+        speculative = combine_figures(self.collective.all_gather_object(mine, long=True))
+        if speculative is not None and speculative["mismatched"]:
             self.log(
                 "WARNING: speculative decoding differs from the target's greedy decoding on held-out "
-                f"prompts {speculative['mismatched_prompts']} (ties in the target's logits, or a "
-                "verification bug)"
+                f"prompts {[item['prompt'] for item in speculative['mismatched']]} (ties in the target's "
+                "logits, or a verification bug)"
             )
         return {"teacher_forced": teacher_forced, "speculative": speculative}
 
@@ -122,23 +127,21 @@ class Evaluator:
         for batch in micro:
             yield self.source.collate([next(samples) for _ in batch])
 
-    def _my_prompts(self) -> list[tuple[int, list[int]]]:
-        """(index among the evaluated prompts, prompt) of this rank's share."""
-        prompts = (self._prompts or [])[: self.settings.spec_eval_prompts]
+    def _my_prompts(self) -> list[Prompt]:
+        """This rank's share of the held-out prompts: prompt i on rank i mod the world size."""
+        prompts = self.prompts.prompts if self.prompts is not None else []
         world, rank = self.collective.world_size, self.collective.rank
-        return [(i, prompt) for i, prompt in enumerate(prompts) if i % world == rank]
+        return [prompt for i, prompt in enumerate(prompts) if i % world == rank]
 
     def _speculative_decoding(
         self, model: DFlashDrafter, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any] | None:
-        mine = self._my_prompts()
-        prompts = [prompt for _, prompt in mine]
+        prompts = self._my_prompts()
         if not prompts:
             return None
         self._report(f"speculative decoding with the target on {len(prompts)} held-out prompts")
         if self._target_verifier is not None:
-            verifier = self._speculative.verifier if self._speculative is not None else None
-            return self._decode(model, verifier or self._target_verifier(), prompts)
+            return self._decode(model, self.verifier or self._target_verifier(), prompts)
         # Offline, the target is loaded for this evaluation only and its memory given back to training
         # after it (a 27B target is ~54 GB in bf16); it is loaded again at the next checkpoint. Where it
         # does not fit, the evaluation is skipped with a warning, never the run.
@@ -148,7 +151,7 @@ class Evaluator:
                 load_target_model(self.config.target_model, device), self.config.target_layer_ids
             ),
             target_model=self.config.target_model,
-            prompts=prompts,
+            prompts=[prompt.token_ids for prompt in prompts],
             new_tokens=self.settings.spec_eval_max_new_tokens,
             drafter_device=self.settings.device,
             optimizer=optimizer,
@@ -160,23 +163,30 @@ class Evaluator:
                 try:
                     result = target.run(lambda verifier: self._decode(model, verifier, prompts))
                 finally:
-                    if self._speculative is not None:
-                        self._speculative.verifier = None
+                    self.verifier = None
         return result
 
     def _decode(
-        self, model: DFlashDrafter, verifier: TargetVerifier, prompts: list[list[int]]
+        self, model: DFlashDrafter, verifier: TargetVerifier, prompts: list[Prompt]
     ) -> dict[str, Any]:
-        if self._speculative is None:
-            self._speculative = SpeculativeEvaluator(
-                verifier,
-                prompts,
-                max_new_tokens=self.settings.spec_eval_max_new_tokens,
-                stop_token_ids=stop_token_ids_of(self.config.target_model),
-            )
-        else:
-            self._speculative.verifier = verifier
+        """The one measurement of this rank's prompts, with the weights as the export will hold them; the
+        target's greedy output of them is decoded at the first evaluation and reused."""
+        self.verifier = verifier
+        stops = stop_token_ids_of(self.config.target_model)
+        new_tokens = self.settings.spec_eval_max_new_tokens
         with self._autocast(), decoding_threads(verifier.model):  # one thread for a small CPU target
-            result = self._speculative.evaluate(model)
-        numbering = [index for index, _ in self._my_prompts()]  # this rank's prompts, in every rank's numbers
-        return {**result, "mismatched_prompts": [numbering[i] for i in result["mismatched_prompts"]]}
+            if self._greedy is None:
+                self._greedy = greedy_reference(
+                    verifier, prompts, max_new_tokens=new_tokens, stop_token_ids=stops
+                )
+            with weights_as_exported(model):
+                figures = measure(
+                    model,
+                    verifier,
+                    prompts,
+                    self._greedy,
+                    max_new_tokens=new_tokens,
+                    stop_token_ids=stops,
+                    block_size=model.config.block_size,
+                )
+        return figures.as_dict()

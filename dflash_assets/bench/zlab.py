@@ -1,5 +1,6 @@
-"""z-lab's `dflash` package (0.1.0 on PyPI) as the tests drive it: the real client of the export, its own
-`from_pretrained` and `dflash_generate`, installed by `scripts/setup.sh` for the tests only.
+"""z-lab's `dflash` package (0.1.0 on PyPI), the real client of an export: its own `from_pretrained` and
+`dflash_generate`, run beside the product's loop by the tests and the benchmark scripts. Never a dependency
+of the product: `scripts/setup.sh` installs it, and it is imported only when one of these is called.
 
 Two things it cannot do on this machine as shipped, and what is given to it instead (nothing else):
 - `dflash_generate(..., return_stats=True)` times itself with `torch.cuda.synchronize()`, which a CPU
@@ -13,18 +14,44 @@ Two things it cannot do on this machine as shipped, and what is given to it inst
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
 
+ZLAB_PACKAGE = "dflash==0.1.0"
+
+
+class ZlabMissing(RuntimeError):
+    """z-lab's `dflash` package is not installed: one line naming the command that installs it."""
+
+
+def require_zlab() -> None:
+    """Raise `ZlabMissing` unless z-lab's `dflash` package can be imported."""
+    if importlib.util.find_spec("dflash") is None:
+        raise ZlabMissing(
+            "z-lab's `dflash` package is not installed: run "
+            f"`python -m pip install --no-deps {ZLAB_PACKAGE}` (scripts/setup.sh installs it)"
+        )
+
+
+def _zlab_model() -> ModuleType:
+    require_zlab()
+    import dflash.model
+
+    return dflash.model
+
 
 @contextlib.contextmanager
-def _runnable_here(block_size: int) -> Iterator[object]:
-    import dflash.model as zlab
+def _runnable_here(block_size: int) -> Iterator[ModuleType]:
     from transformers import DynamicCache
+
+    zlab = _zlab_model()
 
     def make_cache(config: object) -> DynamicCache:
         cache = DynamicCache(config=config)
@@ -44,13 +71,10 @@ def load_zlab_drafter(
 ) -> tuple[nn.Module, dict]:
     """The export as z-lab's own class for its architecture loads it, on `device` in `dtype` (the target's:
     the drafter reads its hidden states): (model, loading info)."""
-    import json
-
-    from dflash import DFlash2DraftModel, DFlashDraftModel
-
+    zlab = _zlab_model()
     architecture = json.loads((Path(directory) / "config.json").read_text())["architectures"][0]
-    cls = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel}[architecture]
-    model, info = cls.from_pretrained(str(directory), output_loading_info=True, dtype=dtype)
+    classes = {"DFlashDraftModel": zlab.DFlashDraftModel, "DFlash2DraftModel": zlab.DFlash2DraftModel}
+    model, info = classes[architecture].from_pretrained(str(directory), output_loading_info=True, dtype=dtype)
     return model.to(device).eval(), info
 
 
