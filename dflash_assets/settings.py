@@ -310,6 +310,13 @@ TRAIN_MAX_STEPS = Setting(
     "Exactly this many optimiser steps, over as many epochs as it takes. Empty: the recipe's epochs decide "
     "(with the bundled dataset: 240 steps).",
 )
+TRAIN_CPU_BF16 = Setting(
+    "DFLASH_TRAIN_CPU_BF16",
+    "0",
+    "`1`: on a CPU that multiplies bf16 matrices in hardware (AMX or AVX-512 BF16), train under the same "
+    "bf16 autocast as on CUDA (float32 master weights): about 1.7x the steps a second on SmolLM2's drafter. "
+    "Off by default: on a CPU a run is otherwise exact to float32. Ignored, with a line, on a CPU without.",
+)
 TRAIN_UNTIL_FLAT = Setting(
     "DFLASH_TRAIN_UNTIL_FLAT",
     "0",
@@ -703,10 +710,11 @@ def samples_per_partition() -> int:
 # a run sets for them travels with the run (`orchestration/execution/executor.py`), so a step on another
 # node (Celery) trains as the run was launched, with the node's own devices, directories and credentials.
 RUN_SETTINGS = (
-    TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_UNTIL_FLAT, TRAIN_GLOBAL_BATCH_SIZE, TRAIN_NPROC_PER_NODE,
-    TRAIN_NNODES, TRAIN_RDZV_PORT, TRAIN_RDZV_TIMEOUT_S, TRAIN_COLLECTIVE_TIMEOUT_S, TRAIN_EVAL_TIMEOUT_S,
-    TRAIN_MAX_RESTARTS, RUN_NAME, CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES, MASK_TOKEN_ID,
-    DRAFTER_SHAPE, TARGET_TP, DRAFTER_ARCH, DRAFTER_LOSS, DPACE_ALPHA, BLOCK_SIZE, DRAFTER_INIT,
+    TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_UNTIL_FLAT, TRAIN_CPU_BF16, TRAIN_GLOBAL_BATCH_SIZE,
+    TRAIN_NPROC_PER_NODE, TRAIN_NNODES, TRAIN_RDZV_PORT, TRAIN_RDZV_TIMEOUT_S, TRAIN_COLLECTIVE_TIMEOUT_S,
+    TRAIN_EVAL_TIMEOUT_S, TRAIN_MAX_RESTARTS, RUN_NAME, CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES,
+    MASK_TOKEN_ID, DRAFTER_SHAPE, TARGET_TP, DRAFTER_ARCH, DRAFTER_LOSS, DPACE_ALPHA, BLOCK_SIZE,
+    DRAFTER_INIT,
 )  # fmt: skip
 
 

@@ -83,6 +83,7 @@ REPRODUCE_SETTINGS = {
     "DFLASH_MAX_LENGTH": "2048",
     "DFLASH_SAMPLES_PER_PARTITION": "1000",
     "DFLASH_TRAIN_UNTIL_FLAT": "1",
+    "DFLASH_TRAIN_CPU_BF16": "1",  # ~1.7x the steps a second where the CPU has bf16 units; else ignored
     "DFLASH_EVAL_PROMPTS": "64",
     "DFLASH_EVAL_NEW_TOKENS": "64",
 }

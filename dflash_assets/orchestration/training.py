@@ -42,6 +42,10 @@ class TrainConfig(Config):
         description="Exactly this many optimiser steps (DFLASH_TRAIN_MAX_STEPS; 0: the epochs decide).",
     )
     epochs: int | None = Field(default=None, description="Passes over the data (the recipe: 6).")
+    cpu_bf16_autocast: bool | None = Field(
+        default=None,
+        description="On a CPU with bf16 matrix units, train under bf16 autocast (DFLASH_TRAIN_CPU_BF16).",
+    )
     until_flat: bool | None = Field(
         default=None,
         description="Stop once the held-out tau curve is flat, max_steps (or the epochs) the cap, and export "
@@ -149,6 +153,7 @@ class TrainConfig(Config):
             "block_size": self.block(),
             "drafter_init": chosen(self.drafter_init, settings.DRAFTER_INIT.get),
             "until_flat": until_flat,
+            "cpu_bf16_autocast": chosen(self.cpu_bf16_autocast, settings.TRAIN_CPU_BF16.get_bool),
             # The curve's prompts and budget are drafter_evaluations': its last point is the held_out τ.
             "spec_eval_prompts": chosen(self.spec_eval_prompts, settings.EVAL_PROMPTS.get_int),
             "spec_eval_max_new_tokens": chosen(

@@ -174,7 +174,9 @@ class Evaluator:
         self.verifier = verifier
         stops = stop_token_ids_of(self.config.target_model)
         new_tokens = self.settings.spec_eval_max_new_tokens
-        with self._autocast(), decoding_threads(verifier.model):  # one thread for a small CPU target
+        # On a CPU the export is measured in float32 without autocast (`evaluation/loaders.py`): so is this.
+        autocast = self._autocast() if model.device.type == "cuda" else contextlib.nullcontext()
+        with autocast, decoding_threads(verifier.model):  # one thread for a small CPU target
             if self._greedy is None:
                 self._greedy = greedy_reference(
                     verifier, prompts, max_new_tokens=new_tokens, stop_token_ids=stops

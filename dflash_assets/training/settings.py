@@ -15,6 +15,7 @@ TRAJECTORY_SETTINGS = (
     "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
     "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "tokens_per_anchor",
     "gamma", "seed", "eval_samples", "loss", "dpace_alpha", "drafter_init", "distill_weight",
+    "cpu_bf16_autocast",
 )  # fmt: skip
 
 
@@ -66,7 +67,8 @@ class TrainSettings:
     spec_eval_max_new_tokens: int = 64
     device: str = "cpu"  # the drafter's device; online targets may live elsewhere
     attention: str = "auto"  # drafter attention: "flex" (CUDA's fused kernel), "materialised", "auto"
-    bf16_autocast: bool = True  # CUDA only: float32 master weights, bf16 matmuls
+    bf16_autocast: bool = True  # CUDA: float32 master weights, bf16 matmuls
+    cpu_bf16_autocast: bool = False  # the same on a CPU with bf16 matrix units (AMX, AVX-512 BF16)
     max_consecutive_nonfinite: int = 10  # skipped non-finite steps in a row before giving up
 
     def __post_init__(self) -> None:

@@ -214,7 +214,9 @@ class DrafterTrainer:
         # on their way to the store, and a resume reads the node's one copy there.
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.work_dir / "checkpoints"
         self.device = torch.device(settings.device)
-        self.autocast_bf16 = self.device.type == "cuda" and settings.bf16_autocast
+        self.autocast_bf16 = settings.bf16_autocast and (
+            self.device.type == "cuda" or (self.device.type == "cpu" and cpu_bf16_wanted(settings, self.log))
+        )
         self.stats_device = self.device if self.device.type == "cuda" else torch.device("cpu")
 
         # Data: a fixed held-out set (rank 0 evaluates it), then one shuffled order of global batches per
@@ -356,7 +358,7 @@ class DrafterTrainer:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     # -- resume
@@ -968,6 +970,20 @@ class DrafterTrainer:
             stop_reason=self.stop_reason or self._cap_reason(),
             exported_step=self.best["step"] if self.until_flat and self.best is not None else self.step,
         )
+
+
+def cpu_bf16_wanted(settings: TrainSettings, log: Callable[[str], None]) -> bool:
+    """Whether a CPU run trains under bf16 autocast: asked for (`cpu_bf16_autocast`) and the CPU multiplies
+    bf16 in hardware; asked for on a CPU without, it says so and trains in float32 (the reference kernel
+    would be slower than float32, not faster)."""
+    from dflash_assets.target.bf16_matmul import cpu_has_bf16_matmul
+
+    if not settings.cpu_bf16_autocast:
+        return False
+    if cpu_has_bf16_matmul():
+        return True
+    log("cpu_bf16_autocast: this CPU has no bf16 matrix units (AMX, AVX-512 BF16): training in float32")
+    return False
 
 
 def evaluation_point(step: int, result: dict[str, Any] | None) -> dict[str, Any]:

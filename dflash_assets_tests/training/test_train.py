@@ -438,3 +438,40 @@ def test_a_finished_run_materialised_again_reports_the_same_measured_acceptance(
     assert first.acceptance_length_tau is not None and first.teacher_forced_tau is not None
     assert again.acceptance_length_tau == first.acceptance_length_tau  # measured, not left blank
     assert again.teacher_forced_tau == first.teacher_forced_tau
+
+
+@pytest.mark.parametrize("has_bf16_units", [True, False])
+def test_on_a_cpu_with_bf16_units_training_can_run_under_bf16_autocast_and_says_when_it_cannot(
+    config: DrafterConfig,
+    capture: HiddenStateCapture,
+    samples: list[TokenizedSample],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    has_bf16_units: bool,
+) -> None:
+    import dflash_assets.target.bf16_matmul as bf16_matmul
+    import dflash_assets.training.train as train_module
+
+    monkeypatch.setattr(bf16_matmul, "cpu_has_bf16_matmul", lambda: has_bf16_units)
+    seen: list[torch.dtype] = []
+    real_loss = train_module.dflash_loss
+
+    def watched_loss(model, *args, **kwargs):  # the dtype a matmul of the step gives
+        seen.append((torch.ones(2, 2) @ torch.ones(2, 2)).dtype)
+        return real_loss(model, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "dflash_loss", watched_loss)
+    lines: list[str] = []
+    result = train_drafter(
+        config,
+        quick_settings(max_steps=2, eval_samples=0, cpu_bf16_autocast=True),
+        OnlineData(samples, capture),
+        store=open_store(str(tmp_path / "store")),
+        run="cpu-bf16",
+        work_dir=tmp_path / "work",
+        log=lines.append,
+    )
+    assert result.steps == 2 and result.final_loss is not None
+    assert set(seen) == {torch.bfloat16 if has_bf16_units else torch.float32}
+    assert any("no bf16 matrix units" in line for line in lines) is not has_bf16_units
+    assert all(p.dtype == torch.float32 for p in result.model.parameters())  # master weights stay fp32
