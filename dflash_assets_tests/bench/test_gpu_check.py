@@ -57,10 +57,10 @@ def test_the_dry_run_starts_every_stage_and_writes_each_figure_where_the_docs_sa
     table = (out / "yardstick.md").read_text().splitlines()
     assert table[0].startswith("| run | set |")
     assert [row.split(" | ")[:2] for row in table[2:4]] == [
-        ["| dflash2-dpace-8", "held_out"],
-        ["| dflash2-dpace-8", "later"],
+        ["| default-recipe", "held_out"],
+        ["| default-recipe", "sharegpt_later"],
     ]
-    assert any(line.startswith("- dflash2-dpace-8: steps 0 / 1 / 2: τ ") for line in table)
+    assert any(line.startswith("- default-recipe: steps 0 / 1 / 2: τ ") for line in table)
 
 
 def test_a_failing_stage_fails_the_script_naming_it_and_showing_its_last_lines(tmp_path):
