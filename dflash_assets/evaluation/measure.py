@@ -16,6 +16,8 @@ The greedy reference depends only on the target, the prompts and the budget: it 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -168,6 +170,23 @@ def measure(
     return loop_figures(prompts, results, greedy, block_size, time.monotonic() - started)
 
 
+def reference_identity(
+    target: str, precision: str, prompts: Sequence[Prompt], *, max_new_tokens: int, stop_token_ids: set[int]
+) -> str:
+    """What the target's greedy output of `prompts` and prompt lookup's figures on them depend on, as a
+    digest: the target (its name and revision), the precision it runs at (float32 on a CPU, bf16 on a
+    GPU: the greedy output differs), every prompt's tokens, the budget and the stop tokens. Any change is
+    another identity, so a stored reference is never used for what it was not made from."""
+    made_of = {
+        "target": target,
+        "precision": precision,
+        "prompts": [prompt.token_ids for prompt in prompts],
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": sorted(stop_token_ids),
+    }
+    return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:32]
+
+
 def measure_beside_floor(
     verifier: TargetVerifier,
     drafter: Any,  # a DFlashDrafter (its block size is the floor's)
@@ -176,26 +195,34 @@ def measure_beside_floor(
     max_new_tokens: int,
     stop_token_ids: set[int],
     log: Callable[[str], None] = print,
+    reference: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`{"drafter": LoopFigures, "floor": LoopFigures, "ratio", "greedy_seconds"}` (figures as dicts) of
-    `drafter` and prompt lookup at its block size on every prompt of `prompt_set`."""
+    """`{"drafter": LoopFigures, "floor": LoopFigures, "ratio", "greedy_seconds", "reference",
+    "reference_reused"}` (figures as dicts) of `drafter` and prompt lookup at its block size on every
+    prompt of `prompt_set`. `reference` (`{"greedy", "floors"}`, what an earlier evaluation of the same
+    `reference_identity` returned) saves the target's greedy decoding and, at the same block size, the
+    floor's: only the drafter's loop runs. The returned `reference` is what to keep for the next one."""
     block_size = int(drafter.config.block_size)
+    reference = {"greedy": None, "floors": {}, **(reference or {})}
+    greedy = reference["greedy"]
+    reused = greedy is not None and len(greedy) == len(prompt_set.prompts)
     started = time.monotonic()
-    log(
-        f"{prompt_set.name}: the target's greedy output of {len(prompt_set.prompts)} prompts, "
-        f"{max_new_tokens} tokens each"
-    )
-    greedy = greedy_reference(
-        verifier, prompt_set.prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
-    )
+    if not reused:
+        log(
+            f"{prompt_set.name}: the target's greedy output of {len(prompt_set.prompts)} prompts, "
+            f"{max_new_tokens} tokens each"
+        )
+        greedy = greedy_reference(
+            verifier, prompt_set.prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids
+        )
+        reference = {"greedy": greedy, "floors": {}}
+    else:
+        log(f"{prompt_set.name}: the target's greedy output of these prompts, as decoded before")
     greedy_seconds = time.monotonic() - started
-    figures = {}
-    for who, proposer in (
-        ("the drafter", drafter),
-        (f"prompt lookup (block {block_size})", PromptLookup(block_size)),
-    ):
+
+    def decode(who: str, proposer: Any) -> LoopFigures:
         log(f"{prompt_set.name}: decoding with {who}")
-        figures[who] = measure(
+        return measure(
             proposer,
             verifier,
             prompt_set.prompts,
@@ -204,11 +231,21 @@ def measure_beside_floor(
             stop_token_ids=stop_token_ids,
             block_size=block_size,
         )
-    trained, floor = figures.values()
-    ratio = trained.tau / floor.tau if trained.tau is not None and floor.tau else None
+
+    trained = decode("the drafter", drafter)
+    floor = reference["floors"].get(str(block_size))
+    if floor is None:
+        floor = {"drafter": FLOOR, "block_size": block_size}
+        floor |= decode(f"prompt lookup (block {block_size})", PromptLookup(block_size)).as_dict()
+        reference["floors"] = {**reference["floors"], str(block_size): floor}
+    else:
+        log(f"{prompt_set.name}: prompt lookup (block {block_size}) as measured before on these prompts")
+    ratio = trained.tau / floor["tau"] if trained.tau is not None and floor["tau"] else None
     return {
         "drafter": trained.as_dict(),
-        "floor": {"drafter": FLOOR, "block_size": block_size, **floor.as_dict()},
+        "floor": floor,
         "ratio": ratio,
         "greedy_seconds": round(greedy_seconds, 2),
+        "reference": reference,
+        "reference_reused": reused,
     }

@@ -65,6 +65,8 @@ def build_record(
         "drafter": drafter,
         "floor": floor,
         "greedy_seconds": measured["greedy_seconds"],
+        # The target's greedy output (and the floor at this block) read from the stored reference.
+        "reference_reused": bool(measured.get("reference_reused")),
         "seconds": round(seconds, 1),
     }
 

@@ -14,6 +14,7 @@ from dflash_assets.storage.layout import (
     CHECKPOINTS_PREFIX,
     DRAFTER_PREFIX,
     EVALUATION_NAME,
+    REFERENCES_PREFIX,
     TOKENIZED_PREFIX,
     WEIGHTS_NAME,
     evaluation_prefix,
@@ -46,6 +47,25 @@ def read_evaluation(store: ObjectStore, run: str, prompt_set: str) -> dict[str, 
     if read_manifest(store, prefix) is None:
         return None
     return json.loads(bytes(store.get_bytes(f"{prefix}/{EVALUATION_NAME}")))
+
+
+def read_reference(store: ObjectStore, identity: str) -> dict[str, Any] | None:
+    """A prompt set's stored reference (`evaluation-references/<identity>.json`: the target's greedy output
+    and prompt lookup's figures, `measure.reference_identity`), or None where none is stored or it does not
+    read whole (then it is made again)."""
+    from dflash_assets.storage.store import ObjectNotFound
+
+    try:
+        reference = json.loads(bytes(store.get_bytes(f"{REFERENCES_PREFIX}/{identity}.json")))
+    except (ObjectNotFound, ValueError):
+        return None
+    return reference if isinstance(reference, dict) and isinstance(reference.get("greedy"), list) else None
+
+
+def write_reference(store: ObjectStore, identity: str, reference: dict[str, Any]) -> None:
+    """Keep a prompt set's reference for the next evaluation of the same identity (one object, written
+    whole: it depends on its identity alone, so a step that dies after writing it leaves nothing wrong)."""
+    store.put_bytes(f"{REFERENCES_PREFIX}/{identity}.json", json.dumps(reference).encode())
 
 
 def export_identity(store: ObjectStore, run: str) -> str | None:

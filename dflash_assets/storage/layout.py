@@ -15,6 +15,9 @@ HIDDEN_STATES_PREFIX = "hidden-states"  # the target's hidden states: `<range>/h
 CHECKPOINTS_PREFIX = "checkpoints"  # training runs: `<run>/step_<step>/`, `<run>/tensorboard/`, a manifest
 DRAFTER_PREFIX = "drafter"  # each run's exported drafter, a model directory: `<run>/config.json`, ...
 EVALUATIONS_PREFIX = "evaluations"  # a run's drafter measured on a prompt set: `<run>/<set>/evaluation.json`
+# The target's greedy output of a prompt set and prompt lookup's figures on it, which depend on the target,
+# the prompts and the budget only: `<identity>.json`, reused by every run's evaluation of the same prompts.
+REFERENCES_PREFIX = "evaluation-references"
 LAUNCH_PREFIX = "config/training-launch"  # a multi-node launch, for the nodes that join it: `<run>.json`
 
 # Asset name -> its top-level prefix; a range-partitioned asset's partition is `<prefix>/<range>`, while

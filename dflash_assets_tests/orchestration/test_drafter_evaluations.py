@@ -123,6 +123,25 @@ def test_the_trainers_final_figure_is_the_held_out_evaluations_tau_exactly(evalu
     assert trained["spec_matches_target_greedy"] is True and measured["lossless_prompts"] == PROMPTS
 
 
+def test_a_second_evaluation_of_the_same_prompts_reuses_the_targets_greedy_output_and_the_floor(evaluated):
+    """The reference depends on the target, the prompts and the budget only: stored by the first evaluation
+    of a set of prompts, read by the next one, which then runs only the drafter's loop, to the same figures.
+    The two user sets are the same rows in two layouts, the same prompts: the second reused the first's."""
+    sharegpt, messages = _record(evaluated, "chat_sharegpt"), _record(evaluated, "chat_messages")
+    assert (sharegpt["reference_reused"], messages["reference_reused"]) == (False, True)
+    assert messages["floor"] == sharegpt["floor"] and messages["tau"] == sharegpt["tau"]
+    assert len(list(evaluated["store"].list("evaluation-references/"))) == 2  # held_out's, the chat rows'
+    first = _record(evaluated, "held_out")
+    assert first["reference_reused"] is False
+    again = materialize_here("drafter_evaluations", "held_out", evaluated["env"])
+    assert again.success, again.output[-3000:]
+    second = _record(evaluated, "held_out")
+    assert second["reference_reused"] is True and second["greedy_seconds"] < first["greedy_seconds"]
+    assert (second["tau"], second["floor"]) == (first["tau"], first["floor"])
+    assert "as decoded before" in again.output and "as measured before" in again.output
+    assert len(list(evaluated["store"].list("evaluation-references/"))) == 2
+
+
 def test_the_check_warns_when_the_drafter_is_below_the_floor_and_names_the_set_and_both_figures(evaluated):
     key = AssetCheckKey(AssetKey("drafter_evaluations"), "tau_at_least_floor")
     with open_instance(evaluated["env"]["DAGSTER_HOME"]) as instance:

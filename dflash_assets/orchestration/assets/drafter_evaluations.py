@@ -155,7 +155,7 @@ def evaluate_run_on_set(
 
     from dflash_assets.evaluation import runs
     from dflash_assets.evaluation.loaders import load_prompt_set, loaded_for_evaluation
-    from dflash_assets.evaluation.measure import measure_beside_floor
+    from dflash_assets.evaluation.measure import measure_beside_floor, reference_identity
     from dflash_assets.evaluation.report import build_record
 
     started = time.monotonic()
@@ -186,9 +186,23 @@ def evaluate_run_on_set(
         loaded_for_evaluation(target_model.model_dir(), export_dir, device) as loaded,
     ):
         verifier, drafter, stops = loaded
-        measured = measure_beside_floor(
-            verifier, drafter, prompt_set, max_new_tokens=new_tokens, stop_token_ids=stops, log=log
+        # The target's greedy output and the floor's figures, made once per target, prompts and budget.
+        precision = "bf16" if str(device).startswith("cuda") else "float32"
+        reference_key = reference_identity(
+            target_model.name, precision, prompt_set.prompts, max_new_tokens=new_tokens, stop_token_ids=stops
         )
+        stored = runs.read_reference(object_store, reference_key)
+        measured = measure_beside_floor(
+            verifier,
+            drafter,
+            prompt_set,
+            max_new_tokens=new_tokens,
+            stop_token_ids=stops,
+            log=log,
+            reference=stored,
+        )
+        if measured["reference"] != stored:  # new, or a floor at another block size added
+            runs.write_reference(object_store, reference_key, measured["reference"])
     return build_record(
         run=run,
         prompt_set=prompt_set,
