@@ -71,6 +71,7 @@ class Evaluator:
         self.prompts: PromptSet | None = None  # from the first evaluation's held-out rows
         self.verifier: TargetVerifier | None = None  # None between evaluations, where the target is released
         self._greedy: list[list[int]] | None = None  # the target's own output of this rank's prompts
+        self._stops: set[int] | None = None  # the target's end-of-turn ids, read from its tokenizer once
 
     def evaluate(self, model: DFlashDrafter, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """`{"teacher_forced": ..., "speculative": ...}` on the held-out samples (None without any), the
@@ -172,7 +173,9 @@ class Evaluator:
         """The one measurement of this rank's prompts, with the weights as the export will hold them; the
         target's greedy output of them is decoded at the first evaluation and reused."""
         self.verifier = verifier
-        stops = stop_token_ids_of(self.config.target_model)
+        if self._stops is None:
+            self._stops = stop_token_ids_of(self.config.target_model)
+        stops = self._stops
         new_tokens = self.settings.spec_eval_max_new_tokens
         # On a CPU the export is measured in float32 without autocast (`evaluation/loaders.py`): so is this.
         autocast = self._autocast() if model.device.type == "cuda" else contextlib.nullcontext()
