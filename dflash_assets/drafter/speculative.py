@@ -7,11 +7,14 @@ acceptance length of a round is that run + 1 (no more than the round could still
 token budget or a stop token), and tau is its mean: what SGLang and vLLM report. A DFlash2 drafter drafts
 through its candidate selector (`DFlash2Drafter.propose`), as the engines run it.
 
-Hybrid targets (gated delta net + attention) keep a recurrent state that cannot be rolled back past a
-rejected draft, so nothing is ever rolled back: the target's cache holds only committed tokens, each
-verification runs on a copy of it, and the accepted tokens are then appended to the committed cache
-(a forward of at most a block). Correctness is checked, not assumed: the tokens decoded this way must
-equal the target's own greedy decoding, token for token.
+A target whose every layer is plain attention (SmolLM2, Llama, Qwen3) verifies on its committed cache and
+drops the rejected drafts' keys and values after, as the engines do: one target forward a round, and the
+accepted tokens' states come from that forward. Hybrid targets (gated delta net + attention) and sliding
+windows keep state that cannot be rolled back past a rejected draft, so for them nothing is rolled back:
+the target's cache holds only committed tokens, each verification runs on a copy of it, and the accepted
+tokens are then appended to the committed cache (a second forward of at most a block). Correctness is
+checked, not assumed: the tokens decoded either way must equal the target's own greedy decoding, token for
+token.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from dflash_assets.drafter.model import DFlashDrafter
+from dflash_assets.target.model import cache_is_plain_attention
 
 
 @dataclass
@@ -57,6 +61,7 @@ class TargetVerifier:
         parameters = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._keeps_logits = "logits_to_keep" in parameters
+        self.rolls_back = cache_is_plain_attention(getattr(model, "config", None))
 
     @property
     def device(self) -> torch.device:
@@ -66,6 +71,17 @@ class TargetVerifier:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    def drop_last(self, cache: Any, count: int) -> None:
+        """Forget the last `count` positions of `cache` (a rejected draft's keys and values); only where
+        `rolls_back`: every layer plain keys and values, `[batch, heads, positions, head_dim]`."""
+        if count <= 0:
+            return
+        if not self.rolls_back:
+            raise ValueError("this target's cache cannot be rolled back (sliding or recurrent layers)")
+        for layer in cache.layers:
+            layer.keys = layer.keys[..., :-count, :]
+            layer.values = layer.values[..., :-count, :]
 
     @torch.no_grad()
     def run(
@@ -136,8 +152,9 @@ def speculative_decode(
             drafts = drafter.propose([*prompt, *generated])
         else:
             drafts = drafter.draft_block(context, anchor).tolist()
-        # greedy[j]: the target's token after anchor + drafts[:j], on a copy of the committed cache
-        greedy, _ = verifier.run([anchor, *drafts], copy.deepcopy(committed))
+        # greedy[j]: the target's token after anchor + drafts[:j]
+        verified = committed if verifier.rolls_back else copy.deepcopy(committed)
+        greedy, states = verifier.run([anchor, *drafts], verified)
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == int(greedy[accepted]):
             accepted += 1
@@ -151,7 +168,11 @@ def speculative_decode(
         # (as z-lab's `dflash_generate` counts them).
         lengths.append(len(generated) - before)
         # Commit the anchor and the accepted drafts: their states become context for the next block.
-        _, states = verifier.run([anchor, *drafts[:accepted]], committed)
+        if verifier.rolls_back:
+            verifier.drop_last(committed, len(drafts) - accepted)
+            states = states[: accepted + 1]
+        else:
+            _, states = verifier.run([anchor, *drafts[:accepted]], committed)
         context = torch.cat([context, states])
     return DecodeResult(tokens=generated, acceptance_lengths=lengths)
 

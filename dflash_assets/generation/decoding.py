@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dflash_assets.target.batching import plan_batches
+from dflash_assets.target.model import cache_is_plain_attention
 
 # Positions of one prefill forward, padding included: enough to keep a CPU's matrix products at full speed,
 # few enough that the activations of a long prompt stay small beside the cache.
@@ -105,15 +106,9 @@ def decodes_in_place(model: Any, config: Any) -> bool:
     `logits_to_keep`, every layer of whose cache is plain keys and values (what `DynamicCache` builds as a
     `DynamicLayer`: no sliding window, no linear-attention state), asked for greedy decoding or for sampling
     with temperature, top-k and top-p only."""
-    from transformers import DynamicCache
-
-    model_config = getattr(model, "config", None)
-    if model_config is None or getattr(model_config, "is_encoder_decoder", False):
-        return False
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return False
-    layers = DynamicCache(config=model_config).layers
-    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+    if not cache_is_plain_attention(getattr(model, "config", None)):
         return False
     values = ((getattr(config, name, None), off) for name, off in _NOT_IMPLEMENTED.items())
     return all(value is None or value == off for value, off in values)

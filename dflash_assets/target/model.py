@@ -82,6 +82,19 @@ def context_length_of(config: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def cache_is_plain_attention(model_config: Any) -> bool:
+    """Whether every layer of the cache `DynamicCache` builds for a model of `model_config` is plain keys and
+    values (a `DynamicLayer`: no sliding window, no linear-attention state): a cache that can be decoded
+    into in place and cut back past a rejected draft."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if model_config is None or getattr(model_config, "is_encoder_decoder", False):
+        return False
+    layers = DynamicCache(config=model_config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
 def load_target_model(
     model_dir: str | Path,
     device: str | torch.device | Sequence[str | torch.device],

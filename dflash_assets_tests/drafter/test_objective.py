@@ -17,6 +17,7 @@ from dflash_assets.drafter.objective import (
     _label_rows,
     anchor_generator,
     anchors_per_sequence,
+    cross_entropy_and_gather,
     decay_weights,
     dflash_loss,
     dpace_weights,
@@ -164,6 +165,36 @@ def test_the_head_runs_once_a_step_when_the_rows_fit_one_chunk_and_the_gradients
     assert loss == pytest.approx(reference_loss, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gathered", [0, 1, 4])
+def test_the_fused_cross_entropy_gives_the_values_and_gradients_of_log_softmax_nll_and_gather(gathered: int):
+    """`cross_entropy_and_gather` writes one gradient where `F.cross_entropy` and `gather` write three: the
+    same per-row values and the same gradient, whichever outputs the loss uses (a label among the gathered
+    columns included, as the selector puts it there)."""
+    torch.manual_seed(gathered)
+    logits = (torch.randn(6, 50) * 4).requires_grad_()
+    labels = torch.randint(0, 50, (6,))
+    columns = torch.randint(0, 50, (6, gathered))
+    if gathered:
+        columns[:, -1] = labels
+    weights, mix = torch.rand(6), torch.randn(6, gathered)
+    for uses in ("both", "ce", "columns"):
+        fused_ce, fused_columns = cross_entropy_and_gather(logits, labels, columns)
+        plain_ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        plain_columns = logits.gather(1, columns)
+        torch.testing.assert_close(fused_ce, plain_ce)
+        torch.testing.assert_close(fused_columns, plain_columns)
+        grads = []
+        for ce, gathered_logits in ((fused_ce, fused_columns), (plain_ce, plain_columns)):
+            loss = (ce * weights).sum() if uses != "columns" else 0.0
+            if uses != "ce" and gathered:
+                loss = loss + (gathered_logits * mix).sum()
+            if not torch.is_tensor(loss):
+                continue
+            grads.append(torch.autograd.grad(loss, logits)[0])
+        for grad in grads[1:]:
+            torch.testing.assert_close(grads[0], grad)
 
 
 def test_the_selector_s_candidates_are_the_unary_top_k_with_the_label_put_in_where_it_is_missing(

@@ -345,3 +345,62 @@ def test_a_long_prefill_runs_a_chunk_at_a_time_and_gives_the_same_token_states_a
     assert int(chunked_cache.get_seq_length()) == len(prompt)
     # The cache the chunks built decodes on as the whole prefill's does.
     assert greedy_decode(verifier, prompt, 12, set()) == recomputed_greedy(verifier, prompt, 12)
+
+
+class PartlyRightDrafter(ScriptedDrafter):
+    """Right on the first `round % block_size` drafts of a round, wrong after: every accepted length
+    occurs, so every length of rejected tail is cut from the cache. Records the context it was given."""
+
+    def __init__(self, config: DrafterConfig, prompt_length: int, continuation: list[int]) -> None:
+        super().__init__(config, prompt_length, continuation, wrong=False)
+        self.contexts: list[torch.Tensor] = []
+
+    def draft_block(self, context: torch.Tensor, anchor: int) -> torch.Tensor:
+        drafts = super().draft_block(context, anchor)
+        right = len(self.contexts) % self.config.block_size
+        self.contexts.append(context.clone())
+        drafts[right:] = (drafts[right:] + 1) % MASK_TOKEN_ID
+        return drafts
+
+
+def plain_attention_target() -> torch.nn.Module:
+    """A small random Llama: every layer plain attention, so its cache can be cut back."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def test_a_plain_attention_target_verifies_once_a_round_and_cuts_the_rejected_drafts_from_its_cache(
+    verifier: TargetVerifier, config: DrafterConfig
+) -> None:
+    assert not verifier.rolls_back  # the demo target's linear-attention layers: verified on a copy
+    plain = TargetVerifier(plain_attention_target(), [0, 1])
+    assert plain.rolls_back
+    prompt = prompts(1, seed=6)[0]
+    continuation = greedy_decode(plain, prompt, 60 + config.block_size, set())
+    drafter = PartlyRightDrafter(config, len(prompt), continuation)
+    forwards = []
+    hook = plain.model.register_forward_hook(lambda module, args, output: forwards.append(1))
+    try:
+        result = speculative_decode(drafter, plain, prompt, 60, set())
+    finally:
+        hook.remove()
+
+    assert result.tokens == continuation[:60]  # lossless whatever was cut
+    # Round r had its first r % block_size drafts right: that many accepted, plus the target's token.
+    expected = [r % config.block_size + 1 for r in range(len(result.acceptance_lengths))]
+    assert result.acceptance_lengths[:-1] == expected[:-1]
+    assert max(expected[:-1]) >= 6  # long accepted runs and short ones were both cut from the cache
+    assert len(forwards) == 1 + len(result.acceptance_lengths)  # the prefill, then one forward a round
+    # The context each round drafted from is the target's states of everything committed: the same as
+    # one forward over the whole sequence gives (bf16 rounding apart), never a rejected draft's.
+    last = drafter.contexts[-1]
+    sequence = [*prompt, *result.tokens][: last.shape[0]]
+    _, recomputed = plain.run(sequence, plain.new_cache())
+    assert last.shape == recomputed.shape
+    torch.testing.assert_close(last.float(), recomputed.float(), atol=2e-2, rtol=2e-2)
