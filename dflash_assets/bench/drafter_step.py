@@ -51,9 +51,12 @@ QWEN3_8B = DrafterShapeCase("Qwen3-8B drafter", 4096, 12288, 151936, 36, 3072, 5
 TINY = DrafterShapeCase("tiny drafter", 64, 176, 1536, 12, 256, 32)
 
 
-def build_drafter(case: DrafterShapeCase, device: torch.device, arch: str = "dflash") -> DFlashDrafter:
+def build_drafter(
+    case: DrafterShapeCase, device: torch.device, arch: str = "dflash", block_size: int | None = None
+) -> DFlashDrafter:
     """The `dflash` preset for a target of this width, with random shared embedding and LM head; `arch`
-    `dflash2` adds DFlash2's convolutions and selector at their published shape."""
+    `dflash2` adds DFlash2's convolutions and selector at their published shape; `block_size` another
+    block than the config's default."""
     from dflash_assets.target.layer_ids import dflash_target_layer_ids
 
     target = {"hidden_size": case.hidden_size, "intermediate_size": case.intermediate_size}
@@ -66,6 +69,7 @@ def build_drafter(case: DrafterShapeCase, device: torch.device, arch: str = "dfl
         arch=arch,
         **drafter_shape(target, "dflash", 5),
         **(dflash2_shape(case.hidden_size) if arch == "dflash2" else {}),
+        **({"block_size": block_size} if block_size else {}),
     )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embedding = torch.randn(case.vocab_size, case.hidden_size, device=device, dtype=dtype) * 0.02
