@@ -20,7 +20,8 @@ held-out prompts and 64 prompts of ShareGPT's first turns past record 16,000 (`s
 tokens each, beside prompt lookup. It sets only what the user has not (printed first): DFLASH_HOME,
 DFLASH_STORE_URL and any DFLASH_* setting the user exported win, and the sets DFLASH_EVAL_SETS names are
 measured too, so `dflash-assets compare --json` lists them beside the table's own. A rerun continues
-what the store holds (the captured ranges, the run's checkpoints, the evaluations: each is done once).
+what the store holds (the captured ranges, the run's checkpoints, the evaluations: each is done once);
+`reproduce --zlab` also decodes every set with z-lab's loop (on a finished run, only that).
 
 A variant is `<arch>-<loss>-<block>[-kl<w>]`: `dflash2-dpace-16`, `dflash-decay-16`, `dflash2-dpace-8-kl0.5`
 (distillation from the target's distribution at weight w: hidden states captured with the final state,
@@ -325,11 +326,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
         return 1
     variant = reproduce_variant()
     kl = f"-kl{variant.distill_weight:g}" if variant.distill_weight else ""
-    args.variants, args.tag, args.zlab = (
-        [f"{variant.arch}-{variant.loss}-{variant.block_size}{kl}"],
-        "",
-        False,
-    )
+    args.variants, args.tag = [f"{variant.arch}-{variant.loss}-{variant.block_size}{kl}"], ""
     args.sets = ",".join(spec.name for spec in parse_eval_sets(settings.EVAL_SETS.get()))
     print(
         f"the default recipe: {variant.arch}, {variant.loss}, block {variant.block_size}, distillation "
@@ -384,7 +381,8 @@ def zlab_cross_check(product: InProcessRunner, run: str, set_name: str = "held_o
     from dflash_assets.bench.zlab import load_zlab_drafter, zlab_generate
     from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode, stop_token_ids_of
     from dflash_assets.evaluation.loaders import load_prompt_set
-    from dflash_assets.evaluation.runs import download_export, read_evaluation, run_manifest
+    from dflash_assets.evaluation.measure import reference_identity
+    from dflash_assets.evaluation.runs import download_export, read_evaluation, read_reference, run_manifest
     from dflash_assets.target.model import load_target_model
     from dflash_assets.target.threads import decoding_threads
 
@@ -407,9 +405,19 @@ def zlab_cross_check(product: InProcessRunner, run: str, set_name: str = "held_o
         model = load_target_model(target.model_dir(), device)
         drafter, _ = load_zlab_drafter(export, device=device, dtype=next(model.parameters()).dtype)
         verifier = TargetVerifier(model, manifest["target_layer_ids"])
+        # The target's greedy output as the evaluation stored it (`evaluation-references/`), else decoded.
+        precision = "bf16" if str(device).startswith("cuda") else "float32"
+        identity = reference_identity(
+            target.name, precision, prompts, max_new_tokens=new_tokens, stop_token_ids=stops
+        )
+        stored = (read_reference(store, identity) or {}).get("greedy")
         with decoding_threads(model):
-            for prompt in prompts:
-                greedy = greedy_decode(verifier, prompt.token_ids, new_tokens, stops)
+            for index, prompt in enumerate(prompts):
+                greedy = (
+                    stored[index]
+                    if stored and len(stored) == len(prompts)
+                    else greedy_decode(verifier, prompt.token_ids, new_tokens, stops)
+                )
                 tokens, rounds = zlab_generate(drafter, model, prompt.token_ids, new_tokens, sorted(stops))
                 lossless += tokens == greedy
                 lengths += rounds
@@ -479,6 +487,11 @@ def parser() -> argparse.ArgumentParser:
         "--prompts", type=int, default=None, help="prompts a set (DFLASH_EVAL_PROMPTS: 64)"
     )
     reproduce.add_argument("--new-tokens", type=int, default=None, help="tokens a prompt (64)")
+    reproduce.add_argument(
+        "--zlab",
+        action="store_true",
+        help="also decode every set with z-lab's dflash_generate (a rerun adds it to a finished run)",
+    )
     table = commands.add_parser("table", help="dflash-assets compare --markdown, and each run's curve")
     table.add_argument("runs", nargs="*", metavar="RUN", help="training runs (default: every run evaluated)")
     for command in (commands.choices["data"], train, reproduce):
