@@ -10,6 +10,7 @@ again later.
     python scripts/yardstick.py train VARIANT [VARIANT ...] --steps N [--evals E] [--sets held_out,chat]
     python scripts/yardstick.py table [RUN ...]     # compare --markdown, and each run's curve
     python scripts/yardstick.py reproduce           # the default recipe's row, from the kept data
+    python scripts/yardstick.py plot                # docs/images/tau-against-data.svg from the measured rows
 
 `reproduce` rebuilds the default recipe's row of the τ-against-data table (docs/drafter.md) from a fresh
 clone: the answers SmolLM2 gave ShareGPT's first turns [0:1000] through vLLM, kept in `yardstick-data/`
@@ -61,6 +62,7 @@ each on one thread (`--threads 1`) and each leasing a CPU "device" of its own:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -431,6 +433,101 @@ def zlab_cross_check(product: InProcessRunner, run: str, set_name: str = "held_o
     )
 
 
+ROWS_FILE = Path(__file__).resolve().parent.parent / "yardstick-data" / "tau-against-data.json"
+PLOT_FILE = Path(__file__).resolve().parent.parent / "docs" / "images" / "tau-against-data.svg"
+
+
+def plot_svg(rows: list[dict[str, Any]], bar: float = 1.3) -> str:
+    """τ and the prompt-lookup floor against training conversations (log scale), one colour a prompt set
+    (held-out rows, a later slice): filled dots τ, rings the floor of the same prompts, a dash `bar` times
+    that floor. A plain SVG, no plotting library."""
+    width, height, left, right, top, bottom = 640, 400, 60, 190, 20, 50
+    xs = [math.log10(row["conversations"]) for row in rows]
+    x_low, x_high = math.floor(min(xs) * 2) / 2, math.ceil(max(xs) * 2) / 2 + 0.5
+    values = [v for row in rows for v in (row["tau"], row["floor"], bar * row["floor"])]
+    y_low, y_high = math.floor(min(values) * 10) / 10, math.ceil(max(values) * 10) / 10
+
+    def x_at(conversations: float) -> float:
+        return left + (math.log10(conversations) - x_low) / (x_high - x_low) * (width - left - right)
+
+    def y_at(value: float) -> float:
+        return top + (y_high - value) / (y_high - y_low) * (height - top - bottom)
+
+    colours = {}
+    palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="12">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+    ]
+    for exponent in range(math.ceil(x_low), math.floor(x_high) + 1):
+        for factor in (1, 2, 5):
+            value = factor * 10**exponent
+            if x_low <= math.log10(value) <= x_high:
+                x = x_at(value)
+                parts.append(
+                    f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{height - bottom}" stroke="#ddd"/>'
+                )
+                parts.append(
+                    f'<text x="{x:.1f}" y="{height - bottom + 16}" text-anchor="middle">{value:,}</text>'
+                )
+    tick = y_low
+    while tick <= y_high + 1e-9:
+        y = y_at(tick)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - right}" y2="{y:.1f}" stroke="#eee"/>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{tick:.1f}</text>')
+        tick = round(tick + 0.1, 6)
+    parts.append(
+        f'<text x="{(left + width - right) / 2:.0f}" y="{height - 12}" text-anchor="middle">training '
+        "conversations (log scale)</text>"
+    )
+    parts.append(
+        f'<text transform="translate(16 {(top + height - bottom) / 2:.0f}) rotate(-90)" '
+        'text-anchor="middle">τ (tokens a verification round)</text>'
+    )
+    for row in rows:
+        colour = colours.setdefault(row["set"], palette[len(colours) % len(palette)])
+        x = x_at(row["conversations"])
+        parts.append(
+            f'<line x1="{x - 9:.1f}" x2="{x + 9:.1f}" y1="{y_at(bar * row["floor"]):.1f}" '
+            f'y2="{y_at(bar * row["floor"]):.1f}" stroke="{colour}" stroke-dasharray="3 2"/>'
+        )
+        parts.append(
+            f'<circle cx="{x:.1f}" cy="{y_at(row["floor"]):.1f}" r="5" fill="none" stroke="{colour}"/>'
+        )
+        parts.append(
+            f'<circle cx="{x:.1f}" cy="{y_at(row["tau"]):.1f}" r="{3 + row["prompts"] / 32:.1f}" '
+            f'fill="{colour}"><title>{row["run"]}: {row["set"]}, {row["prompts"]} prompts, '
+            f"τ {row['tau']:.3f}, "
+            f"floor {row['floor']:.3f}</title></circle>"
+        )
+    legend_x, legend_y = width - right + 14, top + 10
+    for index, (name, colour) in enumerate(colours.items()):
+        y = legend_y + 18 * index
+        parts.append(f'<circle cx="{legend_x}" cy="{y}" r="4" fill="{colour}"/>')
+        parts.append(f'<text x="{legend_x + 10}" y="{y + 4}">{name}</text>')
+    y = legend_y + 18 * len(colours) + 10
+    parts += [
+        f'<circle cx="{legend_x}" cy="{y}" r="4" fill="#555"/>'
+        f'<text x="{legend_x + 10}" y="{y + 4}">τ (size: prompts)</text>',
+        f'<circle cx="{legend_x}" cy="{y + 18}" r="5" fill="none" stroke="#555"/>'
+        f'<text x="{legend_x + 10}" y="{y + 22}">prompt lookup</text>',
+        f'<line x1="{legend_x - 6}" x2="{legend_x + 6}" y1="{y + 36}" y2="{y + 36}" stroke="#555" '
+        f'stroke-dasharray="3 2"/><text x="{legend_x + 10}" y="{y + 40}">{bar}x prompt lookup</text>',
+        "</svg>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def run_plot() -> int:
+    """docs/images/tau-against-data.svg from yardstick-data/tau-against-data.json."""
+    rows = json.loads(ROWS_FILE.read_text())["rows"]
+    PLOT_FILE.parent.mkdir(parents=True, exist_ok=True)
+    PLOT_FILE.write_text(plot_svg(rows))
+    print(f"{PLOT_FILE}: {len(rows)} measured rows from {ROWS_FILE.name}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------- main
 
 
@@ -492,6 +589,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also decode every set with z-lab's dflash_generate (a rerun adds it to a finished run)",
     )
+    commands.add_parser("plot", help="docs/images/tau-against-data.svg from yardstick-data's measured rows")
     table = commands.add_parser("table", help="dflash-assets compare --markdown, and each run's curve")
     table.add_argument("runs", nargs="*", metavar="RUN", help="training runs (default: every run evaluated)")
     for command in (commands.choices["data"], train, reproduce):
@@ -509,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         check_settings()  # every DFLASH_* value, before any work
         if args.command == "table":
             return run_table(args.runs)
+        if args.command == "plot":
+            return run_plot()
         if args.command == "train":
             checked_train(args)
         if args.threads:
