@@ -22,7 +22,9 @@ tokens each, beside prompt lookup. It sets only what the user has not (printed f
 DFLASH_STORE_URL and any DFLASH_* setting the user exported win, and the sets DFLASH_EVAL_SETS names are
 measured too, so `dflash-assets compare --json` lists them beside the table's own. A rerun continues
 what the store holds (the captured ranges, the run's checkpoints, the evaluations: each is done once);
-`reproduce --zlab` also decodes every set with z-lab's loop (on a finished run, only that).
+`reproduce --zlab` also decodes every set with z-lab's loop (on a finished run, only that), and
+`reproduce --conversations N` trains on the first N of the kept conversations not held out (the run
+`default-recipe-N`): another data size from the same capture, measured on the same prompts.
 
 A variant is `<arch>-<loss>-<block>[-kl<w>]`: `dflash2-dpace-16`, `dflash-decay-16`, `dflash2-dpace-8-kl0.5`
 (distillation from the target's distribution at weight w: hidden states captured with the final state,
@@ -206,7 +208,8 @@ def evaluation_sets(names: str) -> list[str]:
 
 def train_config(variant: Variant, args: argparse.Namespace) -> dict[str, Any]:
     flags = {"num_anchors": args.anchors, "global_batch_size": args.batch, "lr": args.lr,
-             "spec_eval_prompts": args.curve_prompts, "eval_samples": args.held_out}  # fmt: skip
+             "spec_eval_prompts": args.curve_prompts, "eval_samples": args.held_out,
+             "train_samples": getattr(args, "conversations", None)}  # fmt: skip
     return {
         **variant.train_config(),
         "max_steps": args.steps,
@@ -314,6 +317,8 @@ def run_reproduce(args: argparse.Namespace) -> int:
     from dflash_assets.evaluation.prompt_sets import parse_eval_sets
     from dflash_assets.orchestration.execution.in_process import InProcessRunner
 
+    if args.conversations is not None and args.conversations < 1:
+        raise UsageError(f"--conversations {args.conversations} must be 1 or more")
     if not KEPT_DATA.exists():
         raise UsageError(f"the kept data {KEPT_DATA} is not in this checkout: reproduce reads it")
     added = reproduce_settings(dict(os.environ))
@@ -327,6 +332,8 @@ def run_reproduce(args: argparse.Namespace) -> int:
     if run_data(product):
         return 1
     variant = reproduce_variant()
+    if args.conversations:  # another data size of the same capture: its own run, the same held-out rows
+        variant = replace(variant, name=f"{REPRODUCE_RUN}-{args.conversations}")
     kl = f"-kl{variant.distill_weight:g}" if variant.distill_weight else ""
     args.variants, args.tag = [f"{variant.arch}-{variant.loss}-{variant.block_size}{kl}"], ""
     args.sets = ",".join(spec.name for spec in parse_eval_sets(settings.EVAL_SETS.get()))
@@ -336,7 +343,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
     )
     if run_train(product, args, variants=[variant]):
         return 1
-    return run_table([REPRODUCE_RUN])
+    return run_table([variant.name])
 
 
 def evaluation_text(metadata: dict[str, Any]) -> str:
@@ -580,6 +587,12 @@ def parser() -> argparse.ArgumentParser:
         help="held-out prompts the trainer decodes at each checkpoint",
     )
     reproduce.add_argument("--held-out", type=int, default=64, help="conversations held out of training")
+    reproduce.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help="train on the first N conversations not held out (run default-recipe-N): a data size",
+    )
     reproduce.add_argument(
         "--prompts", type=int, default=None, help="prompts a set (DFLASH_EVAL_PROMPTS: 64)"
     )

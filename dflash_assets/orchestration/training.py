@@ -104,6 +104,11 @@ class TrainConfig(Config):
     )
     log_every_steps: int | None = Field(default=None, description="Steps between progress log lines.")
     eval_samples: int | None = Field(default=None, description="Held-out samples evaluated at checkpoints.")
+    train_samples: int | None = Field(
+        default=None,
+        description="Train on the first N samples not held out (0 or unset: all): data sizes from one "
+        "capture, each measured on the same held-out samples.",
+    )
     spec_eval_prompts: int | None = Field(
         default=None, description="Held-out prompts decoded speculatively with the target at checkpoints."
     )
@@ -160,7 +165,7 @@ class TrainConfig(Config):
                 self.spec_eval_max_new_tokens, settings.EVAL_NEW_TOKENS.get_int
             ),
         }
-        recipe = ("epochs", "lr", "gamma", "seed", "log_every_steps", "eval_samples")
+        recipe = ("epochs", "lr", "gamma", "seed", "log_every_steps", "eval_samples", "train_samples")
         values.update({name: getattr(self, name) for name in recipe if getattr(self, name) is not None})
         anchors = chosen(self.num_anchors, settings.train_num_anchors)
         if anchors is not None:

@@ -15,7 +15,7 @@ TRAJECTORY_SETTINGS = (
     "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
     "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "tokens_per_anchor",
     "gamma", "seed", "eval_samples", "loss", "dpace_alpha", "drafter_init", "distill_weight",
-    "cpu_bf16_autocast",
+    "cpu_bf16_autocast", "train_samples",
 )  # fmt: skip
 
 
@@ -63,6 +63,9 @@ class TrainSettings:
     until_flat: bool = False
     log_every_steps: int = 10
     eval_samples: int = 16  # held out from training, evaluated at every checkpoint
+    # 0: every sample not held out; N: the first N of them by sample index. One capture then trains at
+    # several data sizes, each measured on the same held-out samples (the held-out rule does not see N).
+    train_samples: int = 0
     spec_eval_prompts: int = 8  # held-out prompts decoded speculatively with the target (0: off)
     spec_eval_max_new_tokens: int = 64
     device: str = "cpu"  # the drafter's device; online targets may live elsewhere
@@ -73,6 +76,8 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if self.train_samples < 0:
+            raise ValueError(f"train_samples {self.train_samples} must be 0 (every sample) or more")
         if self.mode not in ("offline", "online"):
             raise ValueError(f"train mode {self.mode!r} is not 'offline' or 'online' (DFLASH_TRAIN_MODE)")
         if self.lr_schedule not in ("cosine", "linear", "constant"):

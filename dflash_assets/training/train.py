@@ -229,6 +229,8 @@ class DrafterTrainer:
         self.train_ids, self.eval_ids = split_eval(
             len(self.source.lengths), settings.eval_samples, settings.seed
         )
+        if settings.train_samples:  # a data-size sweep: the first N, the held-out set unchanged
+            self.train_ids = self.train_ids[: settings.train_samples]
         self._plans: dict[int, list[list[int]]] = {}
         self.steps_per_epoch = len(self.plan(0))
         self.total_steps = settings.max_steps or self.steps_per_epoch * settings.epochs

@@ -59,3 +59,8 @@ def test_until_flat_comes_from_the_setting_or_the_run_config_and_leaves_the_cade
     assert not TrainConfig(until_flat=False).train_settings().until_flat
     monkeypatch.setenv("DFLASH_CHECKPOINT_EVERY_STEPS", "50")
     assert TrainConfig().train_settings().checkpoint_every_steps == 50
+
+
+def test_train_samples_comes_from_the_run_config_and_is_every_sample_unless_it_says() -> None:
+    assert TrainConfig().train_settings().train_samples == 0
+    assert TrainConfig(train_samples=250).train_settings().train_samples == 250

@@ -475,3 +475,31 @@ def test_on_a_cpu_with_bf16_units_training_can_run_under_bf16_autocast_and_says_
     assert set(seen) == {torch.bfloat16 if has_bf16_units else torch.float32}
     assert any("no bf16 matrix units" in line for line in lines) is not has_bf16_units
     assert all(p.dtype == torch.float32 for p in result.model.parameters())  # master weights stay fp32
+
+
+def test_train_samples_trains_the_first_n_samples_not_held_out_and_holds_out_the_same_ones(
+    config: DrafterConfig, capture: HiddenStateCapture, samples: list[TokenizedSample], tmp_path: Path
+) -> None:
+    """A data-size sweep from one capture: each size trains on the first N samples that are not held out,
+    and every size is measured on the same held-out samples."""
+
+    def trained(train_samples: int) -> tuple[list[int], list[int]]:
+        result = train_drafter(
+            config,
+            quick_settings(epochs=1, train_samples=train_samples, eval_samples=3),
+            OnlineData(samples, capture),
+            store=open_store(str(tmp_path / "store")),
+            run=f"size-{train_samples}",
+            work_dir=tmp_path / f"size-{train_samples}",
+            log=lambda line: None,
+        )
+        indices = [i for r in result.trained_sample_ranges for i in range(int(r[:8]), int(r[9:]) + 1)]
+        return indices, list(result.eval_sample_indices)
+
+    every, held_out = trained(0)
+    first, held_out_too = trained(4)
+    assert len(every) == len(samples) - 3
+    assert held_out_too == held_out  # the held-out rule does not see N
+    assert first == sorted(every)[:4] and not set(first) & set(held_out)
+    with pytest.raises(ValueError, match="train_samples -1"):
+        quick_settings(train_samples=-1)
