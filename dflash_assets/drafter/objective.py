@@ -555,9 +555,10 @@ def estimate_step_bytes(
         batch_size * context_length * (config.num_context_layers * config.target_hidden_size + 3 * width)
     )
     final = 2 * slots * width  # the last norm, and the labelled rows the loss checkpoints
-    # One checkpointed chunk of logits at a time (`dflash_loss`), with its log-softmax and gradient.
+    # One checkpointed chunk of logits at a time (`dflash_loss`): its log-probabilities kept for backward
+    # and the one gradient `cross_entropy_and_gather` writes (the logits themselves go after the forward).
     labelled = slots - batch_size * num_blocks  # at most: every slot but the anchors
-    logits_chunk = 3 * min(labelled, logits_chunk_rows(config.vocab_size)) * config.vocab_size
+    logits_chunk = 2 * min(labelled, logits_chunk_rows(config.vocab_size)) * config.vocab_size
     extra = _architecture_extra_elements(config, batch_size, context_length, num_blocks)
     return (
         config.num_layers * per_layer + context + final + logits_chunk + extra + chunked
@@ -579,13 +580,13 @@ def _architecture_layer_elements(
 def _architecture_extra_elements(
     config: DrafterConfig, batch_size: int, context_length: int, num_blocks: int
 ) -> int:
-    """What the architecture keeps once per step beyond its layers. DFlash2's selector: the gradient of
-    the unary logits it gathers its candidates' scores from (one more logits chunk, dense), the dense
-    gradients of its two codebooks (vocabulary x rank each), and a chunk's candidates' codebook rows.
-    DFlash: nothing."""
+    """What the architecture keeps once per step beyond its layers. DFlash2's selector: the dense
+    gradients of its two codebooks (vocabulary x rank each) and a chunk's candidates' codebook rows (the
+    gradient of the unary logits it gathers from is the cross-entropy's own, written once). DFlash:
+    nothing."""
     if config.arch != "dflash2":
         return 0
     labelled = batch_size * num_blocks * (config.block_size - 1)
     rows = min(labelled, logits_chunk_rows(config.vocab_size))
     rank, candidates = config.selector_rank, config.selector_top_k
-    return rows * config.vocab_size + 2 * config.vocab_size * rank + 2 * rows * candidates * rank
+    return 2 * config.vocab_size * rank + 2 * rows * candidates * rank

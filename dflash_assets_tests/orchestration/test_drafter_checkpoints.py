@@ -666,8 +666,10 @@ def test_a_killed_rank_is_restarted_and_a_dagster_process_killed_alone_takes_eve
     rank_1 = _rank_pid(tmp_path, 1)
     assert rank_1 is not None, _training_processes(tmp_path)
     os.kill(rank_1, signal.SIGKILL)
+    # A new rank 1, started by the launcher: looked for while it runs, not at one instant after a later
+    # checkpoint, which a loaded machine once missed (the suite beside a training run found no rank 1).
+    _wait_until(lambda: _rank_pid(tmp_path, 1) not in (None, rank_1), "a new rank 1 started by the launcher")
     _wait_until(lambda: committed_step(6), "a checkpoint after the ranks' restart")
-    assert _rank_pid(tmp_path, 1) not in (None, rank_1)  # a new rank 1, started by the launcher
 
     process.kill()  # the parent alone: its step, the launcher and both ranks must follow it
     output, _ = process.communicate()
