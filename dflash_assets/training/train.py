@@ -387,12 +387,7 @@ class DrafterTrainer:
         self.collective.long_barrier()  # every rank has read its node's copy
         if fetches:
             shutil.rmtree(checkpoint_dir(self.checkpoint_dir, ref), ignore_errors=True)
-        current = json.loads(json.dumps(self.settings.to_dict()))  # tuples -> lists, as saved
-        changed = [
-            f"{name}: {restored.settings.get(name)!r} -> {current[name]!r}"
-            for name in TRAJECTORY_SETTINGS
-            if restored.settings.get(name) != current[name]
-        ]
+        changed = changed_settings(restored.settings, self.settings)
         if changed:
             self.log(
                 f"WARNING: resuming with changed settings ({'; '.join(changed)}); the run will not match "
@@ -972,6 +967,19 @@ class DrafterTrainer:
             stop_reason=self.stop_reason or self._cap_reason(),
             exported_step=self.best["step"] if self.until_flat and self.best is not None else self.step,
         )
+
+
+def changed_settings(saved: dict[str, Any], settings: TrainSettings) -> list[str]:
+    """`name: saved -> now` for each trajectory setting a checkpoint's `saved` settings differ in. A setting
+    the checkpoint predates was its default then (`train_samples` absent: every sample), not a change."""
+    current = json.loads(json.dumps(settings.to_dict()))  # tuples -> lists, as saved
+    defaults = json.loads(json.dumps(TrainSettings().to_dict()))
+    was = {name: saved.get(name, defaults.get(name)) for name in TRAJECTORY_SETTINGS}
+    return [
+        f"{name}: {was[name]!r} -> {current[name]!r}"
+        for name in TRAJECTORY_SETTINGS
+        if was[name] != current[name]
+    ]
 
 
 def cpu_bf16_wanted(settings: TrainSettings, log: Callable[[str], None]) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -503,3 +504,17 @@ def test_train_samples_trains_the_first_n_samples_not_held_out_and_holds_out_the
     assert first == sorted(every)[:4] and not set(first) & set(held_out)
     with pytest.raises(ValueError, match="train_samples -1"):
         quick_settings(train_samples=-1)
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_without_a_changed_settings_warning() -> None:
+    """A trajectory setting a checkpoint predates was its default when it was written: resuming it is not a
+    change (a run checkpointed before `train_samples` existed warned `None -> 0`). A real change is named."""
+    from dflash_assets.training.train import changed_settings
+
+    settings = quick_settings()
+    saved = json.loads(json.dumps(settings.to_dict()))
+    assert changed_settings(saved, settings) == []
+    del saved["train_samples"]
+    assert changed_settings(saved, settings) == []
+    assert changed_settings(saved, quick_settings(train_samples=5)) == ["train_samples: 0 -> 5"]
+    assert changed_settings({**saved, "lr": 1e-3}, settings) == [f"lr: 0.001 -> {settings.lr!r}"]
