@@ -76,6 +76,7 @@ from dflash_assets.cli import UsageError
 
 if TYPE_CHECKING:
     from dflash_assets.orchestration.execution.in_process import InProcessRunner
+    from dflash_assets.storage.store import ObjectStore
 
 RANGE_ASSETS = ("target_completions", "tokenized_completions", "hidden_state_partitions")
 REPO = Path(__file__).resolve().parents[1]
@@ -270,6 +271,9 @@ def run_train(
         print(f"    curve: {curve_text(run_manifest(store, variant.name).get('curve'))}")
         for name in sets:
             config = {"run_name": variant.name, **evaluation}
+            if (done := measured_already(store, variant.name, name, evaluation)) is not None:
+                print(f"    {evaluation_text(done)} (measured before on this export)", flush=True)
+                continue
             with terminal.live_progress():
                 measured = product.materialise("drafter_evaluations", partition=name, config=config)
             if not measured.success:
@@ -344,6 +348,25 @@ def run_reproduce(args: argparse.Namespace) -> int:
     if run_train(product, args, variants=[variant]):
         return 1
     return run_table([variant.name])
+
+
+def measured_already(
+    store: ObjectStore, run: str, set_name: str, asked: dict[str, int]
+) -> dict[str, Any] | None:
+    """The committed evaluation of `run` on `set_name` where it measured the run's current export at the
+    prompts and tokens asked (unset: the settings'), as `evaluation_text` reads it; else None. A rerun of
+    `reproduce` or `train` then measures only what is missing."""
+    from dflash_assets import settings
+    from dflash_assets.evaluation.runs import export_identity, read_evaluation
+
+    record = read_evaluation(store, run, set_name)
+    if record is None or record.get("export_identity") != export_identity(store, run):
+        return None
+    prompts = asked.get("prompts") or settings.EVAL_PROMPTS.get_int()
+    new_tokens = asked.get("new_tokens") or settings.EVAL_NEW_TOKENS.get_int()
+    if record.get("max_new_tokens") != new_tokens or record.get("prompts") != prompts:
+        return None
+    return {**record, "ratio_to_floor": record["ratio"]}
 
 
 def evaluation_text(metadata: dict[str, Any]) -> str:
