@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflash_assets.evaluation.runs import run_manifest
+from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import make_dagster_home
 
@@ -130,15 +131,17 @@ def measured(tmp_path_factory, demo_ranges, demo_model_dir):
         "DFLASH_MAX_LENGTH": "256",
         "OMP_NUM_THREADS": "1",
     }
-    trained = _yardstick(
+    argv = (
         "train", VARIANT, "--steps", str(STEPS), "--evals", str(EVALS), "--batch", "6", "--anchors", "16",
         "--curve-prompts", "2", "--prompts", str(PROMPTS), "--new-tokens", str(NEW_TOKENS), "--zlab",
-        "--threads", "1", env=env,
+        "--threads", "1",
     )  # fmt: skip
+    trained = _yardstick(*argv, env=env)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     table = _yardstick("table", env=env)
     assert table.returncode == 0, table.stderr[-3000:]
-    return {"train": trained.stdout, "table": table.stdout, "store": open_store(store_url)}
+    store = open_store(store_url)
+    return {"train": trained.stdout, "table": table.stdout, "store": store, "env": env, "argv": argv}
 
 
 def test_train_materialises_the_run_and_its_evaluation_under_the_variants_name(measured):
@@ -195,3 +198,33 @@ def test_reproduce_sets_only_what_the_user_left_unset_and_measures_the_users_set
     # A user who already names the later set keeps their reference for it.
     mine = {"DFLASH_EVAL_SETS": "sharegpt_later=sharegpt-first-turn[15000:]"}
     assert "DFLASH_EVAL_SETS" not in yardstick.reproduce_settings(mine)
+
+
+def test_a_rerun_measures_only_what_is_missing(measured):
+    """The same command again: the run is in the store and its held_out evaluation measured this export
+    at these prompts and tokens, so nothing is decoded again (z-lab's loop, asked for, still runs)."""
+    store, env = measured["store"], measured["env"]
+    before = read_manifest(store, f"evaluations/{VARIANT}/held_out")
+    again = _yardstick(*measured["argv"], env=env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "(measured before on this export)" in again.stdout
+    assert "drafter_evaluations" not in again.stdout  # not materialised again
+    assert read_manifest(store, f"evaluations/{VARIANT}/held_out") == before
+    assert "held_out by z-lab's dflash_generate" in again.stdout
+
+
+def test_the_plot_draws_every_measured_row_as_tau_and_its_floor(yardstick):
+    import xml.etree.ElementTree as ElementTree
+
+    rows = [
+        {"run": "a", "set": "held_out", "conversations": 173, "prompts": 16, "tau": 1.33, "floor": 1.24},
+        {"run": "b", "set": "held_out", "conversations": 913, "prompts": 64, "tau": 1.43, "floor": 1.41},
+        {"run": "b", "set": "later", "conversations": 913, "prompts": 64, "tau": 1.39, "floor": 1.30},
+    ]
+    svg = ElementTree.fromstring(yardstick.plot_svg(rows))
+    circles = [c for c in svg.iter("{http://www.w3.org/2000/svg}circle")]
+    filled = [c for c in circles if c.get("fill") not in (None, "none") and c.find("{*}title") is not None]
+    assert [c.find("{*}title").text.split(":")[0] for c in filled] == ["a", "b", "b"]
+    # Higher tau is drawn higher (smaller y), and 913 conversations to the right of 173.
+    assert float(filled[1].get("cy")) < float(filled[0].get("cy"))
+    assert float(filled[1].get("cx")) > float(filled[0].get("cx"))
