@@ -413,7 +413,7 @@ def zlab_cross_check(product: InProcessRunner, run: str, set_name: str = "held_o
     from dflash_assets.bench.zlab import load_zlab_drafter, zlab_generate
     from dflash_assets.drafter.speculative import TargetVerifier, greedy_decode, stop_token_ids_of
     from dflash_assets.evaluation.loaders import load_prompt_set
-    from dflash_assets.evaluation.measure import reference_identity
+    from dflash_assets.evaluation.measure import reference_identity, reference_precision
     from dflash_assets.evaluation.runs import download_export, read_evaluation, read_reference, run_manifest
     from dflash_assets.target.model import load_target_model
     from dflash_assets.target.threads import decoding_threads
@@ -438,9 +438,8 @@ def zlab_cross_check(product: InProcessRunner, run: str, set_name: str = "held_o
         drafter, _ = load_zlab_drafter(export, device=device, dtype=next(model.parameters()).dtype)
         verifier = TargetVerifier(model, manifest["target_layer_ids"])
         # The target's greedy output as the evaluation stored it (`evaluation-references/`), else decoded.
-        precision = "bf16" if str(device).startswith("cuda") else "float32"
         identity = reference_identity(
-            target.name, precision, prompts, max_new_tokens=new_tokens, stop_token_ids=stops
+            target.name, reference_precision(device), prompts, max_new_tokens=new_tokens, stop_token_ids=stops
         )
         stored = (read_reference(store, identity) or {}).get("greedy")
         with decoding_threads(model):

@@ -170,6 +170,12 @@ def measure(
     return loop_figures(prompts, results, greedy, block_size, time.monotonic() - started)
 
 
+def reference_precision(device: object) -> str:
+    """The precision the target decodes at on `device`, as `reference_identity` names it: bf16 on CUDA,
+    float32 elsewhere (the greedy output differs between them)."""
+    return "bf16" if str(device).startswith("cuda") else "float32"
+
+
 def reference_identity(
     target: str, precision: str, prompts: Sequence[Prompt], *, max_new_tokens: int, stop_token_ids: set[int]
 ) -> str:

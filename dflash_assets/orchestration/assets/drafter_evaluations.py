@@ -155,7 +155,11 @@ def evaluate_run_on_set(
 
     from dflash_assets.evaluation import runs
     from dflash_assets.evaluation.loaders import load_prompt_set, loaded_for_evaluation
-    from dflash_assets.evaluation.measure import measure_beside_floor, reference_identity
+    from dflash_assets.evaluation.measure import (
+        measure_beside_floor,
+        reference_identity,
+        reference_precision,
+    )
     from dflash_assets.evaluation.report import build_record
 
     started = time.monotonic()
@@ -187,9 +191,12 @@ def evaluate_run_on_set(
     ):
         verifier, drafter, stops = loaded
         # The target's greedy output and the floor's figures, made once per target, prompts and budget.
-        precision = "bf16" if str(device).startswith("cuda") else "float32"
         reference_key = reference_identity(
-            target_model.name, precision, prompt_set.prompts, max_new_tokens=new_tokens, stop_token_ids=stops
+            target_model.name,
+            reference_precision(device),
+            prompt_set.prompts,
+            max_new_tokens=new_tokens,
+            stop_token_ids=stops,
         )
         stored = runs.read_reference(object_store, reference_key)
         measured = measure_beside_floor(
