@@ -418,6 +418,21 @@ class DrafterAttention(nn.Module):
             out = self._materialised(q * self.head_dim**-0.5, x, context, block_rope, context_rope, masks)
         return self.o_proj(out.movedim(1, -2).flatten(-2))  # [B, N, S, h*hd] -> [B, N, S, D]
 
+    def attend_cached(
+        self, x: torch.Tensor, block_rope: Rope, context_kv: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """One block `x [1, 1, S, D]` over its context's keys and values as this layer projected them
+        before (`context_kv`, `[1, h, C, hd]` each: `DraftCache`) and its own slots: what `forward` gives
+        at inference on a full-attention layer, without projecting the whole context again."""
+        batch, num_blocks, block_size, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, num_blocks, block_size, self.num_heads, self.head_dim))
+        q = apply_rotary(q, block_rope).movedim(-2, 1)[:, :, 0]  # [1, h, S, hd]
+        k_block, v_block = self._keys_values(x[:, 0], (block_rope[0][:, 0], block_rope[1][:, 0]))
+        k = torch.cat([context_kv[0], k_block], dim=2)
+        v = torch.cat([context_kv[1], v_block], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v)  # every slot sees the context and its whole block
+        return self.o_proj(out.movedim(1, -2).flatten(-2))[:, None]  # [1, 1, S, D]
+
     def _materialised(
         self,
         q: torch.Tensor,  # [B, h, N, S, hd], pre-scaled
@@ -543,14 +558,19 @@ class DrafterLayer(nn.Module):
         context_rope: Rope,
         masks: BlockMasks | None,
         flex: FlexMask | None = None,
+        context_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # set: `attend_cached`
     ) -> torch.Tensor:
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            if context_kv is not None:
+                return self.self_attn.attend_cached(h, block_rope, context_kv)
+            return self.self_attn(h, context, block_rope, context_rope, masks, flex)
+
         h = self.input_layernorm(x)
         if self.attention_conv is None:
-            x = x + self.self_attn(h, context, block_rope, context_rope, masks, flex)
+            x = x + attend(h)
         else:
             h, kernel = self.attention_conv.prepare(h)
-            h = self.self_attn(h, context, block_rope, context_rope, masks, flex)
-            x = x + self.attention_conv.finish(h, kernel)
+            x = x + self.attention_conv.finish(attend(h), kernel)
         h = self.post_attention_layernorm(x)
         if self.mlp_conv is None:
             return x + self.mlp(h)
@@ -719,27 +739,87 @@ class DFlashDrafter(nn.Module):
         """The drafts `[S-1]` for a block's slots after the anchor (`hidden [S-1, D]`): each slot's argmax."""
         return self.logits(hidden).argmax(dim=-1)
 
+    def new_draft_cache(self) -> DraftCache | None:
+        """An empty `DraftCache` for one decoding, or None where a layer is sliding (its window moves with
+        the anchor, so its context keys are not a prefix that only grows)."""
+        if any(layer.self_attn.sliding_window is not None for layer in self.layers):
+            return None
+        return DraftCache()
+
     @torch.no_grad()
     def draft_block(
         self,
         context_hidden_states: torch.Tensor,  # [C, K, H]: the target's layers at positions 0..C-1
         anchor_token: int,  # the token at position C, just produced by the target
+        cache: DraftCache | None = None,
     ) -> torch.Tensor:
         """Greedy drafts for positions C+1 .. C+block_size-1, `[block_size - 1]` long: inference as the
-        engines run it (one block, the anchor then mask tokens, the whole context before the anchor)."""
+        engines run it (one block, the anchor then mask tokens, the whole context before the anchor).
+        With `cache` (`new_draft_cache`, one a decoding) only the positions it has not seen are projected
+        into each layer's context keys and values, as the engines keep them; without, all of them."""
+        return self.propose(self.block_hidden(context_hidden_states, anchor_token, cache)[1:], anchor_token)
+
+    @torch.no_grad()
+    def block_hidden(
+        self, context_hidden_states: torch.Tensor, anchor_token: int, cache: DraftCache | None = None
+    ) -> torch.Tensor:
+        """`draft_block`'s final-normed block `[block_size, D]`, the anchor's slot first."""
         device, size = self.device, self.config.block_size
         context_length = context_hidden_states.shape[0]
         ids = torch.full((1, 1, size), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0, 0] = anchor_token
         positions = (context_length + torch.arange(size, device=device)).view(1, 1, size)
-        hidden = self(
-            ids,
-            positions,
-            context_hidden_states[None].to(device),
-            torch.arange(context_length, device=device)[None],
-            torch.tensor([[context_length]], device=device),
-        )
-        return self.propose(hidden[0, 0, 1:], anchor_token)
+        if cache is None:
+            hidden = self(
+                ids,
+                positions,
+                context_hidden_states[None].to(device),
+                torch.arange(context_length, device=device)[None],
+                torch.tensor([[context_length]], device=device),
+            )
+            return hidden[0, 0]
+        cache.extend(self, context_hidden_states)
+        x = F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
+        block_rope = rotary_cos_sin(positions, self.rotary)
+        for layer, context_kv in zip(self.layers, cache.keys_values, strict=True):
+            x = layer(x, None, block_rope, None, None, context_kv=context_kv)
+        return self.norm(x)[0, 0]
+
+
+class DraftCache:
+    """Each layer's keys and values of the context one decoding has drafted from so far: a position's
+    context feature depends on that position's target states alone, so what an earlier round projected
+    stands, and a round projects only the positions committed since (decoding never takes back a
+    committed position). Without it every round projected the whole context again: at 1,500 tokens the
+    draft cost as much as the target's verification."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.keys_values: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def extend(self, drafter: DFlashDrafter, context_hidden_states: torch.Tensor) -> None:
+        """Project positions `length .. C-1` of `context_hidden_states [C, K, H]` (the whole context so
+        far; the first `length` positions must be the ones projected before)."""
+        context_length = context_hidden_states.shape[0]
+        if context_length < self.length:
+            raise ValueError(
+                f"the context shrank from {self.length} to {context_length} positions: a draft cache serves "
+                "one decoding, whose committed context only grows"
+            )
+        if context_length == self.length:
+            return
+        device = drafter.device
+        new = context_hidden_states[self.length :].to(device)
+        flat = new.reshape(1, new.shape[0], -1).to(drafter.fc.weight.dtype)  # [1, n, K*H]
+        context = drafter.hidden_norm(drafter.fc(flat))
+        rope = rotary_cos_sin(torch.arange(self.length, context_length, device=device)[None], drafter.rotary)
+        projected = [layer.self_attn._keys_values(context, rope) for layer in drafter.layers]
+        if self.keys_values:
+            projected = [
+                (torch.cat([k_old, k], dim=2), torch.cat([v_old, v], dim=2))
+                for (k_old, v_old), (k, v) in zip(self.keys_values, projected, strict=True)
+            ]
+        self.keys_values, self.length = projected, context_length
 
 
 class DFlash2Drafter(DFlashDrafter):

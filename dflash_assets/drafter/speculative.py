@@ -146,10 +146,14 @@ def speculative_decode(
     greedy, context = verifier.run(prompt, committed)  # prefill: the first new token is the target's
     generated = [int(greedy[-1])]
     lengths: list[int] = []
+    # The drafter's context keys and values, kept across rounds where its layers allow it.
+    draft_cache = drafter.new_draft_cache() if isinstance(drafter, DFlashDrafter) else None
     while len(generated) < max_new_tokens and generated[-1] not in stop_token_ids:
         anchor = generated[-1]
         if isinstance(drafter, PromptLookup):
             drafts = drafter.propose([*prompt, *generated])
+        elif draft_cache is not None:
+            drafts = drafter.draft_block(context, anchor, cache=draft_cache).tolist()
         else:
             drafts = drafter.draft_block(context, anchor).tolist()
         # greedy[j]: the target's token after anchor + drafts[:j]

@@ -404,3 +404,66 @@ def test_a_plain_attention_target_verifies_once_a_round_and_cuts_the_rejected_dr
     _, recomputed = plain.run(sequence, plain.new_cache())
     assert last.shape == recomputed.shape
     torch.testing.assert_close(last.float(), recomputed.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_the_drafters_kept_context_keys_give_the_block_a_whole_projection_gives(
+    verifier: TargetVerifier, config: DrafterConfig, arch: str
+) -> None:
+    """Rounds over a context that grows by what each commits: the kept keys and values project each
+    position once and give the block the uncached path gives, round after round."""
+    from dataclasses import replace
+
+    from dflash_assets.drafter.model import drafter_class
+
+    torch.manual_seed(0)
+    shaped = replace(config, arch=arch)
+    width = shaped.hidden_size
+    drafter = drafter_class(shaped)(
+        shaped, torch.randn(shaped.vocab_size, width), torch.randn(shaped.vocab_size, width)
+    ).eval()
+    prompt = prompts(1, seed=8)[0]
+    _, context = verifier.run(prompt + greedy_decode(verifier, prompt, 30, set()), verifier.new_cache())
+    cache = drafter.new_draft_cache()
+    projected = []
+    hook = drafter.fc.register_forward_hook(lambda module, args, output: projected.append(args[0].shape[1]))
+    previous = 0
+    try:
+        for length in (len(prompt), len(prompt) + 1, len(prompt) + 6, len(prompt) + 14, context.shape[0]):
+            anchor = 7 + length % 5
+            kept = drafter.block_hidden(context[:length], anchor, cache)
+            assert projected == [length - previous]  # only the positions committed since the last round
+            whole = drafter.block_hidden(context[:length], anchor)
+            assert projected[1] == length  # the uncached path projects the whole context every round
+            torch.testing.assert_close(kept, whole, atol=1e-4, rtol=1e-4)
+            projected.clear()
+            previous = length
+    finally:
+        hook.remove()
+    with pytest.raises(ValueError, match="the context shrank from"):
+        drafter.block_hidden(context[:5], 3, cache)
+
+
+def test_speculative_decoding_projects_each_context_position_once_and_drafts_as_without_the_cache(
+    verifier: TargetVerifier, config: DrafterConfig, monkeypatch
+) -> None:
+    torch.manual_seed(1)
+    width = config.hidden_size
+    drafter = DFlashDrafter(
+        config, torch.randn(config.vocab_size, width), torch.randn(config.vocab_size, width)
+    )
+    prompt = prompts(1, seed=9)[0]
+    projected: list[int] = []
+    hook = drafter.fc.register_forward_hook(lambda module, args, output: projected.append(args[0].shape[1]))
+    try:
+        kept = speculative_decode(drafter.eval(), verifier, prompt, 40, set())
+        kept_rows, projected[:] = sum(projected), []
+        monkeypatch.setattr(DFlashDrafter, "new_draft_cache", lambda self: None)
+        whole = speculative_decode(drafter, verifier, prompt, 40, set())
+    finally:
+        hook.remove()
+    assert (kept.tokens, kept.acceptance_lengths) == (whole.tokens, whole.acceptance_lengths)
+    rounds = len(kept.acceptance_lengths)
+    # The last round drafted from every position before its anchor, each projected once over the rounds.
+    assert kept_rows == len(prompt) + len(kept.tokens) - kept.acceptance_lengths[-1] - 1
+    assert sum(projected) > kept_rows * rounds / 4  # the whole context again every round
