@@ -11,6 +11,7 @@ again later.
     python scripts/yardstick.py table [RUN ...]     # compare --markdown, and each run's curve
     python scripts/yardstick.py reproduce           # the default recipe's row, from the kept data
     python scripts/yardstick.py plot                # docs/images/tau-against-data.svg from the measured rows
+    python scripts/yardstick.py keep-references     # the stored greedy outputs and floors, to commit
 
 `reproduce` rebuilds the default recipe's row of the τ-against-data table (docs/drafter.md) from a fresh
 clone: the answers SmolLM2 gave ShareGPT's first turns [0:1000] through vLLM, kept in `yardstick-data/`
@@ -93,6 +94,12 @@ REPRODUCE_SETTINGS = {
     "DFLASH_EVAL_PROMPTS": "64",
     "DFLASH_EVAL_NEW_TOKENS": "64",
 }
+# The target's greedy output and prompt lookup's figures on the yardstick's own prompt sets, as
+# `drafter_evaluations` stored them (`evaluation-references/<identity>.json`), kept here gzipped so that a
+# fresh store's first evaluation on the same kind of machine runs only the drafter's loop (about half an
+# hour less for `reproduce`'s two sets on 2 cores). The identity names the target, its precision and
+# kernels, the prompts and the budget: a kept file never stands in for anything else.
+KEPT_REFERENCES = REPO / "yardstick-data" / "evaluation-references"
 REPRODUCE_SET = ("sharegpt_later", "sharegpt-first-turn[16000:]")  # past every training slice (< 15,000)
 REPRODUCE_RUN = "default-recipe"
 VARIANT_GRAMMAR = "<arch>-<loss>-<block>[-kl<w>] (e.g. dflash2-dpace-16, dflash2-dpace-8-kl0.5)"
@@ -251,6 +258,7 @@ def run_train(
     named, sets = checked_train(args)
     variants = variants or named
     store = product.resources["store"].check()
+    seed_references(store)
     evaluation = {name: value for name, value in (("prompts", args.prompts), ("new_tokens", args.new_tokens))
                   if value is not None}  # fmt: skip
     for variant in variants:
@@ -285,6 +293,57 @@ def run_train(
                 zlab_cross_check(product, variant.name, name)
     print(f"the table: python scripts/yardstick.py table {' '.join(v.name for v in variants)}")
     return 0
+
+
+def seed_references(store: ObjectStore, directory: Path = KEPT_REFERENCES) -> int:
+    """Every kept reference (`<identity>.json.gz` in `directory`) the store lacks, put in it; how many. A
+    kept file that does not read is named and left out (the evaluation then decodes that set again)."""
+    import gzip
+
+    from dflash_assets.evaluation.runs import read_reference, write_reference
+
+    seeded = 0
+    for path in sorted(directory.glob("*.json.gz")):
+        identity = path.name.removesuffix(".json.gz")
+        if read_reference(store, identity) is not None:
+            continue
+        try:
+            reference = json.loads(gzip.decompress(path.read_bytes()))
+        except (OSError, EOFError, ValueError) as error:
+            print(f"kept reference {path} does not read ({error}): that set's greedy output is decoded again")
+            continue
+        if not isinstance(reference, dict) or not isinstance(reference.get("greedy"), list):
+            print(f"kept reference {path} holds no greedy output: that set's greedy output is decoded again")
+            continue
+        write_reference(store, identity, reference)
+        seeded += 1
+    if seeded:
+        print(
+            f"{seeded} kept evaluation reference(s) from {directory} put in the store: the target's greedy "
+            "output and prompt lookup's figures on prompts decoded before, by the same target and kernels"
+        )
+    return seeded
+
+
+def keep_references(store: ObjectStore, directory: Path = KEPT_REFERENCES) -> int:
+    """Every reference in the store that `directory` lacks, written there gzipped (to be committed); how
+    many."""
+    import gzip
+
+    from dflash_assets.storage.layout import REFERENCES_PREFIX
+
+    directory.mkdir(parents=True, exist_ok=True)
+    kept = 0
+    for info in store.list(f"{REFERENCES_PREFIX}/"):
+        name = info.key.rsplit("/", 1)[-1]
+        if not name.endswith(".json") or (target := directory / f"{name}.gz").exists():
+            continue
+        reference = json.loads(bytes(store.get_bytes(info.key)))
+        target.write_bytes(gzip.compress(json.dumps(reference, sort_keys=True).encode(), mtime=0))
+        print(f"kept {target} ({len(reference['greedy'])} prompts)")
+        kept += 1
+    print(f"{kept} reference(s) kept in {directory}" if kept else f"every stored reference is in {directory}")
+    return kept
 
 
 def reproduce_settings(environ: dict[str, str]) -> dict[str, str]:
@@ -624,6 +683,10 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also decode every set with z-lab's dflash_generate (a rerun adds it to a finished run)",
     )
+    commands.add_parser(
+        "keep-references",
+        help="the store's evaluation references (greedy output, floor) into yardstick-data, to be committed",
+    )
     commands.add_parser("plot", help="docs/images/tau-against-data.svg from yardstick-data's measured rows")
     table = commands.add_parser("table", help="dflash-assets compare --markdown, and each run's curve")
     table.add_argument("runs", nargs="*", metavar="RUN", help="training runs (default: every run evaluated)")
@@ -644,6 +707,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_table(args.runs)
         if args.command == "plot":
             return run_plot()
+        if args.command == "keep-references":
+            from dflash_assets.orchestration.execution.in_process import InProcessRunner
+
+            keep_references(InProcessRunner().resources["store"].check())
+            return 0
         if args.command == "train":
             checked_train(args)
         if args.threads:

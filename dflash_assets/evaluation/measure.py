@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dflash_assets.drafter.speculative import (
     DecodeResult,
     PromptLookup,
@@ -171,9 +173,15 @@ def measure(
 
 
 def reference_precision(device: object) -> str:
-    """The precision the target decodes at on `device`, as `reference_identity` names it: bf16 on CUDA,
-    float32 elsewhere (the greedy output differs between them)."""
-    return "bf16" if str(device).startswith("cuda") else "float32"
+    """The precision the target decodes at on `device` and the kernels it runs, as `reference_identity`
+    names them: bf16 on CUDA with the card's compute capability, float32 elsewhere with the CPU's vector
+    instructions (`AVX2`, `AVX512`). The greedy output differs between precisions, and sums taken in
+    another order by another kernel can turn a near tie: a reference kept from another machine is used
+    only where it was made the same way."""
+    if str(device).startswith("cuda"):
+        major, minor = torch.cuda.get_device_capability(torch.device(str(device)))
+        return f"bf16 on sm{major}{minor}"
+    return f"float32 on {torch.backends.cpu.get_cpu_capability()}"
 
 
 def reference_identity(

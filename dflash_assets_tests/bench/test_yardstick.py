@@ -228,3 +228,28 @@ def test_the_plot_draws_every_measured_row_as_tau_and_its_floor(yardstick):
     # Higher tau is drawn higher (smaller y), and 913 conversations to the right of 173.
     assert float(filled[1].get("cy")) < float(filled[0].get("cy"))
     assert float(filled[1].get("cx")) > float(filled[0].get("cx"))
+
+
+def test_kept_references_seed_a_fresh_store_and_a_bad_one_is_named_and_left_out(yardstick, tmp_path, capsys):
+    """`keep-references` writes the store's references gzipped; `train`/`reproduce` put them in a store
+    that lacks them, so its evaluation of those prompts decodes only the drafter."""
+    import gzip
+
+    from dflash_assets.evaluation.runs import read_reference, write_reference
+
+    made = open_store(str(tmp_path / "made"))
+    reference = {"greedy": [[1, 2, 3], [4, 5]], "floors": {"8": {"tau": 1.25}}}
+    write_reference(made, "a" * 32, reference)
+    kept = tmp_path / "kept"
+    assert yardstick.keep_references(made, kept) == 1
+    assert yardstick.keep_references(made, kept) == 0  # kept already: not written again
+    assert json.loads(gzip.decompress((kept / f"{'a' * 32}.json.gz").read_bytes())) == reference
+
+    (kept / f"{'b' * 32}.json.gz").write_bytes(b"not gzip")
+    fresh = open_store(str(tmp_path / "fresh"))
+    assert yardstick.seed_references(fresh, kept) == 1
+    assert read_reference(fresh, "a" * 32) == reference
+    assert read_reference(fresh, "b" * 32) is None
+    out = capsys.readouterr().out
+    assert f"kept reference {kept / ('b' * 32 + '.json.gz')} does not read" in out
+    assert yardstick.seed_references(fresh, kept) == 0  # in the store already

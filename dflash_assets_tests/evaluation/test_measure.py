@@ -61,3 +61,29 @@ def test_prompts_that_stop_at_once_leave_tau_unmeasured_not_zero():
     assert figures.tau is None and figures.rounds == 0
     assert figures.acceptance_by_position == [None, None, None]
     assert figures.lossless_prompts == 1
+
+
+def test_a_reference_is_named_by_the_precision_and_kernels_that_made_it(monkeypatch):
+    """A greedy output kept from a CPU with other vector instructions, or from another card, is another
+    identity: sums in another order can turn a near tie, and the lossless check would blame the drafter."""
+    import torch
+
+    from dflash_assets.evaluation.measure import reference_identity, reference_precision
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    avx2 = reference_precision("cpu")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    avx512 = reference_precision(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert (avx2, avx512, reference_precision("cuda:0")) == (
+        "float32 on AVX2",
+        "float32 on AVX512",
+        "bf16 on sm90",
+    )
+
+    def identity(precision: str, prompts=(SHORT,), new_tokens: int = 64) -> str:
+        return reference_identity("t", precision, prompts, max_new_tokens=new_tokens, stop_token_ids={2})
+
+    assert identity(avx2) == identity("float32 on AVX2")  # the same making: the same name
+    assert len({identity(avx2), identity(avx512), identity("bf16 on sm90"), identity(avx2, (LONG,)),
+                identity(avx2, new_tokens=32)}) == 5  # fmt: skip
