@@ -258,7 +258,6 @@ def run_train(
     named, sets = checked_train(args)
     variants = variants or named
     store = product.resources["store"].check()
-    seed_references(store)
     evaluation = {name: value for name, value in (("prompts", args.prompts), ("new_tokens", args.new_tokens))
                   if value is not None}  # fmt: skip
     for variant in variants:
@@ -282,6 +281,7 @@ def run_train(
             if (done := measured_already(store, variant.name, name, evaluation)) is not None:
                 print(f"    {evaluation_text(done)} (measured before on this export)", flush=True)
                 continue
+            seed_references(store)  # kept since this command started, too
             with terminal.live_progress():
                 measured = product.materialise("drafter_evaluations", partition=name, config=config)
             if not measured.success:
@@ -521,6 +521,9 @@ def zlab_cross_check(product: InProcessRunner, run: str, set_name: str = "held_o
     )
 
 
+# A row's `path`: the target's own answers (regenerated, the default) or the dataset's, trained toward the
+# target's distribution where the row's objective says so.
+DATASET_ANSWERS = "dataset answers"
 ROWS_FILE = Path(__file__).resolve().parent.parent / "yardstick-data" / "tau-against-data.json"
 PLOT_FILE = Path(__file__).resolve().parent.parent / "docs" / "images" / "tau-against-data.svg"
 
@@ -583,12 +586,20 @@ def plot_svg(rows: list[dict[str, Any]], bar: float = 1.3) -> str:
         parts.append(
             f'<circle cx="{x:.1f}" cy="{y_at(row["floor"]):.1f}" r="5" fill="none" stroke="{colour}"/>'
         )
-        parts.append(
-            f'<circle cx="{x:.1f}" cy="{y_at(row["tau"]):.1f}" r="{3 + row["prompts"] / 32:.1f}" '
-            f'fill="{colour}"><title>{row["run"]}: {row["set"]}, {row["prompts"]} prompts, '
-            f"τ {row['tau']:.3f}, "
-            f"floor {row['floor']:.3f}</title></circle>"
+        title = (
+            f"<title>{row['run']}: {row['set']}, {row['prompts']} prompts, τ {row['tau']:.3f}, "
+            f"floor {row['floor']:.3f}</title>"
         )
+        radius, y = 3 + row["prompts"] / 32, y_at(row["tau"])
+        if row.get("path") == DATASET_ANSWERS:  # a square: trained on the dataset's own answers
+            parts.append(
+                f'<rect x="{x - radius:.1f}" y="{y - radius:.1f}" width="{2 * radius:.1f}" '
+                f'height="{2 * radius:.1f}" fill="{colour}">{title}</rect>'
+            )
+        else:
+            parts.append(
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{radius:.1f}" fill="{colour}">{title}</circle>'
+            )
     legend_x, legend_y = width - right + 14, top + 10
     for index, (name, colour) in enumerate(colours.items()):
         y = legend_y + 18 * index
@@ -597,13 +608,18 @@ def plot_svg(rows: list[dict[str, Any]], bar: float = 1.3) -> str:
     y = legend_y + 18 * len(colours) + 10
     parts += [
         f'<circle cx="{legend_x}" cy="{y}" r="4" fill="#555"/>'
-        f'<text x="{legend_x + 10}" y="{y + 4}">τ (size: prompts)</text>',
+        f'<text x="{legend_x + 10}" y="{y + 4}">τ, regenerated (size: prompts)</text>',
         f'<circle cx="{legend_x}" cy="{y + 18}" r="5" fill="none" stroke="#555"/>'
         f'<text x="{legend_x + 10}" y="{y + 22}">prompt lookup</text>',
         f'<line x1="{legend_x - 6}" x2="{legend_x + 6}" y1="{y + 36}" y2="{y + 36}" stroke="#555" '
         f'stroke-dasharray="3 2"/><text x="{legend_x + 10}" y="{y + 40}">{bar}x prompt lookup</text>',
-        "</svg>",
     ]
+    if any(row.get("path") == DATASET_ANSWERS for row in rows):
+        parts.append(
+            f'<rect x="{legend_x - 4}" y="{y + 50}" width="8" height="8" fill="#555"/>'
+            f'<text x="{legend_x + 10}" y="{y + 58}">τ, the dataset\'s answers</text>'
+        )
+    parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
 

@@ -220,11 +220,17 @@ def test_the_plot_draws_every_measured_row_as_tau_and_its_floor(yardstick):
         {"run": "a", "set": "held_out", "conversations": 173, "prompts": 16, "tau": 1.33, "floor": 1.24},
         {"run": "b", "set": "held_out", "conversations": 913, "prompts": 64, "tau": 1.43, "floor": 1.41},
         {"run": "b", "set": "later", "conversations": 913, "prompts": 64, "tau": 1.39, "floor": 1.30},
-    ]
+        {"run": "c", "set": "later", "conversations": 237, "prompts": 64, "tau": 1.30, "floor": 1.30,
+         "path": yardstick.DATASET_ANSWERS},
+    ]  # fmt: skip
     svg = ElementTree.fromstring(yardstick.plot_svg(rows))
     circles = [c for c in svg.iter("{http://www.w3.org/2000/svg}circle")]
     filled = [c for c in circles if c.get("fill") not in (None, "none") and c.find("{*}title") is not None]
     assert [c.find("{*}title").text.split(":")[0] for c in filled] == ["a", "b", "b"]
+    squares = [r for r in svg.iter("{http://www.w3.org/2000/svg}rect") if r.find("{*}title") is not None]
+    assert [r.find("{*}title").text.split(":")[0] for r in squares] == ["c"]  # the dataset's answers
+    assert "τ, the dataset's answers" in yardstick.plot_svg(rows)
+    assert "the dataset's answers" not in yardstick.plot_svg(rows[:3])
     # Higher tau is drawn higher (smaller y), and 913 conversations to the right of 173.
     assert float(filled[1].get("cy")) < float(filled[0].get("cy"))
     assert float(filled[1].get("cx")) > float(filled[0].get("cx"))
