@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_assets.cli import UsageError
+from dflash_assets.storage.layout import REFERENCES_PREFIX
 
 if TYPE_CHECKING:
     from dflash_assets.orchestration.execution.in_process import InProcessRunner
@@ -95,11 +96,11 @@ REPRODUCE_SETTINGS = {
     "DFLASH_EVAL_NEW_TOKENS": "64",
 }
 # The target's greedy output and prompt lookup's figures on the yardstick's own prompt sets, as
-# `drafter_evaluations` stored them (`evaluation-references/<identity>.json`), kept here gzipped so that a
+# `drafter_evaluations` stored them (`REFERENCES_PREFIX`, one object an identity), kept here gzipped so that a
 # fresh store's first evaluation on the same kind of machine runs only the drafter's loop (about half an
 # hour less for `reproduce`'s two sets on 2 cores). The identity names the target, its precision and
 # kernels, the prompts and the budget: a kept file never stands in for anything else.
-KEPT_REFERENCES = REPO / "yardstick-data" / "evaluation-references"
+KEPT_REFERENCES = REPO / "yardstick-data" / REFERENCES_PREFIX
 REPRODUCE_SET = ("sharegpt_later", "sharegpt-first-turn[16000:]")  # past every training slice (< 15,000)
 REPRODUCE_RUN = "default-recipe"
 VARIANT_GRAMMAR = "<arch>-<loss>-<block>[-kl<w>] (e.g. dflash2-dpace-16, dflash2-dpace-8-kl0.5)"
@@ -329,8 +330,6 @@ def keep_references(store: ObjectStore, directory: Path = KEPT_REFERENCES) -> in
     """Every reference in the store that `directory` lacks, written there gzipped (to be committed); how
     many."""
     import gzip
-
-    from dflash_assets.storage.layout import REFERENCES_PREFIX
 
     directory.mkdir(parents=True, exist_ok=True)
     kept = 0

@@ -93,8 +93,10 @@ def test_after_the_warm_up_no_training_step_or_evaluation_compiles_anything(
     assert warmed[0] == "long_barrier" and warmed[1] > 0  # the warm-up compiled, and only then did ranks meet
     assert all(graphs == warmed[1] for _, graphs in collective.graphs), collective.graphs
     assert compiled_graphs() == warmed[1]
-    # The run did meet every kind of call after its warm-up: several sequences and one, with and without
-    # gradients.
+    # The run did meet every kind of call after its warm-up: several sequences and one with gradients,
+    # several without. Speculative decoding's drafts (one block, no gradients) do not go through the
+    # compiled forward: the drafter's kept context keys and values (`DraftCache`) run them.
     after = set(sizes[2:])  # after the warm-up's two forwards
-    assert {(True, 1), (False, 1)} <= after and any(grad and n > 1 for grad, n in after)
+    assert (True, 1) in after and any(grad and n > 1 for grad, n in after)
     assert any(not grad and n > 1 for grad, n in after)
+    assert (False, 1) not in after
