@@ -259,3 +259,17 @@ def test_kept_references_seed_a_fresh_store_and_a_bad_one_is_named_and_left_out(
     out = capsys.readouterr().out
     assert f"kept reference {kept / ('b' * 32 + '.json.gz')} does not read" in out
     assert yardstick.seed_references(fresh, kept) == 0  # in the store already
+
+
+def test_the_kept_references_are_named_by_what_they_were_made_from(yardstick):
+    """Each kept file's name is a 32-hex identity, and each holds a greedy output a prompt."""
+    import gzip
+
+    files = sorted(yardstick.KEPT_REFERENCES.glob("*.json.gz"))
+    assert files  # reproduce's sets, made on a 2-core AVX2 machine (README.md beside them)
+    readme = (yardstick.KEPT_REFERENCES / "README.md").read_text()
+    for path in files:
+        assert re.fullmatch(r"[0-9a-f]{32}\.json\.gz", path.name)
+        assert path.name.removesuffix(".json.gz") in readme  # which set, target and machine made it
+        reference = json.loads(gzip.decompress(path.read_bytes()))
+        assert len(reference["greedy"]) == 64 and all(reference["floors"].values())
