@@ -523,8 +523,8 @@ def zlab_cross_check(product: InProcessRunner, run: str, set_name: str = "held_o
 # A row's `path`: the target's own answers (regenerated, the default) or the dataset's, trained toward the
 # target's distribution where the row's objective says so.
 DATASET_ANSWERS = "dataset answers"
-ROWS_FILE = Path(__file__).resolve().parent.parent / "yardstick-data" / "tau-against-data.json"
-PLOT_FILE = Path(__file__).resolve().parent.parent / "docs" / "images" / "tau-against-data.svg"
+ROWS_FILE = REPO / "yardstick-data" / "tau-against-data.json"
+PLOT_FILE = REPO / "docs" / "images" / "tau-against-data.svg"
 
 
 def plot_svg(rows: list[dict[str, Any]], bar: float = 1.3) -> str:
