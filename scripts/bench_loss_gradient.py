@@ -1,7 +1,8 @@
 """The loss's cross-entropy, fused against plain, in one SmolLM2-shaped DFlash2 training step on this machine.
 
-`cross_entropy_and_gather` (drafter/objective.py) writes the head's `[rows, vocabulary]` gradient once, in
-place; `F.cross_entropy` and `gather` allocate, zero and sum one each. This times the whole step of the
+`cross_entropy_and_gather` (drafter/objective.py) reads the head's bf16 logits in float32 a few rows at a time
+and writes their `[rows, vocabulary]` gradient once; `F.cross_entropy` and `gather` on the logits cast to
+float32 allocate, zero and sum one each, and the casts make two more passes. This times the whole step of the
 default drafter for SmolLM2-135M (hidden 576, vocabulary 49,152, block 8, 4 sequences of 450 tokens, 64
 anchors each, bf16 autocast, forward + backward + AdamW; random weights and states, nothing downloaded)
 with each, alternated in one process so a noisy machine slows both alike, and prints the medians' ratio.
@@ -22,7 +23,10 @@ from dflash_assets.bench.drafter_step import DrafterShapeCase, build_drafter, ra
 SMOLLM2 = DrafterShapeCase("SmolLM2-135M drafter", 576, 1536, 49152, 30, 450, 64)
 
 
-def plain(logits: torch.Tensor, labels: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def plain(
+    logits: torch.Tensor, labels: torch.Tensor, columns: torch.Tensor, lse: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    logits = logits.float()
     return torch.nn.functional.cross_entropy(logits, labels, reduction="none"), logits.gather(1, columns)
 
 

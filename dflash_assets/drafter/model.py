@@ -723,12 +723,18 @@ class DFlashDrafter(nn.Module):
             x = layer(x, context, block_rope, context_rope, masks[layer.self_attn.sliding_window], flex)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """`[..., D] -> [..., V]` float32 logits through the target's LM head, with the target's own
-        scaling and soft cap where it has them (as z-lab's `compute_logits`)."""
+        scaling and soft cap where it has them (as z-lab's `compute_logits`). `float32=False`: in the
+        head's own output dtype (bf16 under autocast) where the target has neither, for a loss that reads
+        them in float32 a few rows at a time."""
         # bf16_linear: F.linear, but through float32 tiles where a CPU has no bf16 matrix units (PyTorch's
         # reference bf16 kernel there made a 248 K vocabulary's head most of an hour a step).
-        logits = bf16_linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+        logits = bf16_linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight)
+        plain = self.config.output_multiplier == 1.0 and not self.config.final_logit_softcapping
+        if plain and not float32:
+            return logits
+        logits = logits.float()
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         if cap := self.config.final_logit_softcapping:

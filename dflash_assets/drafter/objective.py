@@ -234,38 +234,77 @@ class _Rows:
     in_top_k: torch.Tensor | None = None  # [R] bool
 
 
+def cache_rows(logits: torch.Tensor) -> int:
+    """Rows of `[r, V]` logits the loss's float32 passes take at once: on a CPU about 1 MiB of float32, so
+    that each row's max, exponentials, sum and gradient are computed while it sits in the core's cache (each
+    pass over the whole `[r, V]` tensor went to memory and back: most of a SmolLM2 drafter's loss); on an
+    accelerator every row, in one kernel each."""
+    if logits.device.type != "cpu":
+        return max(1, logits.shape[0])
+    return max(1, 2**18 // max(1, logits.shape[-1]))
+
+
+def row_statistics(logits: torch.Tensor, top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp `[r]` float32, then either the argmax `[r]` (`top_k` 0) or the top `top_k` columns
+    `[r, K]`, strongest first) of `logits` `[r, V]` in any float dtype, computed in float32 a few rows at a
+    time (`cache_rows`)."""
+    rows = logits.shape[0]
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    best = torch.empty((rows, top_k) if top_k else rows, dtype=torch.long, device=logits.device)
+    step = cache_rows(logits)
+    with torch.no_grad():
+        for start in range(0, rows, step):
+            window = slice(start, start + step)
+            x = logits[window].detach().float()
+            lse[window] = torch.logsumexp(x, dim=-1)
+            best[window] = x.topk(top_k, dim=-1).indices if top_k else x.argmax(dim=-1)
+    return lse, best
+
+
 class _CrossEntropyGather(torch.autograd.Function):
-    """Per-row cross-entropy of float32 logits `[r, V]` against `labels`, and the logits at `columns`
-    `[r, K]`, whose backward writes the logits' gradient once, in place: softmax times the cross-entropy's
-    gradient, the label's column less it, the gathered columns' gradients added. `log_softmax`, `nll_loss`
-    and `gather` each allocate, zero and sum a `[r, V]` gradient of their own, which made most of a SmolLM2
-    drafter's loss on a CPU (0.5 s of 0.6 s a step beside the head's matmuls)."""
+    """Per-row cross-entropy of logits `[r, V]` (any float dtype, computed in float32) against `labels`, and
+    the logits at `columns` `[r, K]` in float32, from the rows' log-sum-exp `lse` (`row_statistics`). The
+    forward reads only the labels' and columns' logits; the backward writes the logits' gradient once, in
+    their dtype, a few rows at a time (`cache_rows`): softmax times the cross-entropy's gradient, the
+    label's column less it, the gathered columns' gradients added. `log_softmax`, `nll_loss` and `gather`
+    each allocate, zero and sum a `[r, V]` gradient of their own, and bf16 logits cast to float32 made two
+    more passes: together most of a SmolLM2 drafter's step on a CPU."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, columns: torch.Tensor):  # noqa: ANN001, ANN205
-        log_p = torch.log_softmax(logits, dim=-1)  # kept in place of the logits, which can go
-        ctx.save_for_backward(log_p, labels, columns)
-        return -log_p.gather(1, labels[:, None])[:, 0], logits.gather(1, columns)
+    def forward(ctx, logits, labels, columns, lse):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(logits, labels, columns, lse)
+        label_logits = logits.gather(1, labels[:, None])[:, 0].float()
+        return lse - label_logits, logits.gather(1, columns).float()
 
     @staticmethod
     def backward(ctx, grad_ce: torch.Tensor | None, grad_columns: torch.Tensor | None):  # noqa: ANN001, ANN205
-        log_p, labels, columns = ctx.saved_tensors
-        grad = log_p.exp()  # softmax
-        if grad_ce is None:
-            grad.zero_()
-        else:
-            grad.mul_(grad_ce[:, None]).scatter_add_(1, labels[:, None], -grad_ce[:, None])
-        if grad_columns is not None and columns.shape[1]:
-            grad.scatter_add_(1, columns, grad_columns)
-        return grad, None, None
+        logits, labels, columns, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        gathered = grad_columns is not None and columns.shape[1] > 0
+        step = cache_rows(logits)
+        for start in range(0, logits.shape[0], step):
+            window = slice(start, start + step)
+            if grad_ce is None:
+                part = torch.zeros(logits[window].shape, dtype=torch.float32, device=logits.device)
+            else:
+                g = grad_ce[window, None].float()
+                part = (logits[window].float() - lse[window, None]).exp_().mul_(g)  # a new tensor
+                part.scatter_add_(1, labels[window, None], -g)
+            if gathered:
+                part.scatter_add_(1, columns[window], grad_columns[window].float())
+            grad[window] = part
+        return grad, None, None, None
 
 
 def cross_entropy_and_gather(
-    logits: torch.Tensor, labels: torch.Tensor, columns: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, columns: torch.Tensor, lse: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`F.cross_entropy(logits, labels, reduction="none")`, `logits.gather(1, columns)`) with one `[r, V]`
-    gradient (`_CrossEntropyGather`); `columns` `[r, 0]` gathers nothing."""
-    return _CrossEntropyGather.apply(logits, labels, columns)
+    """(`F.cross_entropy(logits.float(), labels, reduction="none")`, `logits.gather(1, columns).float()`)
+    with one `[r, V]` gradient in the logits' dtype (`_CrossEntropyGather`); `columns` `[r, 0]` gathers
+    nothing. `lse`: the rows' log-sum-exp where `row_statistics` computed it already."""
+    if lse is None:
+        lse = row_statistics(logits)[0]
+    return _CrossEntropyGather.apply(logits, labels, columns, lse.detach())
 
 
 def _label_rows(
@@ -280,27 +319,32 @@ def _label_rows(
     (DFlash2) also the selector's K-way CE over the unary top-k, with the label in place of the weakest
     candidate where the top-k misses it, its teacher-forced pick, and whether the label was in the top-k
     (a pick decoding could make)."""
-    logits = model.logits(hidden)  # [r, V] float32
     kl = None
     if teacher is not None:
+        logits = model.logits(hidden)  # [r, V] float32
         ce = F.cross_entropy(logits, labels, reduction="none")
         with torch.no_grad():  # the target's head on its own state: the same logits its LM head gives
             target_log_p = torch.log_softmax(model.logits(teacher), dim=-1)
         kl = (target_log_p.exp() * (target_log_p - torch.log_softmax(logits, dim=-1))).sum(dim=-1)
-    if predecessors is None:
-        if kl is None:
-            ce, _ = cross_entropy_and_gather(logits, labels, labels.new_zeros(labels.shape[0], 0))
-            return ce, logits.detach().argmax(dim=-1)
-        return ce, logits.argmax(dim=-1), kl
+        if predecessors is None:
+            return ce, logits.argmax(dim=-1), kl
+        candidates = logits.detach().topk(model.candidate_selector.top_k, dim=-1).indices
+    else:  # the head's own dtype (bf16 under autocast): the loss reads it in float32 a few rows at a time
+        logits = model.logits(hidden, float32=False)
+        top_k = 0 if predecessors is None else model.candidate_selector.top_k
+        lse, best = row_statistics(logits, top_k)
+        if predecessors is None:
+            ce, _ = cross_entropy_and_gather(logits, labels, labels.new_zeros(labels.shape[0], 0), lse)
+            return ce, best  # the argmax
+        candidates = best  # [r, K], strongest first
     selector = model.candidate_selector
-    candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # [r, K], strongest first
     hits = candidates == labels[:, None]
     in_top_k = hits.any(dim=-1)
     weakest = torch.arange(selector.top_k, device=labels.device) == selector.top_k - 1
     candidates = torch.where(weakest & ~in_top_k[:, None], labels[:, None], candidates)
     target = torch.where(in_top_k, hits.float().argmax(dim=-1), selector.top_k - 1)
     if kl is None:
-        ce, unary = cross_entropy_and_gather(logits, labels, candidates)
+        ce, unary = cross_entropy_and_gather(logits, labels, candidates, lse)
     else:
         unary = logits.gather(1, candidates)
     scores = unary + selector.pair_scores(hidden, predecessors, candidates)

@@ -150,7 +150,9 @@ def test_the_head_runs_once_a_step_when_the_rows_fit_one_chunk_and_the_gradients
         monkeypatch.setattr(objective_module, "logits_chunk_rows", lambda vocab, distill=False: chunk)
         calls = []
         real = DFlashDrafter.logits
-        monkeypatch.setattr(DFlashDrafter, "logits", lambda self, h: calls.append(len(h)) or real(self, h))
+        monkeypatch.setattr(
+            DFlashDrafter, "logits", lambda self, h, **kw: calls.append(len(h)) or real(self, h, **kw)
+        )
         drafter.zero_grad()
         output = dflash_loss(drafter, batch, anchors, Objective())
         output.weighted_ce.backward()
@@ -167,34 +169,68 @@ def test_the_head_runs_once_a_step_when_the_rows_fit_one_chunk_and_the_gradients
         torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cached_rows", [1, 4, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gathered", [0, 1, 4])
-def test_the_fused_cross_entropy_gives_the_values_and_gradients_of_log_softmax_nll_and_gather(gathered: int):
+def test_the_fused_cross_entropy_gives_the_values_and_gradients_of_log_softmax_nll_and_gather(
+    gathered: int, dtype: torch.dtype, cached_rows: int, monkeypatch: pytest.MonkeyPatch
+):
     """`cross_entropy_and_gather` writes one gradient where `F.cross_entropy` and `gather` write three: the
     same per-row values and the same gradient, whichever outputs the loss uses (a label among the gathered
-    columns included, as the selector puts it there)."""
+    columns included, as the selector puts it there); bf16 logits (the head under autocast) give float32's
+    values on the same numbers and the gradient float32's would round to; a few rows at a time
+    (`cache_rows`) or all at once alike."""
+    from dflash_assets.drafter import objective as objective_module
+
+    monkeypatch.setattr(objective_module, "cache_rows", lambda logits: cached_rows)
     torch.manual_seed(gathered)
-    logits = (torch.randn(6, 50) * 4).requires_grad_()
+    logits = (torch.randn(6, 50) * 4).to(dtype).requires_grad_()
+    before = logits.detach().clone()
     labels = torch.randint(0, 50, (6,))
     columns = torch.randint(0, 50, (6, gathered))
     if gathered:
         columns[:, -1] = labels
     weights, mix = torch.rand(6), torch.randn(6, gathered)
+    reference = logits.detach().float().requires_grad_()  # the same numbers in float32
     for uses in ("both", "ce", "columns"):
         fused_ce, fused_columns = cross_entropy_and_gather(logits, labels, columns)
-        plain_ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-        plain_columns = logits.gather(1, columns)
+        plain_ce = torch.nn.functional.cross_entropy(reference, labels, reduction="none")
+        plain_columns = reference.gather(1, columns)
+        assert fused_ce.dtype == fused_columns.dtype == torch.float32
         torch.testing.assert_close(fused_ce, plain_ce)
         torch.testing.assert_close(fused_columns, plain_columns)
         grads = []
-        for ce, gathered_logits in ((fused_ce, fused_columns), (plain_ce, plain_columns)):
+        for ce, gathered_logits, source in (
+            (fused_ce, fused_columns, logits),
+            (plain_ce, plain_columns, reference),
+        ):
             loss = (ce * weights).sum() if uses != "columns" else 0.0
             if uses != "ce" and gathered:
                 loss = loss + (gathered_logits * mix).sum()
             if not torch.is_tensor(loss):
                 continue
-            grads.append(torch.autograd.grad(loss, logits)[0])
+            grads.append(torch.autograd.grad(loss, source)[0])
         for grad in grads[1:]:
-            torch.testing.assert_close(grads[0], grad)
+            assert grads[0].dtype == dtype
+            torch.testing.assert_close(grads[0], grad.to(dtype))  # float32's gradient, rounded once
+    assert torch.equal(logits.detach(), before)  # the backward reads the saved logits, never writes them
+
+
+@pytest.mark.parametrize("cached_rows", [1, 3, 1000])
+def test_row_statistics_give_log_sum_exp_argmax_and_top_k_of_each_row(
+    cached_rows: int, monkeypatch: pytest.MonkeyPatch
+):
+    from dflash_assets.drafter import objective as objective_module
+
+    monkeypatch.setattr(objective_module, "cache_rows", lambda logits: cached_rows)
+    torch.manual_seed(0)
+    logits = torch.randn(7, 300).to(torch.bfloat16)
+    lse, argmax = objective_module.row_statistics(logits)
+    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), dim=-1))
+    assert torch.equal(argmax, logits.float().argmax(dim=-1))
+    lse_k, top = objective_module.row_statistics(logits, top_k=5)
+    assert torch.equal(lse_k, lse)
+    assert torch.equal(logits.float().gather(1, top), logits.float().topk(5, dim=-1).values)
 
 
 def test_the_selector_s_candidates_are_the_unary_top_k_with_the_label_put_in_where_it_is_missing(
