@@ -326,6 +326,14 @@ TRAIN_UNTIL_FLAT = Setting(
     "last. Without `DFLASH_CHECKPOINT_EVERY_STEPS` set, it evaluates (and checkpoints) every twelfth of "
     "the cap.",
 )
+LR_SCHEDULE = Setting(
+    "DFLASH_LR_SCHEDULE",
+    "cosine",
+    "The learning rate after warm-up: `cosine` to 0 at the last step (the recipe's), `linear`, `constant`, "
+    "or `wsd`: hold the peak, then decay linearly over the last fifth of the run. With "
+    "`DFLASH_TRAIN_UNTIL_FLAT=1`, `wsd` holds the rate until the held-out tau curve is flat, decays from "
+    "there over a quarter of the steps so far, and ends the run where the decay ends.",
+)
 TRAIN_GLOBAL_BATCH_SIZE = Setting(
     "DFLASH_TRAIN_GLOBAL_BATCH_SIZE",
     "32",
@@ -710,7 +718,7 @@ def samples_per_partition() -> int:
 # a run sets for them travels with the run (`orchestration/execution/executor.py`), so a step on another
 # node (Celery) trains as the run was launched, with the node's own devices, directories and credentials.
 RUN_SETTINGS = (
-    TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_UNTIL_FLAT, TRAIN_CPU_BF16, TRAIN_GLOBAL_BATCH_SIZE,
+    TRAIN_MODE, TRAIN_MAX_STEPS, TRAIN_UNTIL_FLAT, LR_SCHEDULE, TRAIN_CPU_BF16, TRAIN_GLOBAL_BATCH_SIZE,
     TRAIN_NPROC_PER_NODE, TRAIN_NNODES, TRAIN_RDZV_PORT, TRAIN_RDZV_TIMEOUT_S, TRAIN_COLLECTIVE_TIMEOUT_S,
     TRAIN_EVAL_TIMEOUT_S, TRAIN_MAX_RESTARTS, RUN_NAME, CHECKPOINT_EVERY_STEPS, CHECKPOINT_EVERY_MINUTES,
     MASK_TOKEN_ID, DRAFTER_SHAPE, TARGET_TP, DRAFTER_ARCH, DRAFTER_LOSS, DPACE_ALPHA, BLOCK_SIZE,

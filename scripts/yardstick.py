@@ -25,7 +25,9 @@ measured too, so `dflash-assets compare --json` lists them beside the table's ow
 what the store holds (the captured ranges, the run's checkpoints, the evaluations: each is done once);
 `reproduce --zlab` also decodes every set with z-lab's loop (on a finished run, only that), and
 `reproduce --conversations N` trains on the first N of the kept conversations not held out (the run
-`default-recipe-N`): another data size from the same capture, measured on the same prompts.
+`default-recipe-N`): another data size from the same capture, measured on the same prompts. Under a
+learning-rate schedule other than the default (DFLASH_LR_SCHEDULE=wsd) the run's name ends in it
+(`default-recipe-wsd`, `default-recipe-250-wsd`).
 
 A variant is `<arch>-<loss>-<block>[-kl<w>]`: `dflash2-dpace-16`, `dflash-decay-16`, `dflash2-dpace-8-kl0.5`
 (distillation from the target's distribution at weight w: hidden states captured with the final state,
@@ -396,6 +398,8 @@ def run_reproduce(args: argparse.Namespace) -> int:
     variant = reproduce_variant()
     if args.conversations:  # another data size of the same capture: its own run, the same held-out rows
         variant = replace(variant, name=f"{REPRODUCE_RUN}-{args.conversations}")
+    if (schedule := settings.LR_SCHEDULE.get()) != settings.LR_SCHEDULE.default:  # its own run, too
+        variant = replace(variant, name=f"{variant.name}-{schedule}")
     kl = f"-kl{variant.distill_weight:g}" if variant.distill_weight else ""
     args.variants, args.tag = [f"{variant.arch}-{variant.loss}-{variant.block_size}{kl}"], ""
     args.sets = ",".join(spec.name for spec in parse_eval_sets(settings.EVAL_SETS.get()))

@@ -59,6 +59,14 @@ class TrainConfig(Config):
         default=None, description="Activation memory per micro-batch, GiB (unset: 70% of free device memory)."
     )
     lr: float | None = Field(default=None, description="AdamW peak learning rate (the recipe: 6e-4).")
+    lr_schedule: str | None = Field(
+        default=None,
+        description="After warm-up: `cosine` (the recipe), `linear`, `constant` or `wsd` (hold, then decay; "
+        "until flat, the decay starts where the curve went flat) (DFLASH_LR_SCHEDULE).",
+    )
+    lr_decay_ratio: float | None = Field(
+        default=None, description="`wsd`: the part of the run its linear decay takes (0.2)."
+    )
     max_length: int | None = Field(
         default=None, description="Tokens per sample trained on (DFLASH_MAX_LENGTH)."
     )
@@ -158,6 +166,7 @@ class TrainConfig(Config):
             "block_size": self.block(),
             "drafter_init": chosen(self.drafter_init, settings.DRAFTER_INIT.get),
             "until_flat": until_flat,
+            "lr_schedule": chosen(self.lr_schedule, settings.LR_SCHEDULE.get),
             "cpu_bf16_autocast": chosen(self.cpu_bf16_autocast, settings.TRAIN_CPU_BF16.get_bool),
             # The curve's prompts and budget are drafter_evaluations': its last point is the held_out τ.
             "spec_eval_prompts": chosen(self.spec_eval_prompts, settings.EVAL_PROMPTS.get_int),
@@ -165,7 +174,10 @@ class TrainConfig(Config):
                 self.spec_eval_max_new_tokens, settings.EVAL_NEW_TOKENS.get_int
             ),
         }
-        recipe = ("epochs", "lr", "gamma", "seed", "log_every_steps", "eval_samples", "train_samples")
+        recipe = (
+            "epochs", "lr", "lr_decay_ratio", "gamma", "seed", "log_every_steps", "eval_samples",
+            "train_samples",
+        )  # fmt: skip
         values.update({name: getattr(self, name) for name in recipe if getattr(self, name) is not None})
         anchors = chosen(self.num_anchors, settings.train_num_anchors)
         if anchors is not None:

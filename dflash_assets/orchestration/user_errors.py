@@ -22,6 +22,7 @@ from dflash_assets.settings import Setting, SettingError
 DRAFTER_SHAPES = ("auto", "dflash", "dflash-swa", "target")
 DRAFTER_ARCHS = ("dflash", "dflash2")  # drafter.config.ARCHITECTURES
 DRAFTER_LOSSES = ("dpace", "decay")  # drafter.objective.LOSSES
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # training.settings.LR_SCHEDULES
 TRAIN_MODES = ("offline", "online")
 EXECUTORS = ("local", "k8s", "celery")
 
@@ -76,6 +77,7 @@ def _choices() -> dict[Setting, tuple[str, ...]]:
         settings.DRAFTER_SHAPE: DRAFTER_SHAPES,
         settings.DRAFTER_ARCH: DRAFTER_ARCHS,
         settings.DRAFTER_LOSS: DRAFTER_LOSSES,
+        settings.LR_SCHEDULE: LR_SCHEDULES,
         settings.EXECUTOR: EXECUTORS,
         settings.GENERATE_ENGINE: ("",) + settings.GENERATE_ENGINES,
         settings.GENERATE_DTYPE: ("", "auto", "float32", "bfloat16", "float16"),

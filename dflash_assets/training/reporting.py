@@ -102,6 +102,10 @@ class RunReporter:
             f"rank {slowest} {rank_seconds[slowest]:.2f} s"
         )
 
+    def set_total_steps(self, total_steps: int) -> None:
+        """The run now ends at `total_steps` (a decay begun early): progress and the ETA count to it."""
+        self.total_steps = self.metrics.total_steps = total_steps
+
     def status(self, text: str, step: int) -> None:
         snapshot = terminal.ProgressSnapshot(
             task=self.task,

@@ -10,12 +10,14 @@ from dflash_assets.training.checkpoints import (
     CheckpointPolicy,
 )
 
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+
 # Settings whose change between an interrupted run and its resumption changes the trajectory.
 TRAJECTORY_SETTINGS = (
-    "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "min_lr_ratio",
-    "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors", "tokens_per_anchor",
-    "gamma", "seed", "eval_samples", "loss", "dpace_alpha", "drafter_init", "distill_weight",
-    "cpu_bf16_autocast", "train_samples",
+    "max_steps", "epochs", "global_batch_size", "lr", "warmup_ratio", "lr_schedule", "lr_decay_ratio",
+    "min_lr_ratio", "weight_decay", "betas", "adam_eps", "max_grad_norm", "max_length", "num_anchors",
+    "tokens_per_anchor", "gamma", "seed", "eval_samples", "loss", "dpace_alpha", "drafter_init",
+    "distill_weight", "cpu_bf16_autocast", "train_samples",
 )  # fmt: skip
 
 
@@ -35,7 +37,8 @@ class TrainSettings:
     micro_batch_bytes: int | None = None  # activation memory per micro-batch; None: from the device
     lr: float = 6e-4
     warmup_ratio: float = 0.04  # of the total steps, linear from 0
-    lr_schedule: str = "cosine"  # "cosine", "linear" or "constant" after warmup
+    lr_schedule: str = "cosine"  # after warm-up: "cosine", "linear", "constant" or "wsd" (hold, then decay)
+    lr_decay_ratio: float = 0.2  # "wsd": the part of the run its linear decay takes
     min_lr_ratio: float = 0.0  # final lr = lr * min_lr_ratio
     weight_decay: float = 0.0  # on matrices only, never on norms
     betas: tuple[float, float] = (0.9, 0.999)
@@ -80,8 +83,12 @@ class TrainSettings:
             raise ValueError(f"train_samples {self.train_samples} must be 0 (every sample) or more")
         if self.mode not in ("offline", "online"):
             raise ValueError(f"train mode {self.mode!r} is not 'offline' or 'online' (DFLASH_TRAIN_MODE)")
-        if self.lr_schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"lr_schedule {self.lr_schedule!r} is not 'cosine', 'linear' or 'constant'")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule {self.lr_schedule!r} is not one of {list(LR_SCHEDULES)} (DFLASH_LR_SCHEDULE)"
+            )
+        if not 0.0 < self.lr_decay_ratio < 1.0:
+            raise ValueError(f"lr_decay_ratio must be between 0 and 1, got {self.lr_decay_ratio}")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ValueError(
                 f"max_steps must be positive or None, got {self.max_steps} (DFLASH_TRAIN_MAX_STEPS)"

@@ -74,7 +74,7 @@ from dflash_assets.training.plan import (
     split_eval,
 )
 from dflash_assets.training.reporting import QuietReporter, RunReporter
-from dflash_assets.training.schedule import build_optimizer, lr_factor
+from dflash_assets.training.schedule import build_optimizer, decay_length, decay_start, lr_factor
 from dflash_assets.training.settings import TRAJECTORY_SETTINGS, TrainSettings
 from dflash_assets.training.until_flat import MIN_RISE, best_point, evaluation_cadence, flat_reason
 
@@ -245,8 +245,13 @@ class DrafterTrainer:
         self.model.set_attention_backend(settings.attention)
         self.optimizer = build_optimizer(self.model, settings)
         total = self.total_steps
+        # `wsd` until flat: (the step its decay started at, the step it ends and the run with it) once the
+        # held-rate curve is flat; None before, and for every other schedule.
+        self.decay: tuple[int, int] | None = None
+        self.flat: str | None = None  # `flat_reason`'s line where the decay started
+        self.decay_reason: str | None = None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, total, settings)
+            self.optimizer, lambda s: lr_factor(s, total, settings, self.decay)
         )
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) * 4
         self.micro_batch_bytes = settings.micro_batch_bytes or default_micro_batch_bytes(
@@ -334,7 +339,15 @@ class DrafterTrainer:
             f"{self.total_steps} steps in total; {self.model.attention_backend} attention on {self.device}"
             f"{ranks}"
         )
-        if self.until_flat:
+        if self.until_flat and settings.lr_schedule == "wsd":
+            self.log(
+                f"until flat: evaluating every {self.checkpoint_every_steps} steps; the learning rate holds "
+                f"until the last third of the held-out tau curve adds under {MIN_RISE * 100:g} %, then "
+                f"decays to {settings.min_lr_ratio:g}x over {settings.lr_decay_ratio:.0%} of the run (from "
+                f"step {decay_start(self.total_steps, settings)} at the latest, the cap being "
+                f"{self.total_steps}), and the run exports its best checkpoint's weights"
+            )
+        elif self.until_flat:
             self.log(
                 f"until flat: evaluating every {self.checkpoint_every_steps} steps; training stops once the "
                 f"last third of the held-out tau curve adds under {MIN_RISE * 100:g} %, at step "
@@ -430,6 +443,8 @@ class DrafterTrainer:
         self.stop_reason = saved.get("stop_reason")
         if self.stop_reason:
             self.log(f"this run stopped at step {self.step} ({self.stop_reason}): nothing more to train")
+        if decay := saved.get("decay"):
+            self._decay_from(int(decay["from"]), int(decay["to"]), str(decay["flat"]))
 
     # -- before the first step: every rank ready, and the same
 
@@ -733,13 +748,36 @@ class DrafterTrainer:
                     self.step,
                     {name: t.detach().to("cpu", copy=True) for name, t in state.items()},
                 )
-        if self.stop_reason is None and self.step < self.total_steps:
-            self.stop_reason = flat_reason(self.evaluations)
-            if self.stop_reason:
-                self.log(
-                    f"{self.stop_reason}: training stops at step {self.step} of {self.total_steps}; the best "
-                    f"checkpoint is step {(self.best or {}).get('step', self.step)}"
-                )
+        if self.stop_reason is not None or self.step >= self.total_steps:
+            return
+        if self.settings.lr_schedule == "wsd":
+            # Flat at the held rate: decay from here. Once the decay has begun (here, or at the cap's
+            # `decay_start`), the run ends where the decay does, whatever the curve does meanwhile.
+            holding = self.decay is None and self.step < decay_start(self.total_steps, self.settings)
+            if holding and (reason := flat_reason(self.evaluations)):
+                end = min(self.total_steps, self.step + decay_length(self.step, self.settings))
+                self._decay_from(self.step, end, reason)
+            return
+        self.stop_reason = flat_reason(self.evaluations)
+        if self.stop_reason:
+            self.log(
+                f"{self.stop_reason}: training stops at step {self.step} of {self.total_steps}; the best "
+                f"checkpoint is step {(self.best or {}).get('step', self.step)}"
+            )
+
+    def _decay_from(self, start: int, end: int, reason: str) -> None:
+        """`wsd` until flat: decay the learning rate from step `start` and end the run at step `end`."""
+        self.decay, self.total_steps, self.flat = (start, end), end, reason
+        self.decay_reason = f"{reason} at the held learning rate; it then decayed over steps {start}-{end}"
+        self.reporter.set_total_steps(end)
+        if self.step == start:
+            self.log(f"{reason}: the learning rate decays from step {start} to {end}, where training stops")
+
+    def _end_reason(self) -> str:
+        """Why a run that did not stop early ended: its decay's end (`wsd` until flat), else its cap."""
+        if self.decay is not None and self.step >= self.decay[1] and self.decay_reason:
+            return self.decay_reason
+        return self._cap_reason()
 
     def _cap_reason(self) -> str:
         if self.settings.max_steps:
@@ -796,7 +834,12 @@ class DrafterTrainer:
                     "world_sizes": self._world_sizes(),
                     "skipped_nonfinite_steps": self.skipped_nonfinite,
                     "curve": self.evaluations,
-                    "until_flat": {"stop_reason": self.stop_reason, "best": self.best},
+                    "until_flat": {
+                        "stop_reason": self.stop_reason,
+                        "best": self.best,
+                        "decay": self.decay
+                        and {"from": self.decay[0], "to": self.decay[1], "flat": self.flat},
+                    },
                 },
             )
         if not self.until_flat:
@@ -964,7 +1007,7 @@ class DrafterTrainer:
             model=self.model,
             evaluation_seconds=self.evaluation_seconds,
             evaluations=list(self.evaluations),
-            stop_reason=self.stop_reason or self._cap_reason(),
+            stop_reason=self.stop_reason or self._end_reason(),
             exported_step=self.best["step"] if self.until_flat and self.best is not None else self.step,
         )
 

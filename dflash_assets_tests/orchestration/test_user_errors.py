@@ -17,6 +17,7 @@ from dflash_assets.orchestration.user_errors import (
     DRAFTER_LOSSES,
     DRAFTER_SHAPES,
     EXECUTORS,
+    LR_SCHEDULES,
     check_settings,
     loaded_by_a_shell_command,
 )
@@ -92,6 +93,9 @@ def test_the_defaults_and_every_documented_choice_pass_the_checks(clean_env: Pat
     from dflash_assets.drafter.objective import LOSSES
 
     assert set(DRAFTER_ARCHS) == set(ARCHITECTURES) and set(DRAFTER_LOSSES) == set(LOSSES)
+    from dflash_assets.training.settings import LR_SCHEDULES as CORE_SCHEDULES
+
+    assert set(LR_SCHEDULES) == set(CORE_SCHEDULES)
     from dflash_assets.orchestration.execution.executor import code_location_executor
 
     monkeypatch.setenv("DFLASH_CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")

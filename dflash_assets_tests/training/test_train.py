@@ -314,6 +314,23 @@ def test_the_default_recipe_is_specforges_dflash_recipe_at_the_reasoning_length(
     assert lr_factor(99, 100, settings) == pytest.approx(0.0, abs=1e-3)  # cosine to 0
 
 
+def test_wsd_holds_the_peak_after_warm_up_then_decays_linearly_over_the_runs_last_fifth() -> None:
+    settings = TrainSettings(lr_schedule="wsd", min_lr_ratio=0.1)
+    factors = [lr_factor(step, 100, settings) for step in range(100)]
+    assert factors[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # 4 warm-up steps
+    assert factors[4:80] == [1.0] * 76  # held until the last 20 steps
+    # Linear from 1 at step 80 towards 0.1 at the end: the update after step 90 is halfway.
+    assert factors[80] == 1.0 and factors[90] == pytest.approx(0.55) and factors[99] == pytest.approx(0.145)
+    assert all(a > b for a, b in zip(factors[80:], factors[81:], strict=False))
+    # Moved (until flat): a decay from step 40 to 50 ends there, whatever the cap.
+    moved = [lr_factor(step, 100, settings, decay=(40, 50)) for step in (39, 40, 45, 49, 50, 99)]
+    assert moved == pytest.approx([1.0, 1.0, 0.55, 0.19, 0.1, 0.1])
+    with pytest.raises(ValueError, match="DFLASH_LR_SCHEDULE"):
+        TrainSettings(lr_schedule="step")
+    with pytest.raises(ValueError, match="lr_decay_ratio"):
+        TrainSettings(lr_schedule="wsd", lr_decay_ratio=1.0)
+
+
 def test_the_optimiser_is_adamw_s_fused_kernel_and_makes_the_per_tensor_loop_s_update(
     config: DrafterConfig,
 ) -> None:

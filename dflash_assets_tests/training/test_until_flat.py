@@ -141,6 +141,44 @@ def test_a_run_until_flat_stops_before_its_cap_exports_its_best_checkpoint_and_s
     assert again.teacher_forced_tau == first.teacher_forced_tau
 
 
+def test_under_wsd_a_flat_curve_starts_the_decay_and_the_run_ends_where_the_decay_does(
+    config: DrafterConfig, capture: HiddenStateCapture, samples: list[TokenizedSample], tmp_path: Path
+) -> None:
+    """The same flat run under `wsd`: flat at step 16 (the cap's decay would start at 38), the rate decays
+    over a quarter of those 16 steps (a fifth of the run) and the run ends at 20; run again, it stays
+    ended, which only the decay the checkpoint carries can say (the cap is 48)."""
+    store_dir = tmp_path / "store"
+
+    def run(work: str, lines: list[str]) -> TrainResult:
+        return train_drafter(
+            config,
+            flat_settings(lr_schedule="wsd", lr=1e-6),
+            OnlineData(samples, capture),
+            store=open_store(str(store_dir)),
+            run="wsd",
+            work_dir=tmp_path / work,
+            log=lines.append,
+        )
+
+    lines: list[str] = []
+    first = run("first", lines)
+    assert any("the learning rate holds until" in line for line in lines)
+    assert [p["step"] for p in first.evaluations] == [0, 4, 8, 12, 16, 20]
+    assert first.steps == 20 and first.stop_reason == (
+        "flat: held-out teacher-forced tau rose +0.0 % over the last third (steps 11-16), under 3 % at the "
+        "held learning rate; it then decayed over steps 16-20"
+    )
+    # The rate each step's log line shows: warm-up over 2 steps (4 % of 48), held, then 1e-6 x 1, 3/4, ...
+    rates = [float(line.split(" lr ")[1].split()[0]) for line in lines if line.startswith("step ")]
+    assert rates == pytest.approx([5e-7] + [1e-6] * 16 + [7.5e-7, 5e-7, 2.5e-7], rel=1e-2)
+
+    again_lines: list[str] = []
+    again = run("again", again_lines)
+    assert again.resumed_from_step == again.steps == 20 and again.checkpoints == []
+    assert not any(line.startswith("step ") for line in again_lines)
+    assert again.stop_reason == first.stop_reason
+
+
 def test_a_run_not_until_flat_exports_its_last_step_and_says_it_reached_its_cap(
     config: DrafterConfig, capture: HiddenStateCapture, samples: list[TokenizedSample], tmp_path: Path
 ) -> None:
