@@ -358,13 +358,18 @@ def reproduce_settings(environ: dict[str, str]) -> dict[str, str]:
     return added
 
 
-def reproduce_variant() -> Variant:
-    """The product's default drafter on the current settings, as the run `default-recipe`."""
+def reproduce_variant(conversations: int | None = None) -> Variant:
+    """The product's default drafter on the current settings, as the run `default-recipe`, `-N` for the
+    first N conversations (another data size of the same capture: the same held-out rows) and `-wsd` (the
+    schedule's name) under a learning-rate schedule other than the default: each its own run."""
     from dflash_assets import settings
 
     arch = settings.DRAFTER_ARCH.get()
+    name = REPRODUCE_RUN + (f"-{conversations}" if conversations else "")
+    if (schedule := settings.LR_SCHEDULE.get()) != settings.LR_SCHEDULE.default:
+        name += f"-{schedule}"
     return Variant(
-        REPRODUCE_RUN,
+        name,
         arch,
         settings.DRAFTER_LOSS.get(),
         settings.block_size_for(arch),
@@ -395,11 +400,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
     print_settings(product)
     if run_data(product):
         return 1
-    variant = reproduce_variant()
-    if args.conversations:  # another data size of the same capture: its own run, the same held-out rows
-        variant = replace(variant, name=f"{REPRODUCE_RUN}-{args.conversations}")
-    if (schedule := settings.LR_SCHEDULE.get()) != settings.LR_SCHEDULE.default:  # its own run, too
-        variant = replace(variant, name=f"{variant.name}-{schedule}")
+    variant = reproduce_variant(args.conversations)
     kl = f"-kl{variant.distill_weight:g}" if variant.distill_weight else ""
     args.variants, args.tag = [f"{variant.arch}-{variant.loss}-{variant.block_size}{kl}"], ""
     args.sets = ",".join(spec.name for spec in parse_eval_sets(settings.EVAL_SETS.get()))

@@ -200,6 +200,15 @@ def test_reproduce_sets_only_what_the_user_left_unset_and_measures_the_users_set
     assert "DFLASH_EVAL_SETS" not in yardstick.reproduce_settings(mine)
 
 
+def test_reproduce_names_each_data_size_and_schedule_its_own_run(yardstick, monkeypatch):
+    monkeypatch.delenv("DFLASH_LR_SCHEDULE", raising=False)
+    assert yardstick.reproduce_variant().name == "default-recipe"
+    assert yardstick.reproduce_variant(250).name == "default-recipe-250"
+    monkeypatch.setenv("DFLASH_LR_SCHEDULE", "wsd")
+    assert yardstick.reproduce_variant(250).name == "default-recipe-250-wsd"
+    assert yardstick.reproduce_variant().name == "default-recipe-wsd"
+
+
 def test_a_rerun_measures_only_what_is_missing(measured):
     """The same command again: the run is in the store and its held_out evaluation measured this export
     at these prompts and tokens, so nothing is decoded again (z-lab's loop, asked for, still runs)."""
