@@ -249,7 +249,6 @@ class DrafterTrainer:
         # held-rate curve is flat; None before, and for every other schedule.
         self.decay: tuple[int, int] | None = None
         self.flat: str | None = None  # `flat_reason`'s line where the decay started
-        self.decay_reason: str | None = None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, total, settings, self.decay)
         )
@@ -768,15 +767,15 @@ class DrafterTrainer:
     def _decay_from(self, start: int, end: int, reason: str) -> None:
         """`wsd` until flat: decay the learning rate from step `start` and end the run at step `end`."""
         self.decay, self.total_steps, self.flat = (start, end), end, reason
-        self.decay_reason = f"{reason} at the held learning rate; it then decayed over steps {start}-{end}"
         self.reporter.set_total_steps(end)
         if self.step == start:
             self.log(f"{reason}: the learning rate decays from step {start} to {end}, where training stops")
 
     def _end_reason(self) -> str:
         """Why a run that did not stop early ended: its decay's end (`wsd` until flat), else its cap."""
-        if self.decay is not None and self.step >= self.decay[1] and self.decay_reason:
-            return self.decay_reason
+        if self.decay is not None and self.step >= self.decay[1]:
+            start, end = self.decay
+            return f"{self.flat} at the held learning rate; it then decayed over steps {start}-{end}"
         return self._cap_reason()
 
     def _cap_reason(self) -> str:
