@@ -3,20 +3,16 @@ holds out the same rows), each cut to the cap; a kept question the source lacks 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "own_answers.py"
+from dflash_assets_tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("own_answers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("own_answers")
 
 
 def turn(question: str, answer: str, **extra) -> dict:

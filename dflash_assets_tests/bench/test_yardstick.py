@@ -5,7 +5,6 @@ free floor with its curve, z-lab's `dflash_generate` agreeing with the product's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from dflash_assets.evaluation.runs import run_manifest
 from dflash_assets.storage.manifest import read_manifest
 from dflash_assets.storage.open_store import open_store
 from dflash_assets_tests.conftest import make_dagster_home
+from dflash_assets_tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "yardstick.py"
 VARIANT = "dflash2-dpace-8"
@@ -27,11 +27,7 @@ STEPS, EVALS, PROMPTS, NEW_TOKENS = 2, 2, 2, 8
 
 @pytest.fixture(scope="module")
 def yardstick():
-    spec = importlib.util.spec_from_file_location("yardstick", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["yardstick"] = module  # its dataclass resolves its annotations in its module
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script("yardstick", register=True)
     sys.modules.pop("yardstick", None)
 
 

@@ -4,23 +4,14 @@ silently changes an asset, a dependency, a pool, a tag, a check or the executor 
 new setting read while the graph is built that the snapshot does not cover. Each message says how to
 regenerate it when the change is meant."""
 
-import importlib.util
 import json
 
 import pytest
 
 from dflash_assets_tests.conftest import REPO
+from dflash_assets_tests.support.scripts import load_script
 
-
-def _snapshot_script():
-    path = REPO / "scripts" / "write_asset_graph_snapshot.py"
-    spec = importlib.util.spec_from_file_location("write_asset_graph_snapshot", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-snapshot = _snapshot_script()
+snapshot = load_script("write_asset_graph_snapshot")
 REGENERATE = (
     f"if the change is meant, run `{snapshot.COMMAND}`, review the diff of "
     f"{snapshot.SNAPSHOT.relative_to(REPO)} and commit it"

@@ -2,21 +2,11 @@
 `scripts/write_settings_reference.py`, and checked equal here, so a setting added or changed without
 rewriting the page fails with the command to run."""
 
-import importlib.util
-
 from dflash_assets.settings import Setting
 from dflash_assets_tests.conftest import REPO
+from dflash_assets_tests.support.scripts import load_script
 
-
-def _reference_script():
-    path = REPO / "scripts" / "write_settings_reference.py"
-    spec = importlib.util.spec_from_file_location("write_settings_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-reference = _reference_script()
+reference = load_script("write_settings_reference")
 
 
 def test_the_configuration_page_holds_the_settings_table_as_written_from_settings_py():
