@@ -87,9 +87,10 @@ def test_vllm_run_by_the_range_answers_as_the_in_process_engine_and_leaves_no_se
     # that was running before, or ended meanwhile) are not this range's to stop.
     ports = set(re.findall(r"starting vllm-cpu .*?--port (\d+)", output))
     assert len(ports) == 1, output[-5000:]
-    left = {pid: args for pid, args in vllm_servers().items() if pid not in before}
+    after = vllm_servers()
+    left = {pid: args for pid, args in after.items() if pid not in before}
     assert left == {}, "the range's server outlived it"
-    assert not any(f"--port {ports.pop()} " in f"{args} " for args in vllm_servers().values())
+    assert not any(f"--port {ports.pop()} " in f"{args} " for args in after.values())
 
     store = open_store(env["DFLASH_STORE_URL"])
     manifest = read_manifest(store, f"target-completions/{KEY}")
